@@ -1,0 +1,17 @@
+"""accordion-hvd: communication-efficient Horovod training for PyTorch.
+
+Gradient compression (PowerSGD, TopK, with error feedback) whose level adapts per layer to
+the phase of training (the Accordion rule). Importing the package loads the compiled
+kernels and refuses a missing or stale build with an ImportError that says how to build.
+"""
+
+from ._extension import load as _load_extension
+
+_C = _load_extension()  # registers torch.ops.accordion.*; raises ImportError if unusable
+
+from . import ops  # noqa: E402
+
+__version__ = "0.1.0"
+with_cuda: bool = bool(_C.with_cuda)
+
+__all__ = ["ops", "with_cuda", "__version__"]

@@ -1,0 +1,44 @@
+// CPU kernel of accordion::ef_add: out = grad + residual, in the residual's dtype.
+// A memory-bound stream: one read of each input and one write, split across threads with
+// at::parallel_for; the arithmetic is done in opmath (float for half/bfloat16), exactly as
+// torch's own add, so results match the plain-torch reference bit for bit.
+#include <ATen/Dispatch.h>
+#include <ATen/OpMathType.h>
+#include <ATen/Parallel.h>
+
+#include "ops.h"
+
+namespace accordion {
+namespace {
+
+constexpr int64_t kGrain = 1 << 15;  // elements per task: large enough to amortize scheduling
+
+template <typename G, typename R>
+void ef_add_loop(const G* grad, const R* residual, R* out, int64_t n) {
+  using acc_t = at::opmath_type<R>;
+  at::parallel_for(0, n, kGrain, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      out[i] = static_cast<R>(static_cast<acc_t>(grad[i]) + static_cast<acc_t>(residual[i]));
+    }
+  });
+}
+
+}  // namespace
+
+void ef_add_out_cpu(const at::Tensor& grad, const at::Tensor& residual, at::Tensor& out) {
+  const int64_t n = residual.numel();
+  if (n == 0) return;
+  if (grad.scalar_type() == residual.scalar_type()) {
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, residual.scalar_type(), "ef_add_cpu", [&] {
+      ef_add_loop(grad.const_data_ptr<scalar_t>(), residual.const_data_ptr<scalar_t>(),
+                  out.mutable_data_ptr<scalar_t>(), n);
+    });
+  } else {  // half/bfloat16 gradient into a float32 residual (checked by check_ef_add_args)
+    AT_DISPATCH_REDUCED_FLOATING_TYPES(grad.scalar_type(), "ef_add_cpu_mixed", [&] {
+      ef_add_loop(grad.const_data_ptr<scalar_t>(), residual.const_data_ptr<float>(),
+                  out.mutable_data_ptr<float>(), n);
+    });
+  }
+}
+
+}  // namespace accordion

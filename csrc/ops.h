@@ -1,0 +1,38 @@
+// The accordion:: operators: schemas live in ops.cpp, one TORCH_LIBRARY block; CPU kernels in
+// cpu/, CUDA kernels in cuda/ (pure CUDA) with their torch glue in cuda/*_glue.cpp.
+// Argument checks shared by every backend live here, so CPU and CUDA reject the same
+// inputs with the same messages.
+#pragma once
+
+#include <ATen/ATen.h>
+
+namespace accordion {
+
+// ef_add: the error-feedback add shared by both codecs, out = grad + residual.
+// The residual may be kept in float32 for half/bfloat16 gradients, so that small
+// corrections that would round away in 16 bits keep accumulating; the sum has the
+// residual's dtype.
+inline void check_ef_add_args(const at::Tensor& grad, const at::Tensor& residual, const char* op) {
+  TORCH_CHECK(grad.layout() == at::kStrided && residual.layout() == at::kStrided,
+              op, ": grad and residual must be dense (strided) tensors, got ", grad.layout(),
+              " and ", residual.layout());
+  TORCH_CHECK(grad.device() == residual.device(), op,
+              ": grad and residual must be on the same device, got ", grad.device(), " and ",
+              residual.device());
+  TORCH_CHECK(grad.sizes() == residual.sizes(), op,
+              ": grad and residual must have the same shape, got ", grad.sizes(), " and ",
+              residual.sizes());
+  const auto g = grad.scalar_type(), r = residual.scalar_type();
+  TORCH_CHECK(at::isFloatingType(g), op, ": grad must be a floating-point tensor, got ", g);
+  TORCH_CHECK(r == g || (r == at::kFloat && (g == at::kHalf || g == at::kBFloat16)), op,
+              ": residual must have grad's dtype, or float32 for a half/bfloat16 grad; got grad ",
+              g, " and residual ", r);
+}
+
+// Computes out = grad + residual elementwise over contiguous tensors; out may alias residual.
+void ef_add_out_cpu(const at::Tensor& grad, const at::Tensor& residual, at::Tensor& out);
+#ifdef ACCORDION_WITH_CUDA
+void ef_add_out_cuda(const at::Tensor& grad, const at::Tensor& residual, at::Tensor& out);
+#endif
+
+}  // namespace accordion

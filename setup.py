@@ -1,0 +1,114 @@
+"""Builds accordion_hvd and its extension module accordion_hvd._C with CMake and Ninja.
+
+    pip install --no-build-isolation -e .      # what `make setup` does
+    python setup.py build_ext --inplace         # incremental rebuild (`make build`)
+
+--no-build-isolation matters: the extension must be compiled against the torch that will
+import it. Environment knobs: ACCORDION_CUDA=AUTO|ON|OFF (default AUTO: CUDA kernels when
+torch has CUDA and nvcc exists), ACCORDION_CUDA_ARCHITECTURES (default "80;90"),
+ACCORDION_BUILD_TYPE (default Release).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+from setuptools import Extension, find_packages, setup
+from setuptools.command.build_ext import build_ext
+
+ROOT = Path(__file__).resolve().parent
+
+
+def _load_source_hash():
+    # Load accordion_hvd/_source_hash.py by path: importing the package needs the extension.
+    spec = importlib.util.spec_from_file_location("_source_hash", ROOT / "accordion_hvd" / "_source_hash.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.source_hash
+
+
+def _tool(name: str) -> str | None:
+    """A build tool from this interpreter's environment first (pip's cmake/ninja), then PATH."""
+    local = Path(sys.executable).parent / name
+    return str(local) if local.exists() else shutil.which(name)
+
+
+def _summarize_failure(log: Path) -> str:
+    """One short explanation of a failed CMake/Ninja run instead of the whole log."""
+    text = log.read_text(errors="replace")
+    if re.search(r"No CMAKE_CXX_COMPILER could be found|CMAKE_CXX_COMPILER.*not.*found", text):
+        return "no C++ compiler found: install g++ (apt-get install g++)"
+    if "Could not find a package configuration file provided by \"Torch\"" in text:
+        return "CMake could not find torch's CMake files: is torch installed in this environment?"
+    errors = [line for line in text.splitlines() if re.search(r"error|Error", line)]
+    return "\n  ".join(errors[:8]) or "\n  ".join(text.splitlines()[-8:])
+
+
+class CMakeExtension(Extension):
+    def __init__(self, name: str) -> None:
+        super().__init__(name, sources=[])
+
+
+class CMakeBuild(build_ext):
+    def build_extension(self, ext: Extension) -> None:
+        import pybind11
+        import torch
+
+        cxx = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
+        if not cxx or not shutil.which(cxx):
+            sys.exit("error: no C++ compiler found (looked for $CXX, c++, g++): install g++")
+        cmake, ninja = _tool("cmake"), _tool("ninja")
+        if not cmake or not ninja:
+            sys.exit("error: building accordion_hvd needs cmake and ninja: pip install cmake ninja")
+
+        out_dir = Path(self.get_ext_fullpath(ext.name)).resolve().parent
+        # A fixed build tree per interpreter and torch keeps rebuilds incremental.
+        tag = f"py{sys.version_info[0]}{sys.version_info[1]}-torch{torch.__version__}"
+        build_dir = ROOT / "build" / f"cmake-{tag}"
+        build_dir.mkdir(parents=True, exist_ok=True)
+        build_type = os.environ.get("ACCORDION_BUILD_TYPE", "Release")
+        configure = [
+            cmake, "-S", str(ROOT), "-B", str(build_dir), "-G", "Ninja",
+            f"-DCMAKE_MAKE_PROGRAM={ninja}",
+            f"-DCMAKE_CXX_COMPILER={shutil.which(cxx)}",
+            f"-DCMAKE_BUILD_TYPE={build_type}",
+            f"-DCMAKE_PREFIX_PATH={torch.utils.cmake_prefix_path};{pybind11.get_cmake_dir()}",
+            f"-DPython_EXECUTABLE={sys.executable}",
+            f"-DACCORDION_CUDA={os.environ.get('ACCORDION_CUDA', 'AUTO')}",
+            f"-DACCORDION_CUDA_ARCHITECTURES={os.environ.get('ACCORDION_CUDA_ARCHITECTURES', '80;90')}",
+            f"-DACCORDION_TORCH_HAS_CUDA={'ON' if torch.version.cuda else 'OFF'}",
+            f"-DACCORDION_TORCH_VERSION={torch.__version__}",
+            f"-DACCORDION_SOURCE_HASH={_load_source_hash()(ROOT)}",
+            f"-DACCORDION_OUTPUT_DIR={out_dir}",
+        ]
+        jobs = os.environ.get("ACCORDION_BUILD_JOBS", str(os.cpu_count() or 1))
+        self._run("configure", configure, build_dir)
+        self._run("build", [cmake, "--build", str(build_dir), "--parallel", jobs], build_dir)
+
+    def _run(self, step: str, cmd: list[str], build_dir: Path) -> None:
+        log = build_dir / f"{step}.log"
+        print(f"[accordion_hvd] cmake {step} (log: {log})", flush=True)
+        with open(log, "w") as fh:
+            result = subprocess.run(cmd, stdout=fh, stderr=subprocess.STDOUT, cwd=ROOT)
+        if result.returncode != 0:
+            sys.exit(f"error: CMake {step} of accordion_hvd._C failed:\n  {_summarize_failure(log)}\n"
+                     f"full log: {log}")
+
+
+setup(
+    name="accordion-hvd",
+    version="0.1.0",
+    description="Adaptive gradient compression (Accordion: PowerSGD, TopK) for Horovod and PyTorch",
+    packages=find_packages(include=["accordion_hvd", "accordion_hvd.*"]),
+    ext_modules=[CMakeExtension("accordion_hvd._C")],
+    cmdclass={"build_ext": CMakeBuild},
+    python_requires=">=3.9",
+    install_requires=["torch>=2.1", "numpy"],
+    zip_safe=False,
+)
