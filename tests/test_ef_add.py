@@ -1,0 +1,97 @@
+"""accordion::ef_add (the error-feedback add) against its plain-torch reference."""
+
+import pytest
+import torch
+from torch.library import opcheck
+
+import accordion_hvd as acc
+from accordion_hvd import reference
+
+SIZES = [0, 1, 2, 7, 31, 32769, 1_000_003]
+SAME_DTYPE = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
+MIXED = [(torch.float16, torch.float32), (torch.bfloat16, torch.float32)]
+DTYPE_PAIRS = [(d, d) for d in SAME_DTYPE] + MIXED
+
+
+def make(n, grad_dtype, residual_dtype, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    grad = torch.randn(n, generator=gen).to(grad_dtype)
+    residual = torch.randn(n, generator=gen).to(residual_dtype)
+    return grad, residual
+
+
+@pytest.mark.parametrize("grad_dtype,residual_dtype", DTYPE_PAIRS)
+@pytest.mark.parametrize("n", SIZES)
+def test_matches_reference_bit_for_bit(n, grad_dtype, residual_dtype):
+    grad, residual = make(n, grad_dtype, residual_dtype)
+    out = acc.ops.ef_add(grad, residual)
+    expected = reference.ef_add(grad, residual)
+    assert out.dtype == residual_dtype
+    assert torch.equal(out, expected)
+
+
+@pytest.mark.parametrize("grad_dtype,residual_dtype", DTYPE_PAIRS)
+def test_inplace_updates_residual_only(grad_dtype, residual_dtype):
+    grad, residual = make(10_007, grad_dtype, residual_dtype, seed=1)
+    grad_before, expected = grad.clone(), reference.ef_add(grad, residual)
+    result = acc.ops.ef_add_(grad, residual)
+    assert result is residual
+    assert torch.equal(residual, expected)
+    assert torch.equal(grad, grad_before)
+
+
+@pytest.mark.slow
+def test_ten_million_elements():
+    grad, residual = make(10_000_000, torch.float32, torch.float32, seed=2)
+    assert torch.equal(acc.ops.ef_add(grad, residual), reference.ef_add(grad, residual))
+
+
+def test_multidimensional_and_channels_last_grad():
+    grad = torch.randn(8, 3, 5, 5).to(memory_format=torch.channels_last)
+    residual = torch.randn(8, 3, 5, 5)
+    assert torch.equal(acc.ops.ef_add(grad, residual), reference.ef_add(grad, residual))
+    acc.ops.ef_add_(grad, residual_copy := residual.clone())
+    assert torch.equal(residual_copy, reference.ef_add(grad, residual))
+
+
+def test_noncontiguous_residual_functional_ok_inplace_refused():
+    grad = torch.randn(6, 4)
+    residual = torch.randn(4, 6).t()
+    assert torch.equal(acc.ops.ef_add(grad, residual), reference.ef_add(grad, residual))
+    with pytest.raises(RuntimeError, match="residual must be contiguous"):
+        acc.ops.ef_add_(grad, residual)
+
+
+@pytest.mark.parametrize("grad,residual,message", [
+    (torch.randn(5), torch.randn(6), "same shape"),
+    (torch.randn(5), torch.randn(5).half(), "residual must have grad's dtype"),
+    (torch.randn(5).double(), torch.randn(5), "residual must have grad's dtype"),
+    (torch.arange(5), torch.arange(5), "grad must be a floating-point tensor"),
+    (torch.randn(5).to_sparse(), torch.randn(5), "dense"),
+], ids=["shape", "half-residual", "double-grad", "integer", "sparse"])
+def test_bad_input_names_the_problem(grad, residual, message):
+    with pytest.raises((RuntimeError, ValueError), match=message):
+        acc.ops.ef_add(grad, residual)
+
+
+def test_non_tensor_argument():
+    with pytest.raises(TypeError, match="grad must be a torch.Tensor, got list"):
+        acc.ops.ef_add([1.0], torch.randn(1))
+
+
+@pytest.mark.parametrize("grad_dtype,residual_dtype", [(torch.float32, torch.float32), (torch.float16, torch.float32)])
+def test_opcheck(grad_dtype, residual_dtype):
+    grad, residual = make(1000, grad_dtype, residual_dtype)
+    opcheck(torch.ops.accordion.ef_add.default, (grad, residual))
+    opcheck(torch.ops.accordion.ef_add_.default, (grad, residual.clone()))
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU on this machine")
+@pytest.mark.parametrize("grad_dtype,residual_dtype", DTYPE_PAIRS)
+def test_cuda_matches_cpu(grad_dtype, residual_dtype):
+    if not acc.with_cuda:
+        pytest.fail("torch has CUDA but accordion_hvd was built without its CUDA kernels")
+    grad, residual = make(1_000_003, grad_dtype, residual_dtype, seed=3)
+    out = acc.ops.ef_add(grad.cuda(), residual.cuda()).cpu()
+    assert torch.equal(out, reference.ef_add(grad, residual))
