@@ -10,10 +10,21 @@ mkdir -p "$ACC_LOG_DIR"
 say()  { printf '[setup] %s\n' "$*"; }
 die()  { printf 'setup error: %s\n' "$*" >&2; exit 1; }
 
+# Can we reach the package index (PIP_INDEX_URL, else PyPI)? A few seconds at most.
+index_reachable() {
+    python3 - "${PIP_INDEX_URL:-https://pypi.org/simple/}" <<'PY' >/dev/null 2>&1
+import sys, urllib.request
+urllib.request.urlopen(sys.argv[1], timeout=5)
+PY
+}
+
 # Explain a failed download/install from its log. Prints one cause, or nothing.
 diagnose_log() {
     local log=$1
-    if grep -qiE 'Temporary failure in name resolution|Network is unreachable|Failed to establish a new connection|Could not resolve host|Connection timed out|NewConnectionError|ConnectTimeoutError|Could not connect to|Cannot initiate the connection' "$log"; then
+    # pip without retries says only "No matching distribution"; then ask the network itself.
+    if grep -qE 'from versions: none|No matching distribution found' "$log" && ! index_reachable; then
+        echo "no network: the package index could not be reached"
+    elif grep -qiE 'Temporary failure in name resolution|Network is unreachable|Failed to establish a new connection|Could not resolve host|Connection timed out|NewConnectionError|ConnectTimeoutError|Could not connect to|Cannot initiate the connection' "$log"; then
         echo "no network: the package index could not be reached"
     elif grep -qiE 'No CMAKE_CXX_COMPILER could be found|command .?(c\+\+|g\+\+|gcc).? not found|unable to execute .?(gcc|g\+\+|c\+\+)|error: command .*(gcc|g\+\+|c\+\+).* failed: No such file' "$log"; then
         echo "no C++ compiler found (install g++, e.g. apt-get install g++)"
