@@ -1,6 +1,6 @@
-// Schemas of every accordion:: operator, and their backend-independent wrappers.
-// Backend kernels are selected by device inside the wrappers' out-variants, so each op has a
-// single CompositeExplicitAutograd-free registration per dispatch key.
+// Schemas of every accordion:: operator, and the wrappers that check arguments once and hand
+// contiguous tensors to the CPU or CUDA kernel. The fake (meta) implementations that
+// torch.compile and opcheck need are registered from Python (accordion_hvd/ops.py).
 #include <torch/library.h>
 
 #include "ops.h"
