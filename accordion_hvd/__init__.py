@@ -10,8 +10,10 @@ from ._extension import load as _load_extension
 _C = _load_extension()  # registers torch.ops.accordion.*; raises ImportError if unusable
 
 from . import ops  # noqa: E402
+from .codecs import PowerSGD, TopK  # noqa: E402
+from .compressor import AccordionCompressor  # noqa: E402
 
 __version__ = "0.1.0"
 with_cuda: bool = bool(_C.with_cuda)
 
-__all__ = ["ops", "with_cuda", "__version__"]
+__all__ = ["AccordionCompressor", "PowerSGD", "TopK", "ops", "with_cuda", "__version__"]

@@ -17,3 +17,51 @@ def ef_add(grad: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
     accumulated in higher precision); otherwise both have the same dtype.
     """
     return residual + grad.to(residual.dtype)
+
+
+def topk_select(grad: torch.Tensor, residual: torch.Tensor, k: int):
+    """Fused TopK with error feedback, as the ``accordion::topk_ef`` kernel must compute it.
+
+    ``g = grad + residual`` (flattened); keep the ``k`` entries of largest magnitude, ties
+    broken towards the lower index; return ``(values, indices, new_residual, g_sq, kept_sq)``:
+    indices ascending as int32, values ``g[indices]`` in the residual's dtype, the new
+    residual ``g`` with the kept entries zeroed, and the squared L2 norms (float64) of ``g``
+    and of its kept part, which the policies use.
+    """
+    g = ef_add(grad, residual).reshape(-1)
+    if not 0 <= k <= g.numel():
+        raise ValueError(f"k must be in [0, {g.numel()}], got {k}")
+    # A stable descending sort keeps equal magnitudes in index order: lower index wins.
+    chosen = torch.sort(g.abs(), descending=True, stable=True).indices[:k]
+    indices = torch.sort(chosen).values
+    values = g[indices]
+    new_residual = g.clone()
+    new_residual[indices] = 0
+    g_sq = g.double().square().sum()
+    kept_sq = values.double().square().sum()
+    return values, indices.to(torch.int32), new_residual.view_as(residual), g_sq, kept_sq
+
+
+def sparse_average(values: torch.Tensor, indices: torch.Tensor, numel: int, world_size: int) -> torch.Tensor:
+    """Sum every rank's (values, indices) into a dense vector of ``numel``, divided by world size.
+
+    ``values`` and ``indices`` are the concatenation over ranks; additions happen in that order.
+    """
+    out = torch.zeros(numel, dtype=values.dtype, device=values.device)
+    out.index_add_(0, indices.long(), values)
+    return out.div_(world_size)
+
+
+def orthogonalize_(p: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
+    """Gram-Schmidt on the columns of ``p`` (n x r), in place; a zero column stays finite.
+
+    As in PyTorch's PowerSGD hook: each column is normalized (with ``eps`` added to its norm)
+    and then removed from the columns after it.
+    """
+    for i in range(p.shape[1]):
+        col = p[:, i : i + 1]
+        col.div_(col.norm() + eps)
+        if i + 1 < p.shape[1]:
+            rest = p[:, i + 1 :]
+            rest.sub_(col @ (col.t() @ rest))
+    return p

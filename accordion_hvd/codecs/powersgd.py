@@ -1,0 +1,143 @@
+"""PowerSGD (Vogels et al., 2019): rank-r approximation of each gradient matrix, one power
+iteration per step with a warm-started Q, and error feedback.
+
+Per layer, with the gradient viewed as an n x m matrix (shape[0] x the rest):
+
+    M = grad + e                    (e: error feedback, kept between steps)
+    P = M Q          -> averaged over ranks (round 1)
+    P = orthogonalize(P)
+    Q = M^T P        -> averaged over ranks (round 2); kept as the next step's warm start
+    M_hat = P Q^T    (the same on every rank: the result)
+    e = M - M_hat
+
+The codec does the math of each phase (``start``, ``middle``, ``finish``); the adapter does
+the two averaging rounds for all layers at once in between.
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+from dataclasses import dataclass
+
+import torch
+
+from .. import ops, reference
+from ._common import CRITICAL, NORMAL, check_level, positive_number, residual_dtype
+
+
+@dataclass
+class PowerSGDState:
+    """Everything one layer needs between steps (all of it goes into ``state_dict``)."""
+    name: str
+    shape: torch.Size
+    level: str
+    rank: int                 # the rank in use, clamped to min(n, m)
+    residual: torch.Tensor    # e, then M during a step; shape (n, m)
+    q: torch.Tensor           # (m, rank), identical on all ranks
+    p: torch.Tensor | None = None
+
+
+class PowerSGD:
+    """Low-rank codec: ``rank`` in normal regimes, ``critical_rank`` in critical ones.
+
+    Args:
+        rank: rank of the approximation in normal regimes (aggressive compression).
+        critical_rank: rank in critical regimes (gentle); ``None`` means static ``rank``.
+        min_compression_rate: a layer is compressed only if, at ``rank``, it sends at least
+            this many times fewer floats than dense, ``n*m >= rate * (n+m) * rank``; smaller
+            layers go through the ordinary dense allreduce (PyTorch's PowerSGD rule).
+        seed: seed of the initial Q matrices; identical on all ranks, per layer name.
+        eps: added to column norms in Gram-Schmidt, so zero columns stay finite.
+    """
+
+    def __init__(self, rank: int = 1, critical_rank: int | None = None, *,
+                 min_compression_rate: float = 2.0, seed: int = 0, eps: float = 1e-8) -> None:
+        self.rank = positive_number("rank", rank, integer=True)
+        self.critical_rank = rank if critical_rank is None else positive_number("critical_rank", critical_rank, integer=True)
+        self.min_compression_rate = positive_number("min_compression_rate", min_compression_rate)
+        if not isinstance(seed, int) or isinstance(seed, bool):
+            raise TypeError(f"seed must be an int, got {type(seed).__name__}")
+        self.seed = seed
+        self.eps = positive_number("eps", eps)
+
+    def __repr__(self) -> str:
+        return f"PowerSGD(rank={self.rank}, critical_rank={self.critical_rank})"
+
+    def config(self) -> dict:
+        return {"codec": "powersgd", "rank": self.rank, "critical_rank": self.critical_rank,
+                "min_compression_rate": self.min_compression_rate, "seed": self.seed, "eps": self.eps}
+
+    @property
+    def adaptive(self) -> bool:
+        return self.critical_rank != self.rank
+
+    # --- which layers ---------------------------------------------------------------------
+    @staticmethod
+    def matrix_shape(shape: torch.Size) -> tuple[int, int]:
+        return shape[0], math.prod(shape[1:])
+
+    def compressible(self, shape: torch.Size) -> bool:
+        if len(shape) < 2:
+            return False
+        n, m = self.matrix_shape(shape)
+        r = min(self.rank, n, m)
+        return n * m >= self.min_compression_rate * (n + m) * r
+
+    def level_rank(self, level: str, shape: torch.Size) -> int:
+        n, m = self.matrix_shape(shape)
+        return min(self.critical_rank if check_level(level) == CRITICAL else self.rank, n, m)
+
+    def floats_sent(self, state: PowerSGDState) -> int:
+        n, m = state.residual.shape
+        return (n + m) * state.rank
+
+    # --- state ------------------------------------------------------------------------------
+    def init_state(self, name: str, grad: torch.Tensor, level: str = NORMAL) -> PowerSGDState:
+        n, m = self.matrix_shape(grad.shape)
+        dtype = residual_dtype(grad.dtype)
+        rank = self.level_rank(level, grad.shape)
+        residual = torch.zeros(n, m, dtype=dtype, device=grad.device)
+        q = self._fresh_columns(name, m, 0, rank, dtype, grad.device)
+        return PowerSGDState(name, grad.shape, level, rank, residual, q)
+
+    def set_level(self, state: PowerSGDState, level: str) -> None:
+        """Change a layer's rank: keep the Q columns it has, add fresh seeded ones (the same on
+        every rank) or drop the last ones. Error feedback is kept."""
+        rank = self.level_rank(level, state.shape)
+        state.level = level
+        if rank > state.rank:
+            extra = self._fresh_columns(state.name, state.q.shape[0], state.rank, rank, state.q.dtype, state.q.device)
+            state.q = torch.cat([state.q, extra], dim=1)
+        elif rank < state.rank:
+            state.q = state.q[:, :rank].contiguous()
+        state.rank = rank
+
+    def _fresh_columns(self, name: str, m: int, first: int, last: int, dtype, device) -> torch.Tensor:
+        """Columns first..last-1 of a layer's initial Q: column j depends only on (seed, name, j)."""
+        cols = []
+        for j in range(first, last):
+            gen = torch.Generator().manual_seed((self.seed * 1_000_003 + zlib.crc32(name.encode())) * 1009 + j)
+            cols.append(torch.randn(m, 1, generator=gen, dtype=torch.float64))
+        if not cols:
+            return torch.zeros(m, 0, dtype=dtype, device=device)
+        return torch.cat(cols, dim=1).to(dtype=dtype, device=device)
+
+    # --- the three phases of a step ---------------------------------------------------------
+    def start(self, state: PowerSGDState, grad: torch.Tensor) -> torch.Tensor:
+        """M = grad + e (into the residual buffer); returns P = M Q, to be averaged."""
+        ops.ef_add_(grad.reshape(state.residual.shape), state.residual)
+        return state.residual @ state.q
+
+    def middle(self, state: PowerSGDState, p_avg: torch.Tensor) -> torch.Tensor:
+        """Orthogonalizes the averaged P; returns Q = M^T P, to be averaged."""
+        state.p = reference.orthogonalize_(p_avg, self.eps)
+        return state.residual.t() @ state.p
+
+    def finish(self, state: PowerSGDState, q_avg: torch.Tensor, grad_dtype: torch.dtype) -> torch.Tensor:
+        """M_hat = P Q^T, e = M - M_hat; returns M_hat shaped and typed like the gradient."""
+        state.q = q_avg
+        m_hat = state.p @ q_avg.t()
+        state.residual.sub_(m_hat)
+        state.p = None
+        return m_hat.to(grad_dtype).view(state.shape)

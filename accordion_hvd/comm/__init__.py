@@ -1,0 +1,7 @@
+"""Communication: who talks to whom. Codecs never communicate; the adapter talks through a
+``Channel``: Horovod's collectives in real runs, an in-process simulation in unit tests."""
+
+from .channel import Channel, Handle
+from .simulated import SimulatedWorld
+
+__all__ = ["Channel", "Handle", "SimulatedWorld"]

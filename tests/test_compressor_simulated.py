@@ -1,0 +1,164 @@
+"""AccordionCompressor and its codecs on an in-process simulated N-rank channel."""
+
+import pytest
+import torch
+
+import accordion_hvd as acc
+from accordion_hvd import reference
+from accordion_hvd.comm import SimulatedWorld
+
+SHAPES = {"conv.weight": (16, 8, 3, 3), "fc.weight": (40, 64), "fc.bias": (40,), "tiny.weight": (2, 2)}
+
+
+def grads_for(rank, step, dtype=torch.float32):
+    gen = torch.Generator().manual_seed(1000 * step + rank)
+    return {n: torch.randn(s, generator=gen).to(dtype) for n, s in SHAPES.items()}
+
+
+def run_steps(world_size, make_codec, steps, order=lambda rank, names: names, dtype=torch.float32):
+    """Every simulated rank compresses its gradients (in the given order) and decompresses;
+    returns per rank: the list of per-step results and the compressor."""
+    def worker(rank, channel):
+        comp = acc.AccordionCompressor(make_codec(), channel=channel)
+        history = []
+        for step in range(steps):
+            grads = grads_for(rank, step, dtype)
+            sent = {n: comp.compress_named(n, grads[n]) for n in order(rank, list(grads))}
+            # What Horovod does in between: allreduce (average) whatever compress returned.
+            # (Horovod negotiates the order across ranks; the simulation uses name order.)
+            reduced = {n: channel.wait(channel.allreduce_mean_async([sent[n][0]], f"hvd.{n}"))[0]
+                       for n in sorted(sent)}
+            history.append({n: comp.decompress(reduced[n], sent[n][1]) for n in sorted(sent)})
+        return history, comp
+    return SimulatedWorld(world_size).run(worker)
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3])
+@pytest.mark.parametrize("make_codec", [lambda: acc.PowerSGD(rank=2), lambda: acc.TopK(ratio=0.05)],
+                         ids=["powersgd", "topk"])
+def test_all_ranks_get_identical_results(world_size, make_codec):
+    results = run_steps(world_size, make_codec, steps=3)
+    for step in range(3):
+        for name in SHAPES:
+            for rank in range(1, world_size):
+                assert torch.equal(results[0][0][step][name], results[rank][0][step][name]), (step, name)
+
+
+@pytest.mark.parametrize("make_codec", [lambda: acc.PowerSGD(rank=2), lambda: acc.TopK(ratio=0.05)],
+                         ids=["powersgd", "topk"])
+def test_error_feedback_conserves_the_gradient(make_codec):
+    """sum_t decoded_t + mean_i(e_i) == sum_t mean_i(g_i,t): nothing is lost or double counted.
+    Fails if error feedback is not updated, or if results are summed instead of averaged."""
+    world, steps = 3, 4
+    results = run_steps(world, make_codec, steps)
+    comps = [c for _, c in results]
+    for name in ("conv.weight", "fc.weight"):
+        sent = sum(results[0][0][t][name].double() for t in range(steps))
+        mean_residual = sum(c._layers[name].residual.double().reshape(SHAPES[name]) for c in comps) / world
+        true_mean = sum(sum(grads_for(r, t)[name].double() for r in range(world)) / world for t in range(steps))
+        torch.testing.assert_close(sent + mean_residual, true_mean, rtol=1e-5, atol=1e-5)
+
+
+def test_powersgd_at_full_rank_is_the_exact_average():
+    results = run_steps(2, lambda: acc.PowerSGD(rank=40, min_compression_rate=0.01), steps=1)
+    expected = (grads_for(0, 0)["fc.weight"] + grads_for(1, 0)["fc.weight"]) / 2
+    torch.testing.assert_close(results[0][0][0]["fc.weight"], expected, rtol=1e-4, atol=1e-5)
+
+
+def test_powersgd_matches_a_by_hand_computation():
+    world = 2
+    results = run_steps(world, lambda: acc.PowerSGD(rank=2), steps=1)
+    comp = results[0][1]
+    name = "fc.weight"
+    q0 = comp.codec._fresh_columns(name, 64, 0, 2, torch.float32, "cpu")
+    ms = [grads_for(r, 0)[name] for r in range(world)]
+    p = reference.orthogonalize_(sum(m @ q0 for m in ms) / world)
+    q = sum(m.t() @ p for m in ms) / world
+    torch.testing.assert_close(results[0][0][0][name], p @ q.t(), rtol=1e-5, atol=1e-6)
+
+
+def test_topk_averages_each_ranks_largest_entries():
+    world, ratio = 2, 0.05
+    results = run_steps(world, lambda: acc.TopK(ratio=ratio), steps=1)
+    name = "fc.weight"
+    k = acc.TopK(ratio).level_k("normal", 40 * 64)
+    expected = torch.zeros(40 * 64)
+    for r in range(world):
+        g = grads_for(r, 0)[name].reshape(-1)
+        idx = g.abs().topk(k).indices
+        expected[idx] += g[idx] / world
+    torch.testing.assert_close(results[0][0][0][name].reshape(-1), expected)
+
+
+def test_hook_order_may_differ_between_ranks():
+    reverse_on_odd = lambda rank, names: names[::-1] if rank % 2 else names  # noqa: E731
+    for make in (lambda: acc.PowerSGD(rank=2), lambda: acc.TopK(ratio=0.05)):
+        a = run_steps(3, make, steps=2)
+        b = run_steps(3, make, steps=2, order=reverse_on_odd)
+        for rank in range(3):
+            for t in range(2):
+                for name in SHAPES:
+                    assert torch.equal(a[rank][0][t][name], b[rank][0][t][name])
+
+
+def test_small_and_1d_tensors_go_dense_and_floats_are_counted_exactly():
+    steps = 3
+    results = run_steps(2, lambda: acc.PowerSGD(rank=2), steps)
+    stats = results[0][1].stats()
+    layers = stats["layers"]
+    assert layers["fc.bias"] == {"floats_sent": 40 * steps, "floats_dense": 40 * steps, "level": "dense"}
+    assert layers["tiny.weight"]["level"] == "dense"
+    assert layers["fc.weight"] == {"floats_sent": (40 + 64) * 2 * steps, "floats_dense": 40 * 64 * steps,
+                                   "level": "normal"}
+    assert layers["conv.weight"]["floats_sent"] == (16 + 72) * 2 * steps
+    assert stats["floats_sent"] == sum(v["floats_sent"] for v in layers.values())
+    assert stats["floats_dense"] == sum(v["floats_dense"] for v in layers.values())
+    assert results[1][1].stats() == stats
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_precision_gradients_keep_float32_error_feedback(dtype):
+    for make in (lambda: acc.PowerSGD(rank=2), lambda: acc.TopK(ratio=0.05)):
+        results = run_steps(2, make, steps=2, dtype=dtype)
+        out = results[0][0][1]["fc.weight"]
+        assert out.dtype == dtype and torch.isfinite(out).all()
+        assert results[0][1]._layers["fc.weight"].residual.dtype == torch.float32
+
+
+def test_powersgd_level_change_keeps_q_columns_and_is_rank_independent():
+    codec = acc.PowerSGD(rank=1, critical_rank=4)
+    grad = torch.randn(40, 64)
+    a, b = codec.init_state("w", grad), codec.init_state("w", grad)
+    a.q.add_(1.0)  # pretend training moved Q
+    before = a.q.clone()
+    codec.set_level(a, "critical")
+    codec.set_level(b, "critical")
+    assert a.q.shape == (64, 4) and a.rank == 4
+    assert torch.equal(a.q[:, :1], before)
+    assert torch.equal(a.q[:, 1:], b.q[:, 1:])  # fresh columns depend only on (seed, name, column)
+    codec.set_level(a, "normal")
+    assert torch.equal(a.q, before)
+
+
+def test_the_class_itself_works_as_horovod_compression():
+    cls = acc.AccordionCompressor
+    assert cls.default_instance() is cls.default_instance()
+    assert repr(cls.default_instance()) == "AccordionCompressor(PowerSGD(rank=1, critical_rank=4), eta=0.5, interval=100)"
+    with pytest.raises(RuntimeError, match="must be called by horovod.torch.DistributedOptimizer"):
+        cls.compress(torch.randn(4, 4))
+
+
+@pytest.mark.parametrize("call,message", [
+    (lambda: acc.PowerSGD(rank=0), "rank must be positive, got 0"),
+    (lambda: acc.PowerSGD(rank=1.5), "rank must be an int, got float"),
+    (lambda: acc.PowerSGD(rank=2, critical_rank=-1), "critical_rank must be positive"),
+    (lambda: acc.TopK(ratio=0), r"ratio must be in \(0, 1.0\], got 0"),
+    (lambda: acc.TopK(ratio=1.5), r"ratio must be in \(0, 1.0\], got 1.5"),
+    (lambda: acc.TopK(ratio="0.1"), "ratio must be a number, got str"),
+    (lambda: acc.AccordionCompressor("powersgd"), "codec must be acc.PowerSGD"),
+    (lambda: acc.AccordionCompressor(eta=-0.5), "eta must be positive"),
+    (lambda: acc.AccordionCompressor(interval=0), "interval must be positive"),
+])
+def test_bad_arguments_are_named(call, message):
+    with pytest.raises((TypeError, ValueError), match=message):
+        call()
