@@ -28,7 +28,7 @@ test-fast: setup
 
 demo: setup
 	OMP_NUM_THREADS=1 $(VENV)/bin/horovodrun -np $(NP) -H localhost:$(NP) --gloo \
-	    $(PY) -m accordion_hvd.train --compression fp16 --epochs 15
+	    $(PY) -m accordion_hvd.train --codec powersgd --rank 1 --epochs 15
 
 cuda-check:
 	@scripts/cuda_check.sh

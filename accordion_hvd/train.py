@@ -1,9 +1,10 @@
 """Data-parallel training under horovodrun: ``python -m accordion_hvd.train``.
 
-    horovodrun -np 2 -H localhost:2 python -m accordion_hvd.train --epochs 15
+    horovodrun -np 2 -H localhost:2 python -m accordion_hvd.train --codec powersgd --rank 1
 
-Every rank trains on its shard of the data with Horovod's DistributedOptimizer; rank 0
-reports the test accuracy, averaged over all ranks' shards of the test set.
+Every rank trains on its shard of the data with Horovod's DistributedOptimizer and the
+chosen gradient compression; rank 0 reports the test accuracy (over all ranks' shards of
+the test set) and the floats this rank sent against what dense allreduce would send.
 """
 
 from __future__ import annotations
@@ -16,19 +17,41 @@ import horovod.torch as hvd
 import torch
 import torch.nn.functional as F
 
+from .codecs import PowerSGD, TopK
+from .compressor import AccordionCompressor
 from .data import load_digits, shard_batches
 from .models import SmallCNN
 
 log = logging.getLogger("accordion_hvd.train")
 
-COMPRESSIONS = {"none": lambda: hvd.Compression.none, "fp16": lambda: hvd.Compression.fp16}
+CODECS = ("none", "fp16", "powersgd", "topk")
+
+
+def make_codec(args):
+    """Our codec for --codec powersgd/topk (raises on bad levels), else None."""
+    if args.codec == "powersgd":
+        return PowerSGD(args.rank, args.critical_rank)
+    if args.codec == "topk":
+        return TopK(args.ratio, args.critical_ratio)
+    return None
+
+
+def make_compression(args):
+    codec = make_codec(args)
+    if codec is not None:
+        return AccordionCompressor(codec)
+    return hvd.Compression.fp16 if args.codec == "fp16" else hvd.Compression.none
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m accordion_hvd.train", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--compression", choices=sorted(COMPRESSIONS), default="none",
-                   help="gradient compression (default: none)")
+    p.add_argument("--codec", choices=CODECS, default="powersgd",
+                   help="gradient compression: none, Horovod's fp16, or ours (default: powersgd)")
+    p.add_argument("--rank", type=int, default=1, help="PowerSGD rank in normal regimes")
+    p.add_argument("--critical-rank", type=int, default=None, help="PowerSGD rank in critical regimes")
+    p.add_argument("--ratio", type=float, default=0.05, help="TopK fraction kept in normal regimes")
+    p.add_argument("--critical-ratio", type=float, default=None, help="TopK fraction kept in critical regimes")
     p.add_argument("--epochs", type=int, default=15)
     p.add_argument("--batch-size", type=int, default=32, help="per-rank batch size")
     p.add_argument("--lr", type=float, default=0.05, help="learning rate per rank (scaled by world size)")
@@ -39,6 +62,10 @@ def parse_args(argv=None) -> argparse.Namespace:
             p.error(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
     if args.lr <= 0:
         p.error(f"--lr must be positive, got {args.lr}")
+    try:
+        make_codec(args)
+    except (TypeError, ValueError) as exc:
+        p.error(str(exc))
     return args
 
 
@@ -67,9 +94,9 @@ def main(argv=None) -> float:
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     hvd.broadcast_optimizer_state(opt, root_rank=0)
     opt = hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters(),
-                                   compression=COMPRESSIONS[args.compression]())
-    log.info("training on %d ranks, compression=%s, %d train / %d test images",
-             hvd.size(), args.compression, len(train.y), len(test.y))
+                                   compression=(compression := make_compression(args)))
+    log.info("training on %d ranks, compression %s, %d train / %d test images",
+             hvd.size(), compression, len(train.y), len(test.y))
 
     start = time.perf_counter()
     for epoch in range(args.epochs):
@@ -83,6 +110,10 @@ def main(argv=None) -> float:
     if hvd.rank() == 0:
         print(f"final test accuracy: {acc:.4f} ({hvd.size()} ranks, {args.epochs} epochs, "
               f"{time.perf_counter() - start:.1f} s)", flush=True)
+        if isinstance(compression, AccordionCompressor):
+            stats = compression.stats()
+            print(f"floats sent by rank 0: {stats['floats_sent']:,} of {stats['floats_dense']:,} "
+                  f"({stats['floats_dense'] / stats['floats_sent']:.1f}x less than dense)", flush=True)
     return acc
 
 

@@ -18,17 +18,24 @@ def test_data_parallel_stack(backend, np):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("compression", ["none", "fp16"])
-def test_training_cli_learns_digits(compression):
-    result = horovodrun(["-m", "accordion_hvd.train", "--compression", compression, "--epochs", "8"],
+@pytest.mark.parametrize("codec", ["none", "fp16", "powersgd", "topk"])
+def test_training_cli_learns_digits(codec):
+    result = horovodrun(["-m", "accordion_hvd.train", "--codec", codec, "--epochs", "8"],
                         backend="gloo", timeout=300)
     assert result.returncode == 0, result.stdout
     match = re.search(r"final test accuracy: ([0-9.]+) \(2 ranks", result.stdout)
     assert match, result.stdout
     assert float(match.group(1)) >= 0.9, result.stdout
+    if codec in ("powersgd", "topk"):
+        assert re.search(r"floats sent by rank 0: [0-9,]+ of [0-9,]+ \(([0-9.]+)x less", result.stdout), result.stdout
 
 
-def test_training_cli_rejects_bad_arguments():
-    result = horovodrun(["-m", "accordion_hvd.train", "--epochs", "0"], np=1, backend="gloo", timeout=60)
+@pytest.mark.parametrize("args,message", [
+    (["--epochs", "0"], "--epochs must be at least 1, got 0"),
+    (["--codec", "topk", "--ratio", "2"], r"ratio must be in (0, 1.0], got 2.0"),
+    (["--codec", "powersgd", "--rank", "0"], "rank must be positive, got 0"),
+])
+def test_training_cli_rejects_bad_arguments(args, message):
+    result = horovodrun(["-m", "accordion_hvd.train", *args], np=1, backend="gloo", timeout=60)
     assert result.returncode != 0
-    assert "--epochs must be at least 1, got 0" in result.stdout
+    assert message in result.stdout

@@ -1,0 +1,19 @@
+"""AccordionCompressor inside the stock hvd.DistributedOptimizer, in real horovodrun jobs."""
+
+import pytest
+
+from launch import run_worker
+
+pytestmark = pytest.mark.horovod
+
+
+@pytest.mark.parametrize("backend,np", [("gloo", 2), ("mpi", 2), ("gloo", 3), ("mpi", 3)])
+@pytest.mark.parametrize("codec", ["powersgd", "topk"])
+def test_trains_identically_on_every_rank(codec, backend, np):
+    out = run_worker("compressor_check.py", codec, "30", np=np, backend=backend)
+    assert out.count(": OK ") == np, out
+
+
+def test_the_class_itself_as_compression():
+    out = run_worker("compressor_check.py", "powersgd", "20", "class", np=2, backend="gloo")
+    assert out.count("OK PowerSGD(rank=1, critical_rank=4)") == 2, out

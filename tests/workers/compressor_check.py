@@ -1,0 +1,98 @@
+"""Worker run by tests/test_compressor_horovod.py under horovodrun, on every rank.
+
+Trains a model with the stock hvd.DistributedOptimizer and AccordionCompressor, in a way
+built to expose the adapter's weak points:
+  * the two branches run in a rank-dependent order, so gradient hooks fire in a different
+    order on different ranks;
+  * one layer gets no gradient on odd steps on rank 1 only (Horovod zero-fills it);
+  * torch 2.x's zero_grad sets grads to None every step.
+Then checks: identical parameters on all ranks, identical floats counts on all ranks equal
+to the codec's formula, the loss went down.
+Usage: compressor_check.py CODEC STEPS [class]   (CODEC: powersgd | topk)
+"""
+
+import sys
+
+import horovod.torch as hvd
+import torch
+import torch.nn.functional as F
+
+import accordion_hvd as acc
+
+codec_name, steps = sys.argv[1], int(sys.argv[2])
+use_class = len(sys.argv) > 3 and sys.argv[3] == "class"
+hvd.init()
+rank, size = hvd.rank(), hvd.size()
+
+
+def check(condition, message):
+    if not condition:
+        print(f"rank {rank}: FAILED: {message}", flush=True)
+        sys.exit(1)
+
+
+class TwoBranch(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = torch.nn.Linear(32, 48)
+        self.b = torch.nn.Linear(32, 48)
+        self.sometimes = torch.nn.Linear(48, 48)
+        self.head = torch.nn.Linear(48, 4)
+
+    def forward(self, x, step):
+        first, second = (self.a, self.b) if rank % 2 == 0 else (self.b, self.a)
+        h = torch.relu(first(x)) + torch.relu(second(x))
+        if not (rank == 1 and step % 2 == 1):
+            h = h + torch.relu(self.sometimes(h))
+        return self.head(h)
+
+
+torch.manual_seed(0)
+model = TwoBranch()
+if use_class:
+    compression = acc.AccordionCompressor
+    codec = compression.default_instance().codec
+else:
+    codec = acc.PowerSGD(rank=2) if codec_name == "powersgd" else acc.TopK(ratio=0.1)
+    compression = acc.AccordionCompressor(codec)
+opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
+                               named_parameters=model.named_parameters(), compression=compression)
+hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+
+gen = torch.Generator().manual_seed(rank)
+x_all = torch.randn(64, 32, generator=gen)
+y_all = (x_all[:, :4].argmax(1))  # a learnable target
+losses = []
+for step in range(steps):
+    opt.zero_grad()
+    loss = F.cross_entropy(model(x_all, step), y_all)
+    loss.backward()
+    opt.step()
+    losses.append(loss.item())
+
+flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+everyone = hvd.allgather(flat.unsqueeze(0), name="check.params")
+check(all(torch.equal(everyone[0], everyone[r]) for r in range(size)), "parameters differ across ranks")
+
+stats = compression.stats()
+counts = hvd.allgather(torch.tensor([[stats["floats_sent"], stats["floats_dense"]]], dtype=torch.float64),
+                       name="check.stats")
+check(all(torch.equal(counts[0], counts[r]) for r in range(size)), f"floats counts differ across ranks: {counts}")
+expected_sent = 0
+for name, p in model.named_parameters():
+    layer = stats["layers"][name]
+    check(layer["floats_dense"] == p.numel() * steps, f"{name}: floats_dense {layer['floats_dense']}")
+    if codec.compressible(p.shape):
+        check(layer["level"] == "normal", f"{name} level {layer['level']}")
+        per_step = ((p.shape[0] + p.shape[1]) * min(codec.rank, *p.shape) if isinstance(codec, acc.PowerSGD)
+                    else 2 * codec.level_k("normal", p.numel()))
+    else:
+        check(layer["level"] == "dense", f"{name} should be dense")
+        per_step = p.numel()
+    check(layer["floats_sent"] == per_step * steps, f"{name}: floats_sent {layer['floats_sent']} != {per_step * steps}")
+    expected_sent += per_step * steps
+check(stats["floats_sent"] == expected_sent, "total floats_sent")
+check(stats["floats_sent"] < stats["floats_dense"], "compression sent no less than dense")
+check(losses[-1] < 0.8 * losses[0], f"loss did not go down: {losses[0]:.3f} -> {losses[-1]:.3f}")
+print(f"rank {rank}: OK {codec!r} sent {stats['floats_sent']} of {stats['floats_dense']} floats, "
+      f"loss {losses[0]:.3f} -> {losses[-1]:.3f}", flush=True)
