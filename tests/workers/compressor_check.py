@@ -18,17 +18,14 @@ import torch
 import torch.nn.functional as F
 
 import accordion_hvd as acc
+from worker_util import checker
 
 codec_name, steps = sys.argv[1], int(sys.argv[2])
 use_class = len(sys.argv) > 3 and sys.argv[3] == "class"
 hvd.init()
 rank, size = hvd.rank(), hvd.size()
 
-
-def check(condition, message):
-    if not condition:
-        print(f"rank {rank}: FAILED: {message}", flush=True)
-        sys.exit(1)
+check = checker(rank)
 
 
 class TwoBranch(torch.nn.Module):

@@ -16,17 +16,14 @@ import torch
 from mpi4py import MPI
 
 import accordion_hvd as acc
+from worker_util import checker
 from accordion_hvd import reference
 
 backend, expected_size = sys.argv[1], int(sys.argv[2])
 hvd.init()
 rank, size = hvd.rank(), hvd.size()
 
-
-def check(condition, message):
-    if not condition:
-        print(f"rank {rank}: FAILED: {message}", flush=True)
-        sys.exit(1)
+check = checker(rank)
 
 
 check(size == expected_size, f"hvd.size() == {size}, expected {expected_size}")
