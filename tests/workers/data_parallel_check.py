@@ -25,7 +25,6 @@ rank, size = hvd.rank(), hvd.size()
 
 check = checker(rank)
 
-
 check(size == expected_size, f"hvd.size() == {size}, expected {expected_size}")
 check(hvd.mpi_enabled() == (backend == "mpi"), f"hvd.mpi_enabled() is {hvd.mpi_enabled()} under --{backend}")
 check(hvd.gloo_enabled() == (backend == "gloo"), f"hvd.gloo_enabled() is {hvd.gloo_enabled()} under --{backend}")
