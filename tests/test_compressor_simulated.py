@@ -162,3 +162,16 @@ def test_the_class_itself_works_as_horovod_compression():
 def test_bad_arguments_are_named(call, message):
     with pytest.raises((TypeError, ValueError), match=message):
         call()
+
+
+@pytest.mark.parametrize("make_codec", [lambda: acc.PowerSGD(rank=2), lambda: acc.TopK(ratio=0.05)],
+                         ids=["powersgd", "topk"])
+@pytest.mark.parametrize("tensor", [torch.zeros(0, 5), torch.zeros(7, 0, 3), torch.ones(40, 64, dtype=torch.int64),
+                                    torch.ones(40, 64, dtype=torch.complex64)],
+                         ids=["empty", "empty-3d", "integer", "complex"])
+def test_empty_integer_and_complex_gradients_pass_through_uncompressed(make_codec, tensor):
+    comp = acc.AccordionCompressor(make_codec(), channel=SimulatedWorld(1).channel(0))
+    sent, ctx = comp.compress_named("w", tensor)
+    assert sent is tensor
+    assert comp.decompress(sent, ctx) is tensor
+    assert comp.stats()["layers"]["w"]["level"] == "dense"

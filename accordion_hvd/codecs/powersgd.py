@@ -78,7 +78,7 @@ class PowerSGD:
         return shape[0], math.prod(shape[1:])
 
     def compressible(self, shape: torch.Size) -> bool:
-        if len(shape) < 2:
+        if len(shape) < 2 or math.prod(shape) == 0:
             return False
         n, m = self.matrix_shape(shape)
         r = min(self.rank, n, m)
