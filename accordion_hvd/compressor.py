@@ -24,7 +24,6 @@ independent of hook order, and fails loudly if called from anywhere else.
 
 from __future__ import annotations
 
-import logging
 import sys
 from typing import Any
 
@@ -33,7 +32,6 @@ import torch
 from .codecs import PowerSGD, TopK
 from .codecs._common import NORMAL, positive_number
 
-log = logging.getLogger(__name__)
 
 _DENSE, _POWERSGD, _TOPK = "dense", "powersgd", "topk"
 
