@@ -50,3 +50,66 @@ def _ef_add_fake(grad: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
 @torch.library.register_fake("accordion::ef_add_")
 def _ef_add_inplace_fake(grad: torch.Tensor, residual: torch.Tensor) -> None:
     torch._check(grad.shape == residual.shape, lambda: "accordion::ef_add_: shapes differ")
+
+
+def topk_ef(grad: torch.Tensor, residual: torch.Tensor, k: int):
+    """Fused TopK with error feedback (see ``reference.topk_select`` and csrc/cpu/topk_ef.cpp).
+
+    ``residual`` (float32, contiguous) becomes ``grad + residual`` with the kept entries
+    zeroed. Returns ``(values, indices, g_sq, kept_sq)``: the k kept entries of largest
+    magnitude (ties to the lower index) as float32 values and int32 indices, in a
+    deterministic order (treat them as a set), and the float64 squared norms of
+    ``grad + residual`` and of its kept part.
+    """
+    _check_dense_pair("accordion::topk_ef", grad, residual)
+    _check_int("accordion::topk_ef", "k", k)
+    return torch.ops.accordion.topk_ef.default(grad, residual, k)
+
+
+def sparse_average(values: torch.Tensor, indices: torch.Tensor, numel: int, world_size: int,
+                   dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Scatter-add every rank's (values, indices) (concatenated in rank order) into a dense
+    vector of ``numel`` float32 entries, divide by ``world_size``, return it in ``dtype``."""
+    _check_int("accordion::sparse_average", "numel", numel)
+    _check_int("accordion::sparse_average", "world_size", world_size)
+    return torch.ops.accordion.sparse_average.default(values, indices, numel, world_size, dtype)
+
+
+def orthogonalize_(ps: list[torch.Tensor], eps: float = 1e-8) -> list[torch.Tensor]:
+    """Gram-Schmidt on the columns of every (n x r) matrix in ``ps``, in place, in one call."""
+    ps = list(ps)
+    if ps:  # the dispatcher needs at least one tensor to pick a kernel
+        torch.ops.accordion.orthogonalize_.default(ps, float(eps))
+    return ps
+
+
+def error_update_(residual: torch.Tensor, approx: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """PowerSGD's last step in one pass: ``residual -= approx``; returns ``approx.to(dtype)``."""
+    return torch.ops.accordion.error_update_.default(residual, approx, dtype)
+
+
+def _check_int(op: str, name: str, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{op}: {name} must be an int, got {type(value).__name__}")
+
+
+@torch.library.register_fake("accordion::topk_ef")
+def _topk_ef_fake(grad, residual, k):
+    torch._check(grad.shape == residual.shape, lambda: "accordion::topk_ef: shapes differ")
+    scalar = residual.new_empty((), dtype=torch.float64)
+    return (residual.new_empty(k), residual.new_empty(k, dtype=torch.int32), scalar, scalar.clone())
+
+
+@torch.library.register_fake("accordion::sparse_average")
+def _sparse_average_fake(values, indices, numel, world_size, dtype):
+    return values.new_empty(numel, dtype=dtype)
+
+
+@torch.library.register_fake("accordion::orthogonalize_")
+def _orthogonalize_fake(ps, eps):
+    return None
+
+
+@torch.library.register_fake("accordion::error_update_")
+def _error_update_fake(residual, approx, dtype):
+    return approx.new_empty(approx.shape, dtype=dtype)

@@ -3,6 +3,9 @@
 // torch.compile and opcheck need are registered from Python (accordion_hvd/ops.py).
 #include <torch/library.h>
 
+#include <limits>
+#include <tuple>
+
 #include "ops.h"
 
 namespace accordion {
@@ -39,11 +42,95 @@ void ef_add_(const at::Tensor& grad, const at::Tensor& residual) {
   ef_add_out(grad, residual, out);
 }
 
+// The ops below have CPU kernels only so far; a CUDA tensor gets this message rather than
+// the dispatcher's "could not run ... with arguments from the 'CUDA' backend".
+void check_cpu(const at::Tensor& t, const char* op, const char* name) {
+  TORCH_CHECK(t.device().is_cpu(), op, ": ", name, " is on ", t.device(),
+              "; this op has only a CPU kernel in this version");
+}
+
+void check_contiguous_float(const at::Tensor& t, const char* op, const char* name) {
+  TORCH_CHECK(t.layout() == at::kStrided, op, ": ", name, " must be a dense (strided) tensor, got ", t.layout());
+  TORCH_CHECK(t.scalar_type() == at::kFloat, op, ": ", name, " must be float32, got ", t.scalar_type());
+  TORCH_CHECK(t.is_contiguous(), op, ": ", name, " must be contiguous, got strides ", t.strides());
+  check_cpu(t, op, name);
+}
+
+// Fused TopK with error feedback; residual <- (grad + residual) with the kept entries zeroed.
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> topk_ef(const at::Tensor& grad,
+                                                                   const at::Tensor& residual, int64_t k) {
+  constexpr const char* op = "accordion::topk_ef";
+  check_ef_add_args(grad, residual, op);
+  check_contiguous_float(residual, op, "residual");
+  const int64_t n = residual.numel();
+  TORCH_CHECK(n <= std::numeric_limits<int32_t>::max(), op, ": at most 2^31 - 1 entries (int32 indices), got ", n);
+  TORCH_CHECK(k >= 0 && k <= n, op, ": k must be in [0, numel = ", n, "], got ", k);
+  at::Tensor values = at::empty({k}, residual.options());
+  at::Tensor indices = at::empty({k}, residual.options().dtype(at::kInt));
+  double g_sq = 0, kept_sq = 0;
+  topk_ef_cpu(grad.contiguous(), residual, k, values, indices, g_sq, kept_sq);
+  const auto scalar = residual.options().dtype(at::kDouble);
+  return {values, indices, at::scalar_tensor(g_sq, scalar), at::scalar_tensor(kept_sq, scalar)};
+}
+
+// TopK's decode: the average over ranks of their sparse vectors, densely, in `dtype`.
+at::Tensor sparse_average(const at::Tensor& values, const at::Tensor& indices, int64_t numel,
+                          int64_t world_size, at::ScalarType dtype) {
+  constexpr const char* op = "accordion::sparse_average";
+  check_contiguous_float(values, op, "values");
+  TORCH_CHECK(indices.layout() == at::kStrided && indices.scalar_type() == at::kInt && indices.is_contiguous(),
+              op, ": indices must be a contiguous int32 tensor, got ", indices.scalar_type());
+  check_cpu(indices, op, "indices");
+  TORCH_CHECK(values.dim() == 1 && indices.dim() == 1 && values.numel() == indices.numel(), op,
+              ": values and indices must be 1-d of the same length, got ", values.sizes(), " and ", indices.sizes());
+  TORCH_CHECK(numel >= 0 && numel <= std::numeric_limits<int32_t>::max(), op,
+              ": numel must be in [0, 2^31 - 1], got ", numel);
+  TORCH_CHECK(world_size >= 1, op, ": world_size must be >= 1, got ", world_size);
+  TORCH_CHECK(at::isFloatingType(dtype), op, ": dtype must be a floating-point type, got ", dtype);
+  return sparse_average_cpu(values, indices, numel, world_size, dtype);
+}
+
+// Gram-Schmidt on the columns of every matrix in `ps`, in place, in one call.
+void orthogonalize_(at::TensorList ps, double eps) {
+  constexpr const char* op = "accordion::orthogonalize_";
+  TORCH_CHECK(eps >= 0, op, ": eps must be >= 0, got ", eps);
+  std::vector<at::Tensor> mats;
+  mats.reserve(ps.size());
+  for (size_t i = 0; i < ps.size(); ++i) {
+    const at::Tensor& p = ps[i];
+    TORCH_CHECK(p.layout() == at::kStrided && p.dim() == 2, op, ": ps[", i, "] must be a dense 2-d tensor, got ",
+                p.dim(), "-d ", p.layout());
+    TORCH_CHECK(p.scalar_type() == at::kFloat || p.scalar_type() == at::kDouble, op, ": ps[", i,
+                "] must be float32 or float64, got ", p.scalar_type());
+    TORCH_CHECK(p.is_contiguous(), op, ": ps[", i, "] must be contiguous, got strides ", p.strides());
+    check_cpu(p, op, "ps");
+    if (p.numel() > 0) mats.push_back(p);
+  }
+  orthogonalize_cpu(mats, eps);
+}
+
+// residual -= approx (float32); returns approx in `dtype`, in one pass.
+at::Tensor error_update_(const at::Tensor& residual, const at::Tensor& approx, at::ScalarType dtype) {
+  constexpr const char* op = "accordion::error_update_";
+  check_contiguous_float(residual, op, "residual");
+  check_contiguous_float(approx, op, "approx");
+  TORCH_CHECK(residual.sizes() == approx.sizes(), op, ": residual and approx must have the same shape, got ",
+              residual.sizes(), " and ", approx.sizes());
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kHalf || dtype == at::kBFloat16, op,
+              ": dtype must be float32, float16 or bfloat16, got ", dtype);
+  return error_update_cpu(residual, approx, dtype);
+}
+
 }  // namespace
 
 TORCH_LIBRARY(accordion, m) {
   m.def("ef_add(Tensor grad, Tensor residual) -> Tensor");
   m.def("ef_add_(Tensor grad, Tensor(a!) residual) -> ()");
+  m.def("topk_ef(Tensor grad, Tensor(a!) residual, int k) -> (Tensor values, Tensor indices, Tensor g_sq, "
+        "Tensor kept_sq)");
+  m.def("sparse_average(Tensor values, Tensor indices, int numel, int world_size, ScalarType dtype) -> Tensor");
+  m.def("orthogonalize_(Tensor(a!)[] ps, float eps) -> ()");
+  m.def("error_update_(Tensor(a!) residual, Tensor approx, ScalarType dtype) -> Tensor");
 }
 
 // The same function serves CPU and CUDA (it picks the kernel by device), registered per key
@@ -51,6 +138,10 @@ TORCH_LIBRARY(accordion, m) {
 TORCH_LIBRARY_IMPL(accordion, CPU, m) {
   m.impl("ef_add", &ef_add);
   m.impl("ef_add_", &ef_add_);
+  m.impl("topk_ef", &topk_ef);
+  m.impl("sparse_average", &sparse_average);
+  m.impl("orthogonalize_", &orthogonalize_);
+  m.impl("error_update_", &error_update_);
 }
 #ifdef ACCORDION_WITH_CUDA
 TORCH_LIBRARY_IMPL(accordion, CUDA, m) {

@@ -6,6 +6,8 @@
 
 #include <ATen/ATen.h>
 
+#include <vector>
+
 namespace accordion {
 
 // ef_add: the error-feedback add shared by both codecs, out = grad + residual.
@@ -31,6 +33,18 @@ inline void check_ef_add_args(const at::Tensor& grad, const at::Tensor& residual
 
 // Computes out = grad + residual elementwise over contiguous tensors; out may alias residual.
 void ef_add_out_cpu(const at::Tensor& grad, const at::Tensor& residual, at::Tensor& out);
+
+// topk_ef: see cpu/topk_ef.cpp. residual (float32, contiguous) is updated in place; values
+// (float32) and indices (int32) have k entries, preallocated by the caller.
+void topk_ef_cpu(const at::Tensor& grad, const at::Tensor& residual, int64_t k, at::Tensor& values,
+                 at::Tensor& indices, double& g_sq, double& kept_sq);
+// sparse_average: see cpu/sparse_average.cpp.
+at::Tensor sparse_average_cpu(const at::Tensor& values, const at::Tensor& indices, int64_t numel,
+                              int64_t world_size, at::ScalarType out_dtype);
+// orthogonalize_ and error_update_: see cpu/powersgd.cpp.
+void orthogonalize_cpu(const std::vector<at::Tensor>& ps, double eps);
+at::Tensor error_update_cpu(const at::Tensor& residual, const at::Tensor& approx, at::ScalarType out_dtype);
+
 #ifdef ACCORDION_WITH_CUDA
 void ef_add_out_cuda(const at::Tensor& grad, const at::Tensor& residual, at::Tensor& out);
 #endif
