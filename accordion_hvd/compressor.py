@@ -141,9 +141,9 @@ class AccordionCompressor:
         if self._kind == _POWERSGD:
             p = self.codec.start(state, tensor)
             handle = self.channel.allreduce_mean_async([p], name=f"acc.P.{name}")
-            self._pending[name] = (handle, tensor.dtype)
+            self._pending[name] = (handle, tensor)
         else:
-            self._pending[name] = (self.codec.encode(state, tensor), tensor.dtype)
+            self._pending[name] = (self.codec.encode(state, tensor), tensor)
         self._sent[name] = self._sent.get(name, 0) + self.codec.floats_sent(state)
         return tensor.new_empty(0), (self._kind, name)
 
@@ -154,7 +154,8 @@ class AccordionCompressor:
         pending, self._pending = self._pending, {}
         states = [self._layers[n] for n in names]
         if self._kind == _POWERSGD:
-            qs = [self.codec.middle(s, self.channel.wait(pending[n][0])[0]) for n, s in zip(names, states)]
+            p_avgs = [self.channel.wait(pending[n][0])[0] for n in names]
+            qs = self.codec.middle(states, p_avgs)
             q_avg = self.channel.wait(self.channel.allreduce_mean_async(qs, name=f"acc.Q.{len(names)}"))
             for n, s, q in zip(names, states, q_avg):
                 self._results[n] = self.codec.finish(s, q, pending[n][1])
@@ -179,7 +180,7 @@ class AccordionCompressor:
             values = per_rank[:, offset:offset + v_bytes].contiguous().view(s.residual.dtype).reshape(-1)
             indices = per_rank[:, offset + v_bytes:offset + v_bytes + 4 * s.k].contiguous().view(torch.int32).reshape(-1)
             offset += v_bytes + 4 * s.k
-            self._results[n] = self.codec.decode(s, values, indices, size, pending[n][1])
+            self._results[n] = self.codec.decode(s, values, indices, size, pending[n][1].dtype)
 
     # --- levels, statistics, state ------------------------------------------------------------
     def set_level(self, name: str, level: str) -> None:

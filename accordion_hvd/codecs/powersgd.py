@@ -129,15 +129,39 @@ class PowerSGD:
         ops.ef_add_(grad.reshape(state.residual.shape), state.residual)
         return state.residual @ state.q
 
-    def middle(self, state: PowerSGDState, p_avg: torch.Tensor) -> torch.Tensor:
-        """Orthogonalizes the averaged P; returns Q = M^T P, to be averaged."""
-        state.p = reference.orthogonalize_(p_avg, self.eps)
-        return state.residual.t() @ state.p
+    def middle(self, states: list[PowerSGDState], p_avgs: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Orthogonalizes every layer's averaged P (in one kernel call); returns each layer's
+        Q = M^T P, to be averaged."""
+        ps = [p.contiguous() for p in p_avgs]
+        fast = [p for p in ps if p.device.type == "cpu" and p.dtype in (torch.float32, torch.float64)]
+        ops.orthogonalize_(fast, self.eps)
+        for p in ps:
+            if not any(p is f for f in fast):  # e.g. CUDA tensors until the CUDA kernels land
+                reference.orthogonalize_(p, self.eps)
+        qs = []
+        for state, p in zip(states, ps):
+            state.p = p
+            qs.append(state.residual.t() @ p)
+        return qs
 
-    def finish(self, state: PowerSGDState, q_avg: torch.Tensor, grad_dtype: torch.dtype) -> torch.Tensor:
-        """M_hat = P Q^T, e = M - M_hat; returns M_hat shaped and typed like the gradient."""
+    def finish(self, state: PowerSGDState, q_avg: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+        """M_hat = P Q^T, e = M - M_hat; returns M_hat shaped and typed like ``grad``.
+
+        ``grad`` is this step's gradient, already folded into e by ``start`` and not needed
+        any more: when it is a contiguous tensor of the residual's dtype, M_hat is written
+        into its memory, so the step allocates no gradient-sized buffer.
+        """
         state.q = q_avg
-        m_hat = state.p @ q_avg.t()
-        state.residual.sub_(m_hat)
-        state.p = None
-        return m_hat.to(grad_dtype).view(state.shape)
+        p, state.p = state.p, None
+        e = state.residual
+        if grad.dtype == e.dtype and grad.is_contiguous() and not grad.requires_grad:
+            m_hat = grad.view(e.shape)
+            torch.mm(p, q_avg.t(), out=m_hat)
+            e.sub_(m_hat)
+            return grad
+        m_hat = p @ q_avg.t()
+        if e.dtype == torch.float32 and e.device.type == "cpu":
+            # 16-bit gradient: e -= M_hat and M_hat -> grad dtype in one pass.
+            return ops.error_update_(e, m_hat, grad.dtype).view(state.shape)
+        e.sub_(m_hat)
+        return m_hat.to(grad.dtype).view(state.shape)

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .. import reference
+from .. import ops, reference
 from ._common import CRITICAL, NORMAL, check_level, positive_number, residual_dtype
 
 
@@ -76,13 +76,28 @@ class TopK:
         state.k = self.level_k(level, state.residual.numel())
 
     def encode(self, state: TopKState, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Returns (values, int32 indices) to exchange; updates the error feedback."""
-        values, indices, state.residual, g_sq, kept_sq = reference.topk_select(grad.reshape(-1), state.residual, state.k)
+        """Returns (values, int32 indices) to exchange; updates the error feedback.
+
+        The fused kernel (``accordion::topk_ef``) serves float32 residuals on the CPU; other
+        cases (float64 gradients, CUDA until its kernels land) use the plain-torch reference.
+        """
+        flat = grad.reshape(-1)
+        if _kernel_ok(state.residual):
+            values, indices, g_sq, kept_sq = ops.topk_ef(flat, state.residual, state.k)
+        else:
+            values, indices, state.residual, g_sq, kept_sq = reference.topk_select(flat, state.residual, state.k)
         state.g_sq, state.kept_sq = g_sq.item(), kept_sq.item()
         return values, indices
 
     def decode(self, state: TopKState, values: torch.Tensor, indices: torch.Tensor, world_size: int,
                grad_dtype: torch.dtype) -> torch.Tensor:
         """The average of all ranks' sparse vectors, shaped and typed like the gradient."""
-        dense = reference.sparse_average(values, indices, state.residual.numel(), world_size)
+        numel = state.residual.numel()
+        if _kernel_ok(values):
+            return ops.sparse_average(values, indices, numel, world_size, grad_dtype).view(state.shape)
+        dense = reference.sparse_average(values, indices, numel, world_size)
         return dense.to(grad_dtype).view(state.shape)
+
+
+def _kernel_ok(t: torch.Tensor) -> bool:
+    return t.device.type == "cpu" and t.dtype == torch.float32

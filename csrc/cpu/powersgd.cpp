@@ -62,7 +62,7 @@ at::Tensor error_update_cpu(const at::Tensor& residual, const at::Tensor& approx
   const int64_t n = approx.numel();
   float* e = residual.mutable_data_ptr<float>();
   const float* a = approx.const_data_ptr<float>();
-  AT_DISPATCH_REDUCED_FLOATING_TYPES(out_dtype, "error_update_cpu", [&] {
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, out_dtype, "error_update_cpu", [&] {
     scalar_t* o = out.mutable_data_ptr<scalar_t>();
     at::parallel_for(0, n, kGrain, [&](int64_t b, int64_t end) {
       for (int64_t i = b; i < end; ++i) {

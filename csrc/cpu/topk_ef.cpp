@@ -54,6 +54,9 @@ constexpr uint32_t kMidBins = 1u << kMidBits;
 constexpr uint32_t kLowBins = 1u << kLowBits;     // digit 3: key bits 7..0
 constexpr int64_t kBlock = 2048;              // pass-1 block: stays in L1 between its loops
 constexpr int64_t kMinChunk = 1 << 16;        // smallest piece of work one thread takes
+// At most this many chunks, whatever the thread count, so that every result (including the
+// float rounding of g_sq) is the same on any number of threads.
+constexpr int64_t kMaxChunks = 64;
 constexpr int64_t kCandidateSlack = 1 << 16;
 
 inline uint32_t key_of(float v) {
@@ -62,7 +65,7 @@ inline uint32_t key_of(float v) {
   return bits & 0x7fffffffu;
 }
 
-// The tensor is cut into `count` contiguous chunks, independent of the thread count, so
+// The tensor is cut into `count` contiguous chunks, independent of the thread count;
 // per-chunk counts give every chunk its output offset.
 struct Chunks {
   int64_t n, count;
@@ -323,8 +326,7 @@ void select_by_scanning(float* g, const Chunks& chunks, uint32_t top, int64_t ne
 template <typename G>
 void topk_ef_impl(const G* grad, float* g, int64_t n, int64_t k, float* values, int32_t* indices,
                   double& g_sq, double& kept_sq) {
-  const int64_t max_chunks = 4 * static_cast<int64_t>(at::get_num_threads());
-  const Chunks chunks{n, std::clamp<int64_t>((n + kMinChunk - 1) / kMinChunk, 1, max_chunks)};
+  const Chunks chunks{n, std::clamp<int64_t>((n + kMinChunk - 1) / kMinChunk, 1, kMaxChunks)};
 
   // Pass 1.
   std::vector<uint32_t> hist(chunks.count * kTopBins);
