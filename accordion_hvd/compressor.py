@@ -20,10 +20,15 @@ with torch 2.x gradients are new tensors every step. We read the parameter from 
 calling frame (``_allreduce_grad_async(self, p)``) and take its name from the optimizer's
 own ``_parameter_names``, the name Horovod itself uses for the collective. That is exact,
 independent of hook order, and fails loudly if called from anywhere else.
+
+Nothing may hang: at the first ``compress`` every rank allgathers its settings and all ranks
+raise the same ``ValueError`` if they differ; every wait on the channel has a timeout.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import sys
 from typing import Any
 
@@ -34,6 +39,7 @@ from .codecs._common import NORMAL, positive_number
 
 
 _DENSE, _POWERSGD, _TOPK = "dense", "powersgd", "topk"
+_CONFIG_BYTES = 1024  # the settings' canonical JSON, zero-padded: one fixed-size allgather
 
 
 class _DefaultInstanceMethod:
@@ -85,6 +91,7 @@ class AccordionCompressor:
         self._sent: dict[str, int] = {}              # cumulative floats sent, per layer
         self._dense: dict[str, int] = {}             # cumulative floats a dense allreduce sends
         self.steps = 0
+        self._config_checked = False
 
     @classmethod
     def default_instance(cls) -> "AccordionCompressor":
@@ -125,6 +132,7 @@ class AccordionCompressor:
     # --- the same, with the parameter named explicitly (tests, other front ends) -------------
     @torch.no_grad()
     def compress_named(self, name: str, tensor: torch.Tensor):
+        self._check_config_once()
         if name in self._pending or name in self._results:
             raise RuntimeError(f"AccordionCompressor: {name!r} compressed twice in one step")
         dense_floats = tensor.numel()
@@ -146,6 +154,30 @@ class AccordionCompressor:
             self._pending[name] = (self.codec.encode(state, tensor), tensor)
         self._sent[name] = self._sent.get(name, 0) + self.codec.floats_sent(state)
         return tensor.new_empty(0), (self._kind, name)
+
+    def config(self) -> dict:
+        """The settings that must be equal on every rank (plain JSON values)."""
+        policy = "accordion" if self.policy is None else getattr(self.policy, "name", type(self.policy).__name__)
+        return {**self.codec.config(), "eta": self.eta, "interval": self.interval, "policy": policy}
+
+    def _check_config_once(self) -> None:
+        """At the first compress, compare every rank's settings (one blocking allgather).
+
+        Ranks started with different settings would issue collectives that never pair (a
+        hang) or pair wrong tensors; instead every rank raises the same ValueError naming the
+        settings that differ and which ranks have which value."""
+        if self._config_checked:
+            return
+        mine = json.dumps(self.config(), sort_keys=True, default=repr).encode()
+        if len(mine) > _CONFIG_BYTES:  # never in practice; still compared exactly
+            mine = json.dumps({"config_sha256": hashlib.sha256(mine).hexdigest()}).encode()
+        buffer = torch.zeros(_CONFIG_BYTES, dtype=torch.uint8)
+        buffer[:len(mine)] = torch.tensor(list(mine), dtype=torch.uint8)
+        gathered = self.channel.wait(self.channel.allgather_async(buffer, name="acc.config"))
+        configs = [json.loads(bytes(row.tolist()).rstrip(b"\0")) for row in gathered.view(-1, _CONFIG_BYTES)]
+        if any(c != configs[0] for c in configs):
+            raise ValueError(_config_mismatch_message(configs))
+        self._config_checked = True
 
     @torch.no_grad()
     def _exchange(self) -> None:
@@ -203,6 +235,24 @@ class AccordionCompressor:
                            "level": self._layers[n].level if n in self._layers else "dense"}
                        for n in sorted(self._dense)},
         }
+
+
+def _config_mismatch_message(configs: list[dict]) -> str:
+    """Which settings differ, and which ranks have which value (the same text on every rank)."""
+    differences = []
+    for key in sorted({k for c in configs for k in c}):
+        values = [repr(c[key]) if key in c else "(not set)" for c in configs]
+        if len(set(values)) == 1:
+            continue
+        ranks_by_value: dict[str, list[int]] = {}
+        for rank, value in enumerate(values):
+            ranks_by_value.setdefault(value, []).append(rank)
+        differences.append(f"{key!r}: " + " vs ".join(
+            f"{value} (rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))})"
+            for value, ranks in ranks_by_value.items()))
+    return ("AccordionCompressor: ranks were started with different compressor settings; every rank "
+            "must create AccordionCompressor with the same codec and arguments. Differing: "
+            + "; ".join(differences) + ".")
 
 
 def _horovod_parameter_name(max_depth: int = 6) -> str:

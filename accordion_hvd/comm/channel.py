@@ -3,20 +3,31 @@
 Every collective carries a name. Ranks pair collectives by name, so a rank that issued a
 different sequence (a different layer set, another level) fails loudly instead of summing
 the wrong tensors.
+
+Nothing may hang: ``wait`` gives up after a timeout (``ACCORDION_COLLECTIVE_TIMEOUT``
+seconds, default 300) and raises a ``TimeoutError`` naming the collective, because a
+collective that another rank never submits would otherwise block every rank forever.
 """
 
 from __future__ import annotations
 
+import math
+import numbers
+import os
 from typing import Any, Protocol
 
 import torch
 
 Handle = Any  # opaque, channel-specific
 
+TIMEOUT_ENV = "ACCORDION_COLLECTIVE_TIMEOUT"
+DEFAULT_TIMEOUT = 300.0
+
 
 class Channel(Protocol):
     rank: int
     size: int
+    timeout: float  # seconds a wait() may take before it raises TimeoutError
 
     def allreduce_mean_async(self, tensors: list[torch.Tensor], name: str) -> Handle:
         """Start averaging each tensor over all ranks (one batched round)."""
@@ -25,4 +36,36 @@ class Channel(Protocol):
         """Start concatenating every rank's 1-D ``tensor`` (same length everywhere), rank order."""
 
     def wait(self, handle: Handle) -> Any:
-        """Finish a collective: a list of averaged tensors, or the gathered tensor."""
+        """Finish a collective: a list of averaged tensors, or the gathered tensor.
+
+        Raises ``collective_timeout_error(...)`` if it does not complete within ``timeout``
+        seconds (usually: another rank never submitted a collective of that name)."""
+
+
+def collective_timeout(timeout: float | None = None) -> float:
+    """Seconds a collective may take: ``timeout`` if given, else $ACCORDION_COLLECTIVE_TIMEOUT,
+    else 300. ``math.inf`` waits forever."""
+    source = "timeout"
+    if timeout is None:
+        raw = os.environ.get(TIMEOUT_ENV, "").strip()
+        if not raw:
+            return DEFAULT_TIMEOUT
+        source = TIMEOUT_ENV
+        try:
+            timeout = float(raw)
+        except ValueError:
+            raise ValueError(f"{TIMEOUT_ENV} must be a number of seconds, got {raw!r}") from None
+    if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real):
+        raise TypeError(f"{source} must be a number of seconds, got {type(timeout).__name__}")
+    if math.isnan(timeout) or timeout <= 0:
+        raise ValueError(f"{source} must be a positive number of seconds, got {timeout!r}")
+    return float(timeout)
+
+
+def collective_timeout_error(name: str, rank: int, size: int, timeout: float) -> TimeoutError:
+    """The error every channel raises when a collective does not complete in time."""
+    return TimeoutError(
+        f"AccordionCompressor: collective {name!r} did not complete within {timeout:g} s on rank {rank} "
+        f"(world size {size}). Usually the ranks disagree on their configuration or on which layers get "
+        f"compressed (different models, or parameters that require gradients on some ranks only), so "
+        f"another rank never submitted {name!r}. If a rank is merely slow, raise {TIMEOUT_ENV} (seconds).")

@@ -2,14 +2,32 @@
 
 from __future__ import annotations
 
+import time
+
 import torch
+
+from .channel import collective_timeout, collective_timeout_error
+
+# wait() polls with a growing pause: quick for collectives that are about to finish, cheap
+# (1000 polls/s at most) for long ones, and never more than _MAX_PAUSE late.
+_FIRST_PAUSE, _MAX_PAUSE = 1e-5, 1e-3
 
 
 class HorovodChannel:
-    def __init__(self) -> None:
+    """Horovod's collectives, with a timeout on every wait.
+
+    Args:
+        timeout: seconds a collective may take before ``wait`` raises ``TimeoutError``;
+            default $ACCORDION_COLLECTIVE_TIMEOUT, else 300. ``hvd.synchronize`` would block
+            forever on a collective that another rank never submits.
+    """
+
+    def __init__(self, timeout: float | None = None) -> None:
         import horovod.torch as hvd  # imported here: the math and the tests need no Horovod
 
         self._hvd = hvd
+        self.timeout = collective_timeout(timeout)
+        self._names: dict[int, str] = {}  # handle -> collective name, until waited on
 
     @property
     def rank(self) -> int:
@@ -21,10 +39,22 @@ class HorovodChannel:
 
     def allreduce_mean_async(self, tensors: list[torch.Tensor], name: str):
         # One grouped collective: Horovod negotiates and fuses the group as a unit.
-        return self._hvd.grouped_allreduce_async(tensors, op=self._hvd.Average, name=name)
+        handle = self._hvd.grouped_allreduce_async(tensors, op=self._hvd.Average, name=name)
+        self._names[handle] = name
+        return handle
 
     def allgather_async(self, tensor: torch.Tensor, name: str):
-        return self._hvd.allgather_async(tensor, name=name)
+        handle = self._hvd.allgather_async(tensor, name=name)
+        self._names[handle] = name
+        return handle
 
     def wait(self, handle):
+        name = self._names.pop(handle, "<unnamed>")
+        deadline = time.monotonic() + self.timeout
+        pause = _FIRST_PAUSE
+        while not self._hvd.poll(handle):
+            if time.monotonic() >= deadline:
+                raise collective_timeout_error(name, self.rank, self.size, self.timeout)
+            time.sleep(pause)
+            pause = min(2 * pause, _MAX_PAUSE)
         return self._hvd.synchronize(handle)
