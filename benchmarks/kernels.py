@@ -1,18 +1,22 @@
-"""Kernel microbenchmarks: our accordion:: ops against the plain-torch pipeline they replace
-and against the memory-traffic floor, measured side by side in one run.
+"""Kernel microbenchmarks: our accordion:: ops against the plain-torch pipeline they replace,
+against a plain copy of the same tensor and against the memory-traffic floor, measured side
+by side in one run.
 
     .venv/bin/python benchmarks/kernels.py                 # CPU, writes results/kernels-cpu.md
     .venv/bin/python benchmarks/kernels.py --device cuda   # GPU, writes results/kernels-cuda-<gpu>.md
 
-The floor of a memory-bound op is the bytes it must move divided by the bandwidth of a
-plain device copy, measured in the same run. Buffers rotate through a pool larger than the
-last-level cache, so no timing is served from cache. Machines here are shared and noisy:
-read the ratios (measured back to back), not the absolute times.
+*copy* is the time of a plain device copy of an n-entry float32 tensor; *floor* is the
+bytes an op must move divided by the copy bandwidth. Buffers rotate through a pool larger
+than the last-level cache, so no timing is served from cache; an op that changes its
+inputs (error feedback) gets them restored, untimed, half a pool ahead of their next use.
+Machines here are shared and noisy: read the ratios (measured back to back), not the
+absolute times.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import platform
 import statistics
 import time
@@ -23,23 +27,75 @@ from typing import Callable
 import torch
 
 import accordion_hvd as acc
+from accordion_hvd import reference
 
 RESULTS = Path(__file__).resolve().parent / "results"
-POOL_BYTES = 256 << 20  # rotate through at least this much memory (> any L2/LLC here)
+POOL_BYTES = 512 << 20  # rotate through at least this much memory (> any L2/LLC here)
 
 
 @dataclass
 class Case:
-    """One op at one size: how to make inputs, ours, torch's, and the bytes it must move."""
+    """One op: how to make inputs, ours, torch's, the bytes it must move, and (for ops that
+    change their inputs) how to restore them."""
     name: str
     make: Callable[[int, torch.dtype, torch.device], tuple]
     ours: Callable
     torch_pipeline: Callable
     bytes_moved: Callable[[int, torch.dtype], int]
+    restore: Callable | None = None
+
+
+def _bytes(dtype):
+    return torch.finfo(dtype).bits // 8
 
 
 def _ef_add_inputs(n, dtype, device):
     return torch.randn(n, device=device).to(dtype), torch.randn(n, device=device, dtype=torch.float32)
+
+
+def _topk_inputs(n, dtype, device):
+    grad, residual = _ef_add_inputs(n, dtype, device)
+    residual.mul_(0.1)
+    return grad, residual, residual.clone()  # the last: pristine residual, for restore
+
+
+def _torch_topk(grad, residual, k):
+    """What a user writes with torch alone: add, abs, topk, gather, zero."""
+    residual.add_(grad)
+    idx = residual.abs().topk(k, sorted=False).indices
+    values = residual[idx]
+    residual[idx] = 0
+    return values, idx
+
+
+def _topk_case(ratio):
+    def k_of(n):
+        return max(1, math.ceil(ratio * n))
+    return Case(
+        f"topk_ef {ratio:.0%}", _topk_inputs,
+        ours=lambda g, r, _: acc.ops.topk_ef(g, r, k_of(g.numel())),
+        torch_pipeline=lambda g, r, _: _torch_topk(g, r, k_of(g.numel())),
+        # read grad and residual, write residual, write k values and indices
+        bytes_moved=lambda n, dt: n * (_bytes(dt) + 8) + 8 * k_of(n),
+        restore=lambda g, r, pristine: r.copy_(pristine))
+
+
+def _sparse_inputs(ratio, world=4):
+    def make(n, dtype, device):
+        k = max(1, math.ceil(ratio * n))
+        values = torch.randn(world * k, device=device)
+        indices = torch.cat([torch.randperm(n, device=device)[:k] for _ in range(world)]).to(torch.int32)
+        return values, indices, n, world, dtype
+    return make
+
+
+def _sparse_case(ratio, world=4):
+    return Case(
+        f"sparse_average {ratio:.0%} x{world} ranks", _sparse_inputs(ratio, world),
+        ours=lambda v, i, n, w, dt: acc.ops.sparse_average(v, i, n, w, dt),
+        torch_pipeline=lambda v, i, n, w, dt: reference.sparse_average(v, i, n, w).to(dt),
+        # write the dense output, read the gathered entries
+        bytes_moved=lambda n, dt: n * _bytes(dt) + 8 * world * max(1, math.ceil(ratio * n)))
 
 
 CASES = [
@@ -47,7 +103,9 @@ CASES = [
     Case("ef_add_ (grad -> fp32 residual)", _ef_add_inputs,
          ours=lambda g, r: acc.ops.ef_add_(g, r),
          torch_pipeline=lambda g, r: r.add_(g),
-         bytes_moved=lambda n, dt: n * (torch.finfo(dt).bits // 8 + 4 + 4)),
+         bytes_moved=lambda n, dt: n * (_bytes(dt) + 4 + 4)),
+    _topk_case(0.01), _topk_case(0.10),
+    _sparse_case(0.01), _sparse_case(0.10),
 ]
 
 
@@ -56,10 +114,13 @@ def sync(device):
         torch.cuda.synchronize()
 
 
-def time_fn(fn, pool, device, reps):
+def time_fn(fn, pool, device, reps, restore=None):
     """Median seconds of fn(*args) over reps calls, cycling through the input pool."""
     for args in pool[:2]:
         fn(*args)  # warm-up
+    if restore:
+        for args in pool:
+            restore(*args)
     times = []
     for i in range(reps):
         args = pool[i % len(pool)]
@@ -68,6 +129,8 @@ def time_fn(fn, pool, device, reps):
         fn(*args)
         sync(device)
         times.append(time.perf_counter() - t0)
+        if restore:  # untimed, and far from the next use of these buffers
+            restore(*pool[(i + len(pool) // 2) % len(pool)])
     return statistics.median(times)
 
 
@@ -78,6 +141,56 @@ def copy_bandwidth(n_bytes, device, reps):
              torch.ones(n_bytes, dtype=torch.uint8, device=device)) for _ in range(count)]
     seconds = time_fn(lambda dst, src: dst.copy_(src), pool, device, reps)
     return 2 * n_bytes / seconds
+
+
+def tensor_bytes(args):
+    return sum(a.numel() * a.element_size() for a in args if isinstance(a, torch.Tensor))
+
+
+# --- PowerSGD: all layers of a model, one step of compression compute ------------------------
+
+RESNET18 = ([(64, 3, 7, 7)] + [(64, 64, 3, 3)] * 4
+            + [(128, 64, 3, 3), (128, 128, 3, 3), (128, 64, 1, 1), (128, 128, 3, 3), (128, 128, 3, 3)]
+            + [(256, 128, 3, 3), (256, 256, 3, 3), (256, 128, 1, 1), (256, 256, 3, 3), (256, 256, 3, 3)]
+            + [(512, 256, 3, 3), (512, 512, 3, 3), (512, 256, 1, 1), (512, 512, 3, 3), (512, 512, 3, 3)]
+            + [(1000, 512)])
+
+
+def powersgd_step_ours(codec, states, grads):
+    """The codec's real path, with averaging the identity (one rank)."""
+    ps = [codec.start(s, g) for s, g in zip(states, grads)]
+    qs = codec.middle(states, ps)
+    return [codec.finish(s, q, g) for s, q, g in zip(states, qs, grads)]
+
+
+def powersgd_step_reference(layers):
+    """Per layer, in plain torch, as one would write it from the paper."""
+    out = []
+    for grad, e, q in layers:
+        m = grad.reshape(e.shape) + e
+        p = reference.orthogonalize_(m @ q)
+        q_new = m.t() @ p
+        m_hat = p @ q_new.t()
+        e.copy_(m - m_hat)
+        out.append(m_hat.view(grad.shape))
+    return out
+
+
+def bench_powersgd(shapes, rank, reps, device):
+    codec = acc.PowerSGD(rank=rank, min_compression_rate=1.0)
+    shapes = [s for s in shapes if codec.compressible(torch.Size(s))]
+    copies = max(2, POOL_BYTES // (8 * sum(math.prod(s) for s in shapes)))
+    pool_ours, pool_ref = [], []
+    for _ in range(copies):
+        grads = [torch.randn(s, device=device) for s in shapes]
+        states = [codec.init_state(f"layer{i}", g) for i, g in enumerate(grads)]
+        pool_ours.append((codec, states, grads))
+        pool_ref.append(([(g.clone(), s.residual.clone(), s.q.clone()) for g, s in zip(grads, states)],))
+    ours = time_fn(powersgd_step_ours, pool_ours, device, reps)
+    ref = time_fn(powersgd_step_reference, pool_ref, device, reps)
+    params = sum(math.prod(s) for s in shapes)
+    state_floats = sum(s.residual.numel() + s.q.numel() for s in pool_ours[0][1])
+    return params, len(shapes), ours, ref, state_floats
 
 
 def machine_name(device):
@@ -96,7 +209,8 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--sizes", default="1e6,1e7", help="comma-separated element counts")
-    p.add_argument("--dtypes", default="float16,bfloat16,float32")
+    p.add_argument("--dtypes", default="float16,float32")
+    p.add_argument("--ops", default="", help="only cases whose name contains one of these (comma-separated)")
     p.add_argument("--reps", type=int, default=30)
     p.add_argument("--out", type=Path, help="markdown file to write (default: results/kernels-<device>.md)")
     args = p.parse_args(argv)
@@ -105,21 +219,33 @@ def main(argv=None):
         p.error("--device cuda: no CUDA GPU on this machine")
     sizes = [int(float(s)) for s in args.sizes.split(",")]
     dtypes = [getattr(torch, d) for d in args.dtypes.split(",")]
+    wanted = [w for w in args.ops.split(",") if w]
+    cases = [c for c in CASES if not wanted or any(w in c.name for w in wanted)]
 
     rows = []
-    for case in CASES:
+    for case in cases:
         for n in sizes:
             for dtype in dtypes:
-                one = sum(t.numel() * t.element_size() for t in case.make(1, dtype, device))
-                pool = [case.make(n, dtype, device) for _ in range(max(2, POOL_BYTES // (one * n)))]
-                ours = time_fn(case.ours, pool, device, args.reps)
-                ref = time_fn(case.torch_pipeline, pool, device, args.reps)
+                one = max(tensor_bytes(case.make(n, dtype, device)), case.bytes_moved(n, dtype))
+                pool = [case.make(n, dtype, device) for _ in range(max(4, POOL_BYTES // one))]
+                ours = time_fn(case.ours, pool, device, args.reps, case.restore)
+                ref = time_fn(case.torch_pipeline, pool, device, args.reps, case.restore)
+                del pool
                 bandwidth = copy_bandwidth(n * 4, device, args.reps)
+                copy = 2 * n * 4 / bandwidth
                 floor = case.bytes_moved(n, dtype) / bandwidth
-                rows.append((case.name, n, str(dtype).removeprefix("torch."), ours, ref, floor, bandwidth))
+                rows.append((case.name, n, str(dtype).removeprefix("torch."), ours, ref, copy, floor, bandwidth))
                 print(f"{case.name:34s} n={n:>10,d} {rows[-1][2]:9s} ours {ours*1e3:8.3f} ms  "
-                      f"torch {ref*1e3:8.3f} ms  ({ref/ours:4.2f}x)  floor {floor*1e3:8.3f} ms "
-                      f"(ours/floor {ours/floor:4.2f})", flush=True)
+                      f"torch {ref*1e3:8.3f} ms ({ref/ours:5.2f}x)  ours/copy {ours/copy:5.2f}  "
+                      f"ours/floor {ours/floor:4.2f}", flush=True)
+
+    psgd_rows = []
+    if not wanted or any("powersgd" in w for w in wanted):
+        for rank in (1, 4):
+            params, layers, ours, ref, state = bench_powersgd(RESNET18, rank, args.reps, device)
+            psgd_rows.append((rank, params, layers, ours, ref, state))
+            print(f"powersgd ResNet-18 rank {rank}: ours {ours*1e3:.2f} ms, per-layer torch {ref*1e3:.2f} ms "
+                  f"({ref/ours:.2f}x)", flush=True)
 
     name = machine_name(device)
     lines = [
@@ -127,15 +253,44 @@ def main(argv=None):
         f"Machine: {name}; torch {torch.__version__}. Command: "
         f"`.venv/bin/python benchmarks/kernels.py --device {device.type} --sizes {args.sizes} "
         f"--dtypes {args.dtypes} --reps {args.reps}`. Median of {args.reps} calls, inputs rotating "
-        f"through {POOL_BYTES >> 20} MiB. *floor* = bytes the op must move / bandwidth of a plain "
-        f"copy measured in the same run. On CPUs a copy also reads its destination before writing "
-        f"it (write-allocate), which an in-place op does not pay twice: ours/floor can dip below 1.", "",
-        "| op | n | grad dtype | ours (ms) | torch (ms) | torch / ours | floor (ms) | ours / floor | copy GB/s |",
-        "| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+        f"through at least {POOL_BYTES >> 20} MiB. *copy* = a plain copy of an n-entry float32 "
+        f"tensor, measured in the same run; *floor* = bytes the op must move / that copy's "
+        f"bandwidth. On CPUs a copy also reads its destination before writing it "
+        f"(write-allocate), which an in-place op does not pay twice: ours/floor can dip below 1.", "",
+        "| op | n | grad dtype | ours (ms) | torch (ms) | torch / ours | copy (ms) | ours / copy | "
+        "floor (ms) | ours / floor | copy GB/s |",
+        "| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
-    for op, n, dt, ours, ref, floor, bw in rows:
+    for op, n, dt, ours, ref, copy, floor, bw in rows:
         lines.append(f"| {op} | {n:.0e} | {dt} | {ours*1e3:.3f} | {ref*1e3:.3f} | {ref/ours:.2f}x | "
-                     f"{floor*1e3:.3f} | {ours/floor:.2f} | {bw/1e9:.1f} |")
+                     f"{copy*1e3:.3f} | {ours/copy:.2f} | {floor*1e3:.3f} | {ours/floor:.2f} | {bw/1e9:.1f} |")
+    if psgd_rows:
+        lines += [
+            "", "## PowerSGD compression compute, all layers of ResNet-18", "",
+            "One step with averaging left out (one rank): error-feedback add, P = MQ, "
+            "orthogonalization, Q = M^T P, M_hat = PQ^T, e = M - M_hat. *ours* is the codec's own "
+            "path (`start`, `middle` with one batched Gram-Schmidt call for all layers, `finish` "
+            "writing M_hat into the spent gradient); *per-layer torch* is the same math layer by "
+            "layer in plain torch. Products go through BLAS in both.", "",
+            "| rank | layers | parameters | ours (ms) | per-layer torch (ms) | torch / ours | state kept (floats) |",
+            "| ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        ]
+        for rank, params, layers, ours, ref, state in psgd_rows:
+            lines.append(f"| {rank} | {layers} | {params:,} | {ours*1e3:.2f} | {ref*1e3:.2f} | {ref/ours:.2f}x | "
+                         f"{state:,} (= parameters + {state - params:,}) |")
+    lines += [
+        "", "## Extra memory per compressed layer", "",
+        "- Both codecs: the error-feedback buffer, one float32 tensor of the layer's size (the "
+        "only gradient-sized state).",
+        "- PowerSGD: Q (m x r floats) kept between steps, P (n x r) during a step; M = grad + e is "
+        "formed in the error-feedback buffer and M_hat written into the spent gradient, so a "
+        "float32 step allocates nothing gradient-sized (a 16-bit gradient needs one float32 "
+        "M_hat during `finish`).",
+        "- TopK: per step, the k values and int32 indices sent (8k bytes) and, inside the "
+        "kernel, the candidates of one histogram bucket as (key, index) pairs: at most "
+        "8 (2k + 65,536) bytes, else the kernel scans instead of copying. Decoding writes "
+        "one dense float32 vector (plus its copy in the gradient's dtype when that is 16-bit).",
+    ]
     out = args.out or RESULTS / (f"kernels-{device.type}.md" if device.type == "cpu" else
                                  f"kernels-cuda-{name.replace(' ', '_')}.md")
     out.parent.mkdir(parents=True, exist_ok=True)
