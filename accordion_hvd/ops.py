@@ -57,8 +57,8 @@ def topk_ef(grad: torch.Tensor, residual: torch.Tensor, k: int):
 
     ``residual`` (float32, contiguous) becomes ``grad + residual`` with the kept entries
     zeroed. Returns ``(values, indices, g_sq, kept_sq)``: the k kept entries of largest
-    magnitude (ties to the lower index) as float32 values and int32 indices, in a
-    deterministic order (treat them as a set), and the float64 squared norms of
+    magnitude (ties to the lower index) as float32 values and int32 indices, ascending by
+    index, and the float64 squared norms of
     ``grad + residual`` and of its kept part.
     """
     _check_dense_pair("accordion::topk_ef", grad, residual)

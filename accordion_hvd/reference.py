@@ -27,9 +27,6 @@ def topk_select(grad: torch.Tensor, residual: torch.Tensor, k: int):
     indices ascending as int32, values ``g[indices]`` in the residual's dtype, the new
     residual ``g`` with the kept entries zeroed, and the squared L2 norms (float64) of ``g``
     and of its kept part, which the policies use.
-
-    The kernel returns the same entries with the same values, in an order of its own
-    (deterministic, independent of the thread count): compare the outputs as sets.
     """
     g = ef_add(grad, residual).reshape(-1)
     if not 0 <= k <= g.numel():
