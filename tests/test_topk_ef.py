@@ -64,6 +64,18 @@ def test_heavy_ties_take_the_lowest_indices(kind, k):
     assert_same_selection(grad, residual, k)
 
 
+def test_a_misleading_sample_still_gives_the_exact_answer():
+    # Large values exactly where the kernel samples (512 runs of 32, spread evenly) and
+    # nowhere else: the sampled bound lets fewer than k entries through, so the kernel must
+    # notice and select over all of g.
+    n, runs, run = 1_000_000, 512, 32
+    grad = torch.rand(n) * 0.01
+    for j in range(runs):
+        start = j * (n - run) // (runs - 1)
+        grad[start:start + run] = 10 + torch.rand(run)
+    assert_same_selection(grad, torch.zeros(n), 20_000)
+
+
 def test_tie_rule_by_hand():
     grad = torch.tensor([1.0, -3.0, 3.0, 2.0, -3.0, 0.5])
     v, i, _, _ = acc.ops.topk_ef(grad, torch.zeros(6), 2)
