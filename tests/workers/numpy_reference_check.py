@@ -1,0 +1,192 @@
+"""Worker run by tests/test_numpy_reference.py under horovodrun, on every rank.
+
+Proves that what the stock ``hvd.DistributedOptimizer`` applies with ``AccordionCompressor``
+is, step after step, exactly the algorithm on paper, by recomputing it independently in
+pure NumPy (float64) for ALL ranks on every rank.
+
+The model is built so that the applied update is observable exactly: parameters W and
+    loss = sum over params of sum(W * G[r, t])
+so the gradient on rank r at step t is G[r, t] (a seeded matrix every rank can regenerate:
+``numpy.random.RandomState(1000 * t + r)``), and plain SGD with lr=1.0 and no momentum makes
+W_t - W_{t+1} the decompressed gradient. The reference:
+
+  PowerSGD (per compressed layer, matrices (shape[0], prod(rest))):
+      M_r = G_r + e_r;  P = mean_r(M_r Q);  P = orthogonalize(P)  (Gram-Schmidt, eps added
+      to each column norm);  Q = mean_r(M_r^T P);  update = P Q^T;  e_r = M_r - P Q^T;
+      Q is kept as the next step's warm start (the initial Q is taken from the codec: it is
+      an input, not the algorithm).
+  TopK (per compressed layer, flattened):
+      g_r = G_r + e_r;  keep the k = ceil(ratio * numel) largest |g_r|, ties to the LOWER
+      index;  update = sum_r(sparse_r) / world size;  e_r = g_r with the kept entries zeroed.
+  Dense layers (1-D, or too small): update = mean_r(G_r).
+
+Modes (argv[1]):
+  powersgd   PowerSGD(rank=2) on a 24x40 weight, an 8x3x5x5 conv-like weight and a dense
+             bias; standard normal gradients. Parameters must match the float64 reference
+             within rtol=atol=1e-4 (float32 arithmetic; the measured error is ~1e-6).
+  topk       TopK(ratio=0.1) on the same layers, with gradients quantized to multiples of
+             1/4 in [-2, 2], so |g| has many exact ties, and ties that straddle the k-th
+             place (the worker asserts they occur, so tie-breaking is really exercised).
+             All sums are exact in float32, so the applied update of the compressed layers
+             must equal the reference BIT FOR BIT; parameters within 1e-5.
+  topk-full  TopK(ratio=1.0, min_compression_rate=0.5): every entry is sent through the
+             compressed path (asserted through stats()), and the result must equal
+             Horovod's own dense average, hvd.allreduce(G, op=hvd.Average), bit for bit.
+
+After every step: parameters (and applied updates) against the reference, and parameters
+bit-identical on all ranks. Catches wrong averaging (sum vs mean), missing or wrong error
+feedback, no warm start of Q, wrong orthogonalization, wrong tie-breaking, wrong k.
+Usage: numpy_reference_check.py MODE STEPS
+"""
+
+import math
+import sys
+
+import horovod.torch as hvd
+import numpy as np
+import torch
+
+import accordion_hvd as acc
+from worker_util import checker
+
+mode, steps = sys.argv[1], int(sys.argv[2])
+hvd.init()
+rank, size = hvd.rank(), hvd.size()
+check = checker(rank)
+
+SHAPES = {"w2d": (24, 40), "conv": (8, 3, 5, 5), "bias": (24,)}
+COMPRESSED = ("w2d", "conv")  # stated here, not asked from the codec: bias is 1-D, so dense
+RATIO = {"topk": 0.1, "topk-full": 1.0}.get(mode)
+
+if mode == "powersgd":
+    codec = acc.PowerSGD(rank=2)
+elif mode == "topk":
+    codec = acc.TopK(ratio=RATIO)
+elif mode == "topk-full":
+    codec = acc.TopK(ratio=RATIO, min_compression_rate=0.5)  # so that ratio 1.0 is still "compressed"
+else:
+    raise SystemExit(f"unknown mode {mode!r}")
+
+
+def grads(r: int, t: int) -> dict[str, np.ndarray]:
+    """G[r, t]: float32 values (what torch sees), same on every rank that asks."""
+    rs = np.random.RandomState(1000 * t + r)
+    if mode == "topk":  # quantized: many exact ties in magnitude, exact sums
+        return {n: (rs.randint(-8, 9, size=s) / 4).astype(np.float32) for n, s in SHAPES.items()}
+    return {n: rs.standard_normal(s).astype(np.float32) for n, s in SHAPES.items()}
+
+
+# --- the model: W, and loss = sum(W * G) ---------------------------------------------------
+class Model(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        rs = np.random.RandomState(7)
+        for n, s in SHAPES.items():
+            setattr(self, n, torch.nn.Parameter(torch.from_numpy(rs.standard_normal(s).astype(np.float32))))
+
+
+model = Model()
+compression = acc.AccordionCompressor(codec)
+opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=1.0, momentum=0.0),
+                               named_parameters=model.named_parameters(), compression=compression)
+hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+params = dict(model.named_parameters())
+
+
+# --- the NumPy reference, for all ranks ----------------------------------------------------
+def orthogonalize(p: np.ndarray, eps: float) -> np.ndarray:
+    p = p.copy()
+    for i in range(p.shape[1]):
+        p[:, i] /= np.linalg.norm(p[:, i]) + eps
+        p[:, i + 1:] -= np.outer(p[:, i], p[:, i] @ p[:, i + 1:])
+    return p
+
+
+def topk_keep(g: np.ndarray, k: int) -> np.ndarray:
+    """Indices of the k largest |g|, ties towards the lower index (stable sort)."""
+    return np.sort(np.argsort(-np.abs(g), kind="stable")[:k])
+
+
+ref_w = {n: p.detach().double().numpy().copy() for n, p in params.items()}
+# Error feedback e[r, name] of every rank: a matrix for PowerSGD, a flat vector for TopK.
+ref_e = {(r, n): np.zeros((SHAPES[n][0], math.prod(SHAPES[n][1:])) if mode == "powersgd" else math.prod(SHAPES[n]))
+         for r in range(size) for n in COMPRESSED}
+if mode == "powersgd":
+    # The initial Q: an input of the algorithm, taken from the codec (seeded per layer name).
+    ref_q = {n: codec.init_state(n, torch.zeros(SHAPES[n])).q.double().numpy() for n in COMPRESSED}
+straddling_ties = {n: 0 for n in COMPRESSED}
+
+
+def reference_step(t: int) -> dict[str, np.ndarray]:
+    """The update every rank must apply at step t (float64), advancing the reference state."""
+    g_all = [{n: v.astype(np.float64) for n, v in grads(r, t).items()} for r in range(size)]
+    update = {n: sum(g[n] for g in g_all) / size for n in SHAPES}  # dense layers: the mean
+    for n in COMPRESSED:
+        if mode == "powersgd":
+            ms = [g_all[r][n].reshape(ref_e[r, n].shape) + ref_e[r, n] for r in range(size)]
+            p = orthogonalize(sum(m @ ref_q[n] for m in ms) / size, codec.eps)
+            q = sum(m.T @ p for m in ms) / size
+            m_hat = p @ q.T
+            for r in range(size):
+                ref_e[r, n] = ms[r] - m_hat
+            ref_q[n] = q  # warm start
+            update[n] = m_hat.reshape(SHAPES[n])
+        else:
+            k = math.ceil(RATIO * math.prod(SHAPES[n]))
+            total = np.zeros(math.prod(SHAPES[n]))
+            for r in range(size):
+                g = g_all[r][n].reshape(-1) + ref_e[r, n]
+                keep = topk_keep(g, k)
+                if k < g.size:
+                    mags = np.sort(np.abs(g))[::-1]
+                    straddling_ties[n] += int(mags[k - 1] == mags[k])
+                total[keep] += g[keep]
+                ref_e[r, n] = g.copy()
+                ref_e[r, n][keep] = 0.0
+            update[n] = (total / size).reshape(SHAPES[n])
+    return update
+
+
+# --- train and compare, step by step -------------------------------------------------------
+PARAM_TOL = {"powersgd": 1e-4, "topk": 1e-5, "topk-full": 1e-5}[mode]
+worst = 0.0
+for t in range(steps):
+    mine = grads(rank, t)
+    opt.zero_grad()
+    loss = sum((params[n] * torch.from_numpy(mine[n])).sum() for n in SHAPES)
+    loss.backward()
+    opt.step()
+    applied = {n: p.grad.detach().clone() for n, p in params.items()}  # Horovod set_()s the decompressed grad
+    expected = reference_step(t)
+    for n, p in params.items():
+        ref_w[n] = ref_w[n] - expected[n]
+        got_w, got_u = p.detach().double().numpy(), applied[n].double().numpy()
+        err_w = np.abs(got_w - ref_w[n]).max()
+        err_u = np.abs(got_u - expected[n]).max()
+        worst = max(worst, err_w, err_u)
+        check(np.allclose(got_w, ref_w[n], rtol=PARAM_TOL, atol=PARAM_TOL),
+              f"step {t} {n}: parameters differ from the NumPy reference by {err_w:.3g} (tol {PARAM_TOL})")
+        check(np.allclose(got_u, expected[n], rtol=PARAM_TOL, atol=PARAM_TOL),
+              f"step {t} {n}: applied update differs from the NumPy reference by {err_u:.3g}")
+        if mode == "topk" and n in COMPRESSED:
+            check(np.array_equal(applied[n].numpy(), expected[n].astype(np.float32)),
+                  f"step {t} {n}: TopK update not bit-identical to the exact reference "
+                  f"({int((applied[n].numpy() != expected[n].astype(np.float32)).sum())} entries differ)")
+    if mode == "topk-full":
+        for n in SHAPES:
+            dense = hvd.allreduce(torch.from_numpy(mine[n]), op=hvd.Average, name=f"check.dense.{n}.{t}")
+            check(torch.equal(applied[n], dense),
+                  f"step {t} {n}: TopK(ratio=1.0) differs from hvd.allreduce(op=Average) in "
+                  f"{int((applied[n] != dense).sum())} entries, by up to {(applied[n] - dense).abs().max().item():.3g}")
+    flat = torch.cat([p.detach().reshape(-1) for p in params.values()])
+    everyone = hvd.allgather(flat.unsqueeze(0), name=f"check.params.{t}")
+    check(all(torch.equal(everyone[0], everyone[r]) for r in range(size)), f"step {t}: parameters differ across ranks")
+
+layers = compression.stats()["layers"]
+for n in SHAPES:
+    want = "normal" if n in COMPRESSED else "dense"
+    check(layers[n]["level"] == want, f"{n} went {layers[n]['level']!r}, expected {want!r}")
+if mode == "topk":
+    check(all(straddling_ties.values()), f"no tie straddled the k-th place in some layer: {straddling_ties}")
+print(f"rank {rank}: OK {mode} {codec!r} size {size}, {steps} steps, max |error| {worst:.2e}, "
+      f"straddling ties {straddling_ties}", flush=True)
