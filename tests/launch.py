@@ -48,3 +48,10 @@ def run_worker(script: str, *script_args: str, **kwargs) -> str:
     result = horovodrun([str(WORKERS / script), *script_args], **kwargs)
     assert result.returncode == 0, f"{' '.join(result.args)} exited with {result.returncode}:\n{result.stdout}"
     return result.stdout
+
+
+def run_module(module: str, *module_args: str, **kwargs) -> str:
+    """Run ``python -m MODULE ARGS...`` under horovodrun; assert it succeeded; return its output."""
+    result = horovodrun(["-m", module, *module_args], **kwargs)
+    assert result.returncode == 0, f"{' '.join(result.args)} exited with {result.returncode}:\n{result.stdout}"
+    return result.stdout
