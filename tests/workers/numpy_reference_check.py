@@ -23,7 +23,7 @@ W_t - W_{t+1} the decompressed gradient. The reference:
 Modes (argv[1]):
   powersgd   PowerSGD(rank=2) on a 24x40 weight, an 8x3x5x5 conv-like weight and a dense
              bias; standard normal gradients. Parameters must match the float64 reference
-             within rtol=atol=1e-4 (float32 arithmetic; the measured error is ~1e-6).
+             within rtol=atol=1e-4 (float32 arithmetic; measured: up to 6.5e-6 after 6 steps).
   topk       TopK(ratio=0.1) on the same layers, with gradients quantized to multiples of
              1/4 in [-2, 2], so |g| has many exact ties, and ties that straddle the k-th
              place (the worker asserts they occur, so tie-breaking is really exercised).
@@ -31,7 +31,8 @@ Modes (argv[1]):
              must equal the reference BIT FOR BIT; parameters within 1e-5.
   topk-full  TopK(ratio=1.0, min_compression_rate=0.5): every entry is sent through the
              compressed path (asserted through stats()), and the result must equal
-             Horovod's own dense average, hvd.allreduce(G, op=hvd.Average), bit for bit.
+             Horovod's own dense average, hvd.allreduce(G, op=hvd.Average), bit for bit
+             (true on 2 ranks; on 3 ranks it is 1 ulp off, see test_numpy_reference.py).
 
 After every step: parameters (and applied updates) against the reference, and parameters
 bit-identical on all ranks. Catches wrong averaging (sum vs mean), missing or wrong error
@@ -188,5 +189,5 @@ for n in SHAPES:
     check(layers[n]["level"] == want, f"{n} went {layers[n]['level']!r}, expected {want!r}")
 if mode == "topk":
     check(all(straddling_ties.values()), f"no tie straddled the k-th place in some layer: {straddling_ties}")
-print(f"rank {rank}: OK {mode} {codec!r} size {size}, {steps} steps, max |error| {worst:.2e}, "
-      f"straddling ties {straddling_ties}", flush=True)
+ties = f", ties straddling the k-th place {straddling_ties}" if mode == "topk" else ""
+print(f"rank {rank}: OK {mode} {codec!r} size {size}, {steps} steps, max |error| {worst:.2e}{ties}", flush=True)
