@@ -132,6 +132,9 @@ class AccordionCompressor:
     # --- the same, with the parameter named explicitly (tests, other front ends) -------------
     @torch.no_grad()
     def compress_named(self, name: str, tensor: torch.Tensor):
+        """``compress`` for the parameter ``name``. The gradient is consumed: it is folded into
+        the error feedback, and a PowerSGD layer's result is written into its memory (what
+        Horovod does with the result anyway). Pass a copy to keep the gradient."""
         self._check_config_once()
         if name in self._pending or name in self._results:
             raise RuntimeError(f"AccordionCompressor: {name!r} compressed twice in one step")
@@ -146,6 +149,9 @@ class AccordionCompressor:
         elif state.shape != tensor.shape:
             raise ValueError(f"AccordionCompressor: gradient of {name!r} changed shape from "
                              f"{tuple(state.shape)} to {tuple(tensor.shape)}")
+        if self._kind == _TOPK and self.codec.sends_dense(state):
+            self._sent[name] = self._sent.get(name, 0) + dense_floats
+            return self.codec.flush_dense(state, tensor), (_DENSE, name)
         if self._kind == _POWERSGD:
             p = self.codec.start(state, tensor)
             handle = self.channel.allreduce_mean_async([p], name=f"acc.P.{name}")

@@ -75,6 +75,21 @@ class TopK:
         state.level = level
         state.k = self.level_k(level, state.residual.numel())
 
+    def sends_dense(self, state: TopKState) -> bool:
+        """At a level keeping half the entries or more, values plus indices would cost more
+        than the dense tensor: such a step goes through the ordinary dense allreduce instead
+        (which also makes ratio 1.0 exactly Horovod's dense average)."""
+        return 2 * state.k >= state.residual.numel()
+
+    def flush_dense(self, state: TopKState, grad: torch.Tensor) -> torch.Tensor:
+        """For a dense step: returns ``grad + e`` in the gradient's dtype, to be allreduced as
+        it is; ``e`` keeps only what that dtype rounded away."""
+        g = ops.ef_add(grad.reshape(-1), state.residual)
+        out = g.to(grad.dtype, copy=True)  # never g itself: g becomes the new residual
+        state.residual = g.sub_(out.to(g.dtype))
+        state.g_sq = state.kept_sq = out.double().square().sum().item()
+        return out.view(grad.shape)
+
     def encode(self, state: TopKState, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns (values, int32 indices) to exchange; updates the error feedback.
 
