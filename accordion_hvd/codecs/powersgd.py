@@ -34,7 +34,8 @@ class PowerSGDState:
     level: str
     rank: int                 # the rank in use, clamped to min(n, m)
     residual: torch.Tensor    # e, then M during a step; shape (n, m)
-    q: torch.Tensor           # (m, rank), identical on all ranks
+    q: torch.Tensor           # (m, rank), identical on all ranks; a view of contiguous Q^T
+                              # (rank, m), the layout in which Q is computed and averaged
     p: torch.Tensor | None = None
 
 
@@ -98,7 +99,7 @@ class PowerSGD:
         dtype = residual_dtype(grad.dtype)
         rank = self.level_rank(level, grad.shape)
         residual = torch.zeros(n, m, dtype=dtype, device=grad.device)
-        q = self._fresh_columns(name, m, 0, rank, dtype, grad.device)
+        q = _as_transposed(self._fresh_columns(name, m, 0, rank, dtype, grad.device))
         return PowerSGDState(name, grad.shape, level, rank, residual, q)
 
     def set_level(self, state: PowerSGDState, level: str) -> None:
@@ -108,9 +109,9 @@ class PowerSGD:
         state.level = level
         if rank > state.rank:
             extra = self._fresh_columns(state.name, state.q.shape[0], state.rank, rank, state.q.dtype, state.q.device)
-            state.q = torch.cat([state.q, extra], dim=1)
+            state.q = torch.cat([state.q.t(), extra.t()]).t()
         elif rank < state.rank:
-            state.q = state.q[:, :rank].contiguous()
+            state.q = state.q.t()[:rank].contiguous().t()
         state.rank = rank
 
     def _fresh_columns(self, name: str, m: int, first: int, last: int, dtype, device) -> torch.Tensor:
@@ -131,7 +132,8 @@ class PowerSGD:
 
     def middle(self, states: list[PowerSGDState], p_avgs: list[torch.Tensor]) -> list[torch.Tensor]:
         """Orthogonalizes every layer's averaged P (in one kernel call); returns each layer's
-        Q = M^T P, to be averaged."""
+        Q^T = P^T M (rank x m), to be averaged. (Q^T rather than Q: BLAS reads M in its own
+        row-major order then, about 3x faster on CPUs than M^T P.)"""
         ps = [p.contiguous() for p in p_avgs]
         fast = [p for p in ps if p.device.type == "cpu" and p.dtype in (torch.float32, torch.float64)]
         ops.orthogonalize_(fast, self.eps)
@@ -141,27 +143,35 @@ class PowerSGD:
         qs = []
         for state, p in zip(states, ps):
             state.p = p
-            qs.append(state.residual.t() @ p)
+            qs.append(p.t() @ state.residual)
         return qs
 
-    def finish(self, state: PowerSGDState, q_avg: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
-        """M_hat = P Q^T, e = M - M_hat; returns M_hat shaped and typed like ``grad``.
+    def finish(self, state: PowerSGDState, qt_avg: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+        """With the averaged Q^T: M_hat = P Q^T, e = M - M_hat; returns M_hat shaped and typed
+        like ``grad``.
 
         ``grad`` is this step's gradient, already folded into e by ``start`` and not needed
         any more: when it is a contiguous tensor of the residual's dtype, M_hat is written
-        into its memory, so the step allocates no gradient-sized buffer.
+        into its memory, so the step allocates no gradient-sized buffer, and e is updated by
+        BLAS in place (``addmm_``: one pass over e instead of a product and a subtraction;
+        e then equals M - M_hat up to the last bit's rounding).
         """
-        state.q = q_avg
+        qt_avg = qt_avg.contiguous()
+        state.q = qt_avg.t()
         p, state.p = state.p, None
         e = state.residual
         if grad.dtype == e.dtype and grad.is_contiguous() and not grad.requires_grad:
-            m_hat = grad.view(e.shape)
-            torch.mm(p, q_avg.t(), out=m_hat)
-            e.sub_(m_hat)
+            torch.mm(p, qt_avg, out=grad.view(e.shape))
+            e.addmm_(p, qt_avg, alpha=-1)
             return grad
-        m_hat = p @ q_avg.t()
+        m_hat = p @ qt_avg
         if e.dtype == torch.float32 and e.device.type == "cpu":
             # 16-bit gradient: e -= M_hat and M_hat -> grad dtype in one pass.
             return ops.error_update_(e, m_hat, grad.dtype).view(state.shape)
         e.sub_(m_hat)
         return m_hat.to(grad.dtype).view(state.shape)
+
+
+def _as_transposed(q: torch.Tensor) -> torch.Tensor:
+    """The same (m, r) matrix, stored as contiguous (r, m)."""
+    return q.t().contiguous().t()

@@ -12,7 +12,7 @@
 // bucket holding the k-th largest key, then the next digit within that bucket.
 //
 // Fast path, one pass over the tensor. A sample of 16Ki entries of g gives a key L
-// that, with overwhelming probability, a little more than k entries reach (about 1.2k plus
+// that, with overwhelming probability, a little more than k entries reach (about 1.05k plus
 // four standard deviations of the sample). The single pass then does the error-feedback
 // add, the squared norm, and lists the entries with key >= L as candidates (a vectorized
 // compare; everything else is never looked at again). The radix select runs on the
@@ -123,7 +123,7 @@ inline int64_t list_hits(const float* g, int64_t begin, int64_t end, uint32_t mi
 
 // A key below which, judging from a sample of g = grad + residual (computed as the
 // error-feedback add computes it), fewer than k entries should fall short: the sample's
-// r-th largest key, r about 1.2 k/n of the sample plus four standard deviations. The
+// r-th largest key, r about 1.05 k/n of the sample plus four standard deviations. The
 // sample is kSampleRuns short runs spread evenly over the tensor, so it costs a few
 // hundred cache lines rather than one miss per sampled entry.
 template <typename G>
@@ -139,7 +139,7 @@ uint32_t sampled_min_key(const G* grad, const float* residual, int64_t n, int64_
   }
   const int64_t s = static_cast<int64_t>(keys.size());
   const double expected = static_cast<double>(s) * k / n;
-  const int64_t r = std::min<int64_t>(s, static_cast<int64_t>(std::ceil(1.2 * expected + 4 * std::sqrt(expected) + 4)));
+  const int64_t r = std::min<int64_t>(s, static_cast<int64_t>(std::ceil(1.05 * expected + 4 * std::sqrt(expected) + 4)));
   std::nth_element(keys.begin(), keys.begin() + (r - 1), keys.end(), std::greater<uint32_t>());
   return keys[r - 1];
 }
