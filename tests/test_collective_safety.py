@@ -25,7 +25,10 @@ def run_mismatch(mode, backend, **env):
 
 def messages_by_rank(out):
     """{rank: message} from the "rank R: ..." lines the workers print (launcher prefixes removed)."""
-    return {int(m.group(1)): m.group(2) for m in re.finditer(r"^(?:\[[\d,]+\]<stdout>:)?rank (\d+): (.*)$", out, re.M)}
+    # Launchers tag every line ("[0]<stdout>:", mpirun's "[1,0]<stdout>:"), and mpirun may
+    # glue another rank's tag to the end of a line: drop the tags wherever they are.
+    plain = re.sub(r"\[[\d,]+\]<std(?:out|err)>:", "", out)
+    return {int(m.group(1)): m.group(2) for m in re.finditer(r"^rank (\d+): (.*)$", plain, re.M)}
 
 
 @pytest.mark.horovod

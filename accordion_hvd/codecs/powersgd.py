@@ -135,10 +135,10 @@ class PowerSGD:
         Q^T = P^T M (rank x m), to be averaged. (Q^T rather than Q: BLAS reads M in its own
         row-major order then, about 3x faster on CPUs than M^T P.)"""
         ps = [p.contiguous() for p in p_avgs]
-        fast = [p for p in ps if p.device.type == "cpu" and p.dtype in (torch.float32, torch.float64)]
-        ops.orthogonalize_(fast, self.eps)
-        for p in ps:
-            if not any(p is f for f in fast):  # e.g. CUDA tensors until the CUDA kernels land
+        on_kernel = [p.device.type == "cpu" and p.dtype in (torch.float32, torch.float64) for p in ps]
+        ops.orthogonalize_([p for p, k in zip(ps, on_kernel) if k], self.eps)
+        for p, k in zip(ps, on_kernel):
+            if not k:  # e.g. CUDA tensors until the CUDA kernels land
                 reference.orthogonalize_(p, self.eps)
         qs = []
         for state, p in zip(states, ps):

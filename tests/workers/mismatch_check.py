@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 import accordion_hvd as acc
+from worker_util import say
 
 mode = sys.argv[1]
 hvd.init()
@@ -62,6 +63,6 @@ try:
         F.cross_entropy(model(x), y).backward()
         opt.step()
 except (ValueError, TimeoutError) as exc:
-    print(f"rank {rank}: {type(exc).__name__}: {exc}", flush=True)
+    say(f"rank {rank}: {type(exc).__name__}: {exc}")
     sys.exit(1)
-print(f"rank {rank}: no error", flush=True)
+say(f"rank {rank}: no error")
