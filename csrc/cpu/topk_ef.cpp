@@ -190,8 +190,8 @@ struct Outputs {
 // The exact selection of the k largest keys over a set of entries given per chunk, in index
 // order: `for_each(c, fn)` calls fn(key, index) for chunk c's entries. Three digit
 // histograms find the threshold key T and how many entries equal to T are kept (the first
-// ones in index order); a count per chunk gives each chunk its output offset; a last walk
-// writes the selection. Each step is parallel over chunks. `top_hist`, when given, is the
+// ones in index order); the last one also counts per chunk, which gives each chunk its
+// output offset; a last walk writes the selection. Each step is parallel over chunks. `top_hist`, when given, is the
 // first digit's histogram, already counted.
 template <typename ForEach>
 void select_exact(int64_t chunks, const ForEach& for_each, int64_t k, Outputs& out,
@@ -226,18 +226,34 @@ void select_exact(int64_t chunks, const ForEach& for_each, int64_t k, Outputs& o
   int64_t need = k;
   uint32_t prefix = cut(top_hist ? *top_hist : histogram(kTopShift, kTopBits, 0), need);
   prefix = prefix << kMidBits | cut(histogram(kLowBits, kMidBits, prefix), need);
-  const uint32_t threshold = prefix << kLowBits | cut(histogram(0, kLowBits, prefix), need);
-  const int64_t ties = need;  // of the keys equal to the threshold, the first `ties` are kept
-
-  std::vector<int64_t> above(chunks, 0), equal(chunks, 0);
+  // The last digit is counted per chunk, together with the keys above the prefix, so the
+  // per-chunk counts of keys above and equal to the threshold follow without another walk.
+  constexpr uint32_t kLowBins = 1u << kLowBits;
+  std::vector<int64_t> low(chunks * kLowBins, 0), above(chunks, 0), equal(chunks, 0);
   at::parallel_for(0, chunks, 1, [&](int64_t c0, int64_t c1) {
     for (int64_t c = c0; c < c1; ++c) {
+      int64_t* h = low.data() + c * kLowBins;
+      int64_t over = 0;
       for_each(c, [&](uint32_t key, int64_t) {
-        above[c] += key > threshold;
-        equal[c] += key == threshold;
+        const uint32_t high = key >> kLowBits;
+        over += high > prefix;
+        if (high == prefix) ++h[key & (kLowBins - 1)];
       });
+      above[c] = over;
     }
   });
+  std::vector<int64_t> low_total(kLowBins, 0);
+  for (int64_t c = 0; c < chunks; ++c) {
+    for (uint32_t d = 0; d < kLowBins; ++d) low_total[d] += low[c * kLowBins + d];
+  }
+  const uint32_t low_digit = cut(low_total, need);
+  const uint32_t threshold = prefix << kLowBits | low_digit;
+  const int64_t ties = need;  // of the keys equal to the threshold, the first `ties` are kept
+  for (int64_t c = 0; c < chunks; ++c) {
+    const int64_t* h = low.data() + c * kLowBins;
+    for (uint32_t d = low_digit + 1; d < kLowBins; ++d) above[c] += h[d];
+    equal[c] = h[low_digit];
+  }
   std::vector<int64_t> chunk_ties(chunks), offset(chunks);
   int64_t ties_left = ties, pos = 0;
   for (int64_t c = 0; c < chunks; ++c) {  // ties go to the lowest indices: the first chunks
