@@ -1,6 +1,7 @@
 // CPU kernel of accordion::ef_add: out = grad + residual, in the residual's dtype.
 // A memory-bound stream: one read of each input and one write, split across threads with
-// at::parallel_for (the per-range loop is in ef_add_block.h).
+// at::parallel_for (the per-range loop is in ef_add_block.h). What it adds over torch is the
+// mixed case, a 16-bit gradient into a float32 residual, converted on the fly (F16C).
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 
@@ -25,10 +26,9 @@ void ef_add_out_cpu(const at::Tensor& grad, const at::Tensor& residual, at::Tens
   const int64_t n = residual.numel();
   if (n == 0) return;
   if (grad.scalar_type() == residual.scalar_type()) {
-    AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, residual.scalar_type(), "ef_add_cpu", [&] {
-      ef_add_loop(grad.const_data_ptr<scalar_t>(), residual.const_data_ptr<scalar_t>(),
-                  out.mutable_data_ptr<scalar_t>(), n);
-    });
+    // Same dtype: a plain add, which torch already runs with AVX2/AVX-512 picked at run time
+    // (this module is compiled for baseline x86-64); measured ~10% faster than our loop.
+    at::add_out(out, residual, grad);
   } else {  // half/bfloat16 gradient into a float32 residual (checked by check_ef_add_args)
     AT_DISPATCH_REDUCED_FLOATING_TYPES(grad.scalar_type(), "ef_add_cpu_mixed", [&] {
       ef_add_loop(grad.const_data_ptr<scalar_t>(), residual.const_data_ptr<float>(),
