@@ -140,8 +140,18 @@ uint32_t sampled_min_key(const G* grad, const float* residual, int64_t n, int64_
   const int64_t s = static_cast<int64_t>(keys.size());
   const double expected = static_cast<double>(s) * k / n;
   const int64_t r = std::min<int64_t>(s, static_cast<int64_t>(std::ceil(1.05 * expected + 4 * std::sqrt(expected) + 4)));
-  std::nth_element(keys.begin(), keys.begin() + (r - 1), keys.end(), std::greater<uint32_t>());
-  return keys[r - 1];
+  // The r-th largest sample key: its top digit by a histogram, then within that bucket.
+  std::vector<int64_t> hist(1u << kTopBits, 0);
+  for (uint32_t key : keys) ++hist[key >> kTopShift];
+  int64_t need = r;
+  uint32_t top = hist.size();
+  while (top-- > 0 && hist[top] < need) need -= hist[top];
+  std::vector<uint32_t> bucket;
+  for (uint32_t key : keys) {
+    if ((key >> kTopShift) == top) bucket.push_back(key);
+  }
+  std::nth_element(bucket.begin(), bucket.begin() + (need - 1), bucket.end(), std::greater<uint32_t>());
+  return bucket[need - 1];
 }
 
 // Pass 1 over one chunk: residual <- grad + residual, its squared norm, and (when `cands`
