@@ -201,8 +201,8 @@ struct Outputs {
 // order: `for_each(c, fn)` calls fn(key, index) for chunk c's entries. Three digit
 // histograms find the threshold key T and how many entries equal to T are kept (the first
 // ones in index order); the last one also counts per chunk, which gives each chunk its
-// output offset; a last walk writes the selection. Each step is parallel over chunks. `top_hist`, when given, is the
-// first digit's histogram, already counted.
+// output offset; a last walk writes the selection. Each step is parallel over chunks.
+// `top_hist`, when given, is the first digit's histogram, already counted.
 template <typename ForEach>
 void select_exact(int64_t chunks, const ForEach& for_each, int64_t k, Outputs& out,
                   const std::vector<int64_t>* top_hist = nullptr) {
