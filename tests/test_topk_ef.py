@@ -76,6 +76,24 @@ def test_a_misleading_sample_still_gives_the_exact_answer():
     assert_same_selection(grad, torch.zeros(n), 20_000)
 
 
+def test_entries_zeroed_early_but_not_kept_are_restored():
+    # The first pass zeroes entries at or above a sampled key U that fewer than k entries
+    # should reach. Here 2k entries, none of them sampled, share one value above every
+    # sampled one: U lies below the threshold, the candidate list is still short enough for
+    # the fast path, and the k ties that are not kept must get their value back in e.
+    n, k, runs, run = 1 << 20, 10_000, 512, 32
+    grad = torch.randn(n, generator=torch.Generator().manual_seed(1))
+    sampled = torch.zeros(n, dtype=torch.bool)
+    for j in range(runs):
+        start = j * (n - run) // (runs - 1)
+        sampled[start:start + run] = True
+    free = (~sampled).nonzero().squeeze(1)
+    spike = free[torch.randperm(len(free), generator=torch.Generator().manual_seed(2))[:2 * k]]
+    grad[spike] = 100.0
+    _, indices = assert_same_selection(grad, torch.zeros(n), k)
+    assert torch.equal(indices.long(), spike.sort().values[:k])
+
+
 def test_tie_rule_by_hand():
     grad = torch.tensor([1.0, -3.0, 3.0, 2.0, -3.0, 0.5])
     v, i, _, _ = acc.ops.topk_ef(grad, torch.zeros(6), 2)

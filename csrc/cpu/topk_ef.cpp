@@ -11,14 +11,20 @@
 // 31 key bits are resolved as digits of 12, 11 and 8 bits: a histogram per digit, the
 // bucket holding the k-th largest key, then the next digit within that bucket.
 //
-// Fast path, one pass over the tensor. A sample of 16Ki entries of g gives a key L
-// that, with overwhelming probability, a little more than k entries reach (about 1.05k plus
-// four standard deviations of the sample). The single pass then does the error-feedback
-// add, the squared norm, and lists the entries with key >= L as candidates (a vectorized
-// compare; everything else is never looked at again). The radix select runs on the
-// candidates only, O(k) work, and writes the selection in index order.
+// Fast path, one pass over the tensor. A sample of 16Ki entries of g gives two keys: L,
+// which with overwhelming probability a little more than k entries reach (about 1.05k plus
+// four standard deviations of the sample), and U, which a little fewer than k reach (0.95k
+// minus as much). The single pass does the error-feedback add, the squared norm, lists the
+// entries with key >= L as candidates (a vectorized compare; everything else is never
+// looked at again), and zeroes in g the entries with key >= U, which are all but surely
+// kept, while the block is still in L1. The candidate records carry key, sign and index, so
+// the radix select on them (O(k) work) writes values and indices without reading g, and
+// only the few kept entries below U are zeroed afterwards: at a 10% ratio, a separate zeroing
+// walk would touch every cache line of g a second time. Should U turn out to be above the
+// threshold after all, the entries zeroed but not kept are written back from their records.
 // Fallback: if the sample misled (fewer than k candidates, or more than 3k + 64Ki), or the
-// tensor is small or k > n/4, the same select runs over all of g in a few more passes.
+// tensor is small or k > n/4, g is restored from the records and the same select runs over
+// all of g in a few more passes.
 // Either way the result is exact, the same on every thread count, and no O(n) temporary is
 // allocated (candidates are O(k)). Outputs are in ascending index order.
 #include <ATen/Dispatch.h>
@@ -26,36 +32,33 @@
 
 #include <algorithm>
 #include <atomic>
+#include <memory>
 #include <cmath>
 #include <cstring>
 #include <mutex>
 #include <vector>
 
-#ifdef __SSE2__
-#include <emmintrin.h>
-#endif
-
-#include "cpu/ef_add_block.h"
+#include "cpu/topk_pass1.h"
 #include "ops.h"
 
 namespace accordion {
 namespace {
 
+using cpu::kNoKey;
+using cpu::key_of;
+using cpu::record_index;
+using cpu::record_key;
+using cpu::record_value;
+
 constexpr int kTopBits = 12, kMidBits = 11, kLowBits = 8;
 constexpr int kTopShift = kMidBits + kLowBits;
-constexpr int64_t kBlock = 2048;          // pass block: stays in L1 between its loops
+constexpr int64_t kBlock = cpu::kPassBlock;
 constexpr int64_t kMinChunk = 1 << 16;    // smallest piece of work one thread takes
 // At most this many chunks, whatever the thread count, so that every result (including the
 // float rounding of g_sq) is the same on any number of threads.
 constexpr int64_t kMaxChunks = 64;
 constexpr int64_t kSampleRuns = 512, kSampleRun = 32;  // 16Ki sampled entries
 constexpr int64_t kCandidateSlack = 1 << 16;
-
-inline uint32_t key_of(float v) {
-  uint32_t bits;
-  std::memcpy(&bits, &v, sizeof bits);
-  return bits & 0x7fffffffu;
-}
 
 // The tensor is cut into `count` contiguous chunks, independent of the thread count;
 // per-chunk counts give every chunk its output offset.
@@ -65,156 +68,157 @@ struct Chunks {
   int64_t end(int64_t c) const { return (c + 1) * n / count; }
 };
 
-// Sum of squares of a block (at most kBlock entries): eight float lanes, which the compiler
-// vectorizes, added up in double at the end of the block. Relative error stays below
-// kBlock / 8 float roundings (~2e-5), plenty for the policies' gain ratio.
-inline double block_sum_squares(const float* x, int64_t len) {
-  float lanes[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-  int64_t i = 0;
-  for (; i + 8 <= len; i += 8) {
-    for (int j = 0; j < 8; ++j) lanes[j] += x[i + j] * x[i + j];
+// The r-th largest of `keys` (1 <= r <= size): its top digit by a histogram, then
+// nth_element within that one bucket.
+uint32_t rth_largest(const std::vector<uint32_t>& keys, int64_t r) {
+  std::vector<int64_t> hist(1u << kTopBits, 0);
+  for (uint32_t key : keys) ++hist[key >> kTopShift];
+  uint32_t top = hist.size();
+  while (top-- > 0 && hist[top] < r) r -= hist[top];
+  std::vector<uint32_t> bucket;
+  for (uint32_t key : keys) {
+    if ((key >> kTopShift) == top) bucket.push_back(key);
   }
-  double sum = 0;
-  for (; i < len; ++i) sum += static_cast<double>(x[i]) * x[i];
-  for (float l : lanes) sum += l;
-  return sum;
+  std::nth_element(bucket.begin(), bucket.begin() + (r - 1), bucket.end(), std::greater<uint32_t>());
+  return bucket[r - 1];
 }
 
-// For each 4-bit mask, the lanes that are set, packed to the front (a branch-free
-// compaction table: the write position then simply advances by the mask's popcount).
-// (The count comes from the table too: baseline x86-64 has no popcnt instruction.)
-struct LaneTable {
-  int32_t lanes[16][4];
-  int32_t count[16];
-  constexpr LaneTable() : lanes{}, count{} {
-    for (int m = 0; m < 16; ++m) {
-      for (int b = 0; b < 4; ++b) {
-        if (m & (1 << b)) lanes[m][count[m]++] = b;
-      }
+// Keys that, judging from a sample of g = grad + residual (computed as the error-feedback add
+// computes it), bracket the k-th largest: `lower`, which more than k entries should reach
+// (the sample's r-th largest key, r about 1.05 k/n of the sample plus four standard
+// deviations), and `upper`, which fewer than k should reach (0.95 k/n minus as much; none,
+// kNoKey, when that rank is below 1). The sample is kSampleRuns short runs spread evenly
+// over the tensor, so it costs a few hundred cache lines rather than one miss per entry.
+struct KeyBounds {
+  uint64_t lower;  // kNoKey: list nothing
+  uint64_t upper;
+};
+
+template <typename G>
+KeyBounds sampled_bounds(const G* grad, const float* residual, int64_t n, int64_t k) {
+  const int64_t runs = std::min(kSampleRuns, n / kSampleRun);
+  auto run_start = [&](int64_t j) { return j * (n - kSampleRun) / std::max<int64_t>(runs - 1, 1); };
+  // Ask for every sampled cache line first: the misses then overlap instead of queueing.
+  for (int64_t j = 0; j < runs; ++j) {
+    const int64_t start = run_start(j);
+    for (int64_t i = start; i < start + kSampleRun; i += 64 / sizeof(float)) {
+      __builtin_prefetch(grad + i);
+      __builtin_prefetch(residual + i);
     }
   }
-};
-constexpr LaneTable kLaneTable;
-
-// Lists the positions in [begin, end) whose key is >= `min_key`, in order; returns how many.
-// `hit` needs room for end - begin + 3 entries. Four keys per step (SSE2, part of x86-64):
-// compare, take the lane mask, store the four candidate positions from the table and
-// advance by the number of hits. No branch depends on the data.
-inline int64_t list_hits(const float* g, int64_t begin, int64_t end, uint32_t min_key, int32_t* hit) {
-  int64_t nh = 0, i = begin;
-#ifdef __SSE2__
-  // Keys are below 2^31, so a signed compare against min_key - 1 is exact (also for 0).
-  const __m128i below = _mm_set1_epi32(static_cast<int32_t>(min_key) - 1);
-  const __m128i abs_mask = _mm_set1_epi32(0x7fffffff);
-  for (; i + 4 <= end; i += 4) {
-    const __m128i keys = _mm_and_si128(_mm_loadu_si128(reinterpret_cast<const __m128i*>(g + i)), abs_mask);
-    const int mask = _mm_movemask_ps(_mm_castsi128_ps(_mm_cmpgt_epi32(keys, below)));
-    const __m128i lanes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(kLaneTable.lanes[mask]));
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(hit + nh), _mm_add_epi32(lanes, _mm_set1_epi32(static_cast<int32_t>(i))));
-    nh += kLaneTable.count[mask];
-  }
-#endif
-  for (; i < end; ++i) {
-    hit[nh] = static_cast<int32_t>(i);
-    nh += key_of(g[i]) >= min_key;
-  }
-  return nh;
-}
-
-// A key below which, judging from a sample of g = grad + residual (computed as the
-// error-feedback add computes it), fewer than k entries should fall short: the sample's
-// r-th largest key, r about 1.05 k/n of the sample plus four standard deviations. The
-// sample is kSampleRuns short runs spread evenly over the tensor, so it costs a few
-// hundred cache lines rather than one miss per sampled entry.
-template <typename G>
-uint32_t sampled_min_key(const G* grad, const float* residual, int64_t n, int64_t k) {
-  const int64_t runs = std::min(kSampleRuns, n / kSampleRun);
   std::vector<uint32_t> keys;
   keys.reserve(runs * kSampleRun);
   for (int64_t j = 0; j < runs; ++j) {
-    const int64_t start = j * (n - kSampleRun) / std::max<int64_t>(runs - 1, 1);
+    const int64_t start = run_start(j);
     for (int64_t i = start; i < start + kSampleRun; ++i) {
       keys.push_back(key_of(static_cast<float>(grad[i]) + residual[i]));
     }
   }
   const int64_t s = static_cast<int64_t>(keys.size());
-  const double expected = static_cast<double>(s) * k / n;
-  const int64_t r = std::min<int64_t>(s, static_cast<int64_t>(std::ceil(1.05 * expected + 4 * std::sqrt(expected) + 4)));
-  // The r-th largest sample key: its top digit by a histogram, then within that bucket.
-  std::vector<int64_t> hist(1u << kTopBits, 0);
-  for (uint32_t key : keys) ++hist[key >> kTopShift];
-  int64_t need = r;
-  uint32_t top = hist.size();
-  while (top-- > 0 && hist[top] < need) need -= hist[top];
-  std::vector<uint32_t> bucket;
-  for (uint32_t key : keys) {
-    if ((key >> kTopShift) == top) bucket.push_back(key);
-  }
-  std::nth_element(bucket.begin(), bucket.begin() + (need - 1), bucket.end(), std::greater<uint32_t>());
-  return bucket[need - 1];
+  const double expected = static_cast<double>(s) * k / n, spread = 4 * std::sqrt(expected) + 4;
+  const int64_t r_low = std::min<int64_t>(s, static_cast<int64_t>(std::ceil(1.05 * expected + spread)));
+  const int64_t r_high = static_cast<int64_t>(std::floor(0.95 * expected - spread));
+  const uint32_t lower = rth_largest(keys, r_low);
+  // upper >= lower always (r_high < r_low), so every entry zeroed in pass 1 is a candidate.
+  return {lower, r_high >= 1 ? rth_largest(keys, r_high) : kNoKey};
 }
 
-// Pass 1 over one chunk: residual <- grad + residual, its squared norm, and (when `cands`
-// is given) the (key, index) of every entry with key >= min_key, packed as key << 32 | index
-// so they sort and compare by key, and their top-digit histogram (the select's first step).
-// Stops listing past `max_cands` (the caller then falls back; `listed` counts over all
-// chunks), but always finishes the add and the norm.
+// A chunk's candidate records, in index order. Grown by hand: std::vector would zero-fill
+// memory that is about to be written anyway.
+struct Records {
+  std::unique_ptr<uint64_t[]> data;
+  int64_t size = 0, capacity = 0;
+  void make_room(int64_t extra) {
+    if (size + extra <= capacity) return;
+    const int64_t grown = std::max(size + extra, 2 * capacity);
+    std::unique_ptr<uint64_t[]> bigger(new uint64_t[grown]);
+    std::copy(data.get(), data.get() + size, bigger.get());
+    data = std::move(bigger);
+    capacity = grown;
+  }
+  const uint64_t* begin() const { return data.get(); }
+  const uint64_t* end() const { return data.get() + size; }
+};
+
+// Pass 1 over one chunk, block by block (topk_pass1.h): residual <- grad + residual, its
+// squared norm, and (when `records` is given) the record of every entry with key >=
+// bounds.lower, with their top-digit histogram (the select's first step); entries with
+// key >= bounds.upper are zeroed in g. Stops listing (and zeroing) past `max_cands` (the
+// caller then falls back; `listed` counts over all chunks), but always finishes the add and
+// the norm.
 template <typename G>
-double ef_add_norm_candidates(const G* grad, float* g, int64_t begin, int64_t end, uint32_t min_key,
-                              std::vector<uint64_t>* cands, int64_t* top_hist, std::atomic<int64_t>& listed,
+double ef_add_norm_candidates(const G* grad, float* g, int64_t begin, int64_t end, KeyBounds bounds,
+                              Records* records, int64_t* top_hist, std::atomic<int64_t>& listed,
                               int64_t max_cands) {
-  int32_t hit[kBlock + 3];
   double sq = 0;
   for (int64_t b0 = begin; b0 < end; b0 += kBlock) {
     const int64_t b1 = std::min(end, b0 + kBlock);
-    cpu::ef_add_range(grad, g, g, b0, b1);
-    sq += block_sum_squares(g + b0, b1 - b0);
-    if (cands == nullptr || listed.load(std::memory_order_relaxed) > max_cands) continue;
-    const int64_t nh = list_hits(g, b0, b1, min_key, hit);
-    listed.fetch_add(nh, std::memory_order_relaxed);
-    for (int64_t j = 0; j < nh; ++j) {
-      const uint32_t key = key_of(g[hit[j]]);
-      ++top_hist[key >> kTopShift];
-      cands->push_back(static_cast<uint64_t>(key) << 32 | static_cast<uint32_t>(hit[j]));
+    if (records == nullptr || listed.load(std::memory_order_relaxed) > max_cands) {
+      cpu::pass1_block(grad, g, b0, b1, kNoKey, kNoKey, nullptr, sq);
+      continue;
     }
+    records->make_room(b1 - b0 + 8);
+    uint64_t* fresh = records->data.get() + records->size;
+    const int64_t nh = cpu::pass1_block(grad, g, b0, b1, bounds.lower, bounds.upper, fresh, sq);
+    for (int64_t j = 0; j < nh; ++j) ++top_hist[record_key(fresh[j]) >> kTopShift];
+    records->size += nh;
+    listed.fetch_add(nh, std::memory_order_relaxed);
   }
   return sq;
 }
 
+// Where the selection goes. Entries of g with key >= zeroed_from were zeroed in pass 1
+// (kNoKey: none were): a kept one needs no write to g, one not kept gets its value back.
 struct Outputs {
   float* values;
   int32_t* indices;
   float* g;  // the residual buffer, holding g until kept entries are zeroed
-  int64_t pos = 0;
+  uint64_t zeroed_from = kNoKey;
   double kept_sq = 0;
-  void keep(int64_t i) {
-    const float v = g[i];
-    values[pos] = v;
-    indices[pos] = static_cast<int32_t>(i);
-    ++pos;
-    kept_sq += static_cast<double>(v) * v;
-    g[i] = 0.0f;
-  }
 };
 
+// Sum of squares in double, four independent accumulators (one chain would be latency-bound).
+inline double sum_squares(const float* x, int64_t n) {
+  double s[4] = {0, 0, 0, 0};
+  int64_t i = 0;
+  for (; i + 4 <= n; i += 4) {
+    for (int j = 0; j < 4; ++j) s[j] += static_cast<double>(x[i + j]) * x[i + j];
+  }
+  for (; i < n; ++i) s[0] += static_cast<double>(x[i]) * x[i];
+  return (s[0] + s[1]) + (s[2] + s[3]);
+}
+
+// Within one histogram: the bucket holding the need-th largest key, and how many keys still
+// have to come from it.
+inline uint32_t cut(const std::vector<int64_t>& hist, int64_t& need) {
+  for (uint32_t d = hist.size(); d-- > 0;) {
+    if (hist[d] >= need) return d;
+    need -= hist[d];
+  }
+  TORCH_INTERNAL_ASSERT(false, "accordion::topk_ef: fewer keys than requested");
+  return 0u;
+}
+
 // The exact selection of the k largest keys over a set of entries given per chunk, in index
-// order: `for_each(c, fn)` calls fn(key, index) for chunk c's entries. Three digit
+// order: `for_each(c, fn)` calls fn(key, index, value) for chunk c's entries. Three digit
 // histograms find the threshold key T and how many entries equal to T are kept (the first
 // ones in index order); the last one also counts per chunk, which gives each chunk its
 // output offset; a last walk writes the selection. Each step is parallel over chunks.
-// `top_hist`, when given, is the first digit's histogram, already counted.
+// `top_hist`, when given, is the first digit's histogram, already counted. With `narrow`,
+// one walk copies the entries of the threshold's top-digit bucket aside (per chunk, O(k)
+// memory: only for candidate lists) and the next two digits are counted on those alone.
 template <typename ForEach>
 void select_exact(int64_t chunks, const ForEach& for_each, int64_t k, Outputs& out,
-                  const std::vector<int64_t>* top_hist = nullptr) {
+                  const std::vector<int64_t>* top_hist = nullptr, bool narrow = false) {
   // Histogram of (key >> shift) & (bins - 1) over keys with key >> (shift + bits) == prefix.
-  auto histogram = [&](int shift, int bits, uint32_t prefix) {
+  auto histogram = [&](const auto& entries, int shift, int bits, uint32_t prefix) {
     const uint32_t bins = 1u << bits;
     std::vector<int64_t> hist(bins, 0);
     std::mutex merge;
     at::parallel_for(0, chunks, 1, [&](int64_t c0, int64_t c1) {
       std::vector<int64_t> local(bins, 0);  // one per task; integer counts merge in any order
       for (int64_t c = c0; c < c1; ++c) {
-        for_each(c, [&](uint32_t key, int64_t) {
+        entries(c, [&](uint32_t key, int64_t, float) {
           if ((static_cast<uint64_t>(key) >> (shift + bits)) == prefix) ++local[(key >> shift) & (bins - 1)];
         });
       }
@@ -223,69 +227,98 @@ void select_exact(int64_t chunks, const ForEach& for_each, int64_t k, Outputs& o
     });
     return hist;
   };
-  // Within one histogram: the bucket holding the need-th largest key, and how many keys
-  // still have to come from it.
-  auto cut = [](const std::vector<int64_t>& hist, int64_t& need) -> uint32_t {
-    for (uint32_t d = hist.size(); d-- > 0;) {
-      if (hist[d] >= need) return d;
-      need -= hist[d];
-    }
-    TORCH_INTERNAL_ASSERT(false, "accordion::topk_ef: fewer keys than requested");
-    return 0u;
-  };
   int64_t need = k;
-  uint32_t prefix = cut(top_hist ? *top_hist : histogram(kTopShift, kTopBits, 0), need);
-  prefix = prefix << kMidBits | cut(histogram(kLowBits, kMidBits, prefix), need);
-  // The last digit is counted per chunk, together with the keys above the prefix, so the
-  // per-chunk counts of keys above and equal to the threshold follow without another walk.
-  constexpr uint32_t kLowBins = 1u << kLowBits;
-  std::vector<int64_t> low(chunks * kLowBins, 0), above(chunks, 0), equal(chunks, 0);
-  at::parallel_for(0, chunks, 1, [&](int64_t c0, int64_t c1) {
-    for (int64_t c = c0; c < c1; ++c) {
-      int64_t* h = low.data() + c * kLowBins;
-      int64_t over = 0;
-      for_each(c, [&](uint32_t key, int64_t) {
-        const uint32_t high = key >> kLowBits;
-        over += high > prefix;
-        if (high == prefix) ++h[key & (kLowBins - 1)];
-      });
-      above[c] = over;
+  const uint32_t top = cut(top_hist ? *top_hist : histogram(for_each, kTopShift, kTopBits, 0), need);
+  // above[c]: chunk c's keys above the threshold; counted in parts as the digits resolve.
+  std::vector<int64_t> above(chunks, 0);
+  std::vector<Records> bucket(narrow ? chunks : 0);
+  if (narrow) {
+    at::parallel_for(0, chunks, 1, [&](int64_t c0, int64_t c1) {
+      for (int64_t c = c0; c < c1; ++c) {
+        Records& mine = bucket[c];
+        int64_t over = 0;
+        for_each(c, [&](uint32_t key, int64_t i, float v) {
+          if (mine.size == mine.capacity) mine.make_room(std::max<int64_t>(1024, mine.capacity));
+          mine.data[mine.size] = cpu::record(v, i);  // written always, kept if in the bucket
+          mine.size += (key >> kTopShift) == top;
+          over += (key >> kTopShift) > top;
+        });
+        above[c] = over;
+      }
+    });
+  }
+  // Over the top bucket's entries when narrowed, else over all (the filters then apply).
+  auto finish = [&](const auto& entries) {
+    uint32_t prefix = top << kMidBits | cut(histogram(entries, kLowBits, kMidBits, top), need);
+    // The last digit is counted per chunk, together with the keys above the prefix, so the
+    // per-chunk counts of keys above and equal to the threshold follow without another walk.
+    constexpr uint32_t kLowBins = 1u << kLowBits;
+    std::vector<int64_t> low(chunks * kLowBins, 0), equal(chunks, 0);
+    at::parallel_for(0, chunks, 1, [&](int64_t c0, int64_t c1) {
+      for (int64_t c = c0; c < c1; ++c) {
+        int64_t* h = low.data() + c * kLowBins;
+        int64_t over = 0;
+        entries(c, [&](uint32_t key, int64_t, float) {
+          const uint32_t high = key >> kLowBits;
+          over += high > prefix;
+          if (high == prefix) ++h[key & (kLowBins - 1)];
+        });
+        above[c] += over;
+      }
+    });
+    std::vector<int64_t> low_total(kLowBins, 0);
+    for (int64_t c = 0; c < chunks; ++c) {
+      for (uint32_t d = 0; d < kLowBins; ++d) low_total[d] += low[c * kLowBins + d];
     }
-  });
-  std::vector<int64_t> low_total(kLowBins, 0);
-  for (int64_t c = 0; c < chunks; ++c) {
-    for (uint32_t d = 0; d < kLowBins; ++d) low_total[d] += low[c * kLowBins + d];
-  }
-  const uint32_t low_digit = cut(low_total, need);
-  const uint32_t threshold = prefix << kLowBits | low_digit;
+    const uint32_t low_digit = cut(low_total, need);
+    for (int64_t c = 0; c < chunks; ++c) {
+      const int64_t* h = low.data() + c * kLowBins;
+      for (uint32_t d = low_digit + 1; d < kLowBins; ++d) above[c] += h[d];
+      equal[c] = h[low_digit];
+    }
+    return std::make_pair(prefix << kLowBits | low_digit, equal);
+  };
+  const auto cut_at = narrow ? finish([&](int64_t c, auto&& fn) {
+    for (uint64_t e : bucket[c]) fn(record_key(e), record_index(e), record_value(e));
+  }) : finish(for_each);
+  bucket.clear();
+  const uint32_t threshold = cut_at.first;
+  const std::vector<int64_t>& equal = cut_at.second;
+
   const int64_t ties = need;  // of the keys equal to the threshold, the first `ties` are kept
-  for (int64_t c = 0; c < chunks; ++c) {
-    const int64_t* h = low.data() + c * kLowBins;
-    for (uint32_t d = low_digit + 1; d < kLowBins; ++d) above[c] += h[d];
-    equal[c] = h[low_digit];
-  }
-  std::vector<int64_t> chunk_ties(chunks), offset(chunks);
-  int64_t ties_left = ties, pos = 0;
+  std::vector<int64_t> chunk_ties(chunks), offset(chunks + 1);
+  int64_t ties_left = ties;
+  offset[0] = 0;
   for (int64_t c = 0; c < chunks; ++c) {  // ties go to the lowest indices: the first chunks
     chunk_ties[c] = std::min(ties_left, equal[c]);
     ties_left -= chunk_ties[c];
-    offset[c] = pos;
-    pos += above[c] + chunk_ties[c];
+    offset[c + 1] = offset[c] + above[c] + chunk_ties[c];
   }
-  TORCH_INTERNAL_ASSERT(pos == k, "accordion::topk_ef: selected ", pos, " entries instead of ", k);
+  TORCH_INTERNAL_ASSERT(offset[chunks] == k, "accordion::topk_ef: selected ", offset[chunks], " entries instead of ", k);
+  // The writing walk, free of data-dependent branches: every entry is written at the next
+  // output slot while slots remain, and the slot only advances when the entry is kept (an
+  // entry not kept is overwritten by the next kept one). g is written only where pass 1's
+  // zeroing guessed wrong: a kept entry below zeroed_from, or one not kept above it.
   std::vector<double> kept(chunks, 0.0);
   at::parallel_for(0, chunks, 1, [&](int64_t c0, int64_t c1) {
     for (int64_t c = c0; c < c1; ++c) {
-      Outputs part{out.values, out.indices, out.g, offset[c]};
-      int64_t taken = 0;
-      for_each(c, [&](uint32_t key, int64_t i) {
-        if (key > threshold || (key == threshold && taken++ < chunk_ties[c])) part.keep(i);
+      int64_t pos = offset[c], taken = 0;
+      const int64_t end = offset[c + 1], chunk_ties_c = chunk_ties[c];
+      for_each(c, [&](uint32_t key, int64_t i, float v) {
+        const bool tie = key == threshold;
+        const bool keep = (key > threshold) | (tie & (taken < chunk_ties_c));
+        taken += tie;
+        if (pos < end) {
+          out.values[pos] = v;
+          out.indices[pos] = static_cast<int32_t>(i);
+        }
+        pos += keep;
+        if (keep != (key >= out.zeroed_from)) out.g[i] = keep ? 0.0f : v;
       });
-      kept[c] = part.kept_sq;
+      kept[c] = sum_squares(out.values + offset[c], end - offset[c]);
     }
   });
   for (double s : kept) out.kept_sq += s;
-  out.pos = k;
 }
 
 template <typename G>
@@ -293,12 +326,12 @@ void topk_ef_impl(const G* grad, float* g, int64_t n, int64_t k, float* values, 
                   double& g_sq, double& kept_sq) {
   const Chunks chunks{n, std::clamp<int64_t>((n + kMinChunk - 1) / kMinChunk, 1, kMaxChunks)};
   const bool sample = k > 0 && k <= n / 4 && n >= kMinChunk;
-  const uint32_t min_key = sample ? sampled_min_key(grad, g, n, k) : 0;
+  const KeyBounds bounds = sample ? sampled_bounds(grad, g, n, k) : KeyBounds{kNoKey, kNoKey};
   const int64_t max_cands = 3 * k + kCandidateSlack;
   std::atomic<int64_t> listed{0};
 
   // The one pass over the tensor.
-  std::vector<std::vector<uint64_t>> cands(chunks.count);
+  std::vector<Records> cands(chunks.count);
   std::vector<double> sq(chunks.count, 0.0);
   std::vector<int64_t> top_hist(1u << kTopBits, 0);
   std::mutex merge;
@@ -306,8 +339,8 @@ void topk_ef_impl(const G* grad, float* g, int64_t n, int64_t k, float* values, 
     std::vector<int64_t> local(sample ? top_hist.size() : 0, 0);
     for (int64_t c = c0; c < c1; ++c) {
       const int64_t b = chunks.begin(c), e = chunks.end(c);
-      if (sample) cands[c].reserve(static_cast<size_t>(1.5 * k * (e - b) / n) + 64);
-      sq[c] = ef_add_norm_candidates(grad, g, b, e, min_key, sample ? &cands[c] : nullptr, local.data(), listed,
+      if (sample) cands[c].make_room(static_cast<int64_t>(1.5 * k * (e - b) / n) + kBlock + 8);
+      sq[c] = ef_add_norm_candidates(grad, g, b, e, bounds, sample ? &cands[c] : nullptr, local.data(), listed,
                                      max_cands);
     }
     std::lock_guard<std::mutex> lock(merge);
@@ -316,17 +349,32 @@ void topk_ef_impl(const G* grad, float* g, int64_t n, int64_t k, float* values, 
   g_sq = 0;
   for (double s : sq) g_sq += s;
   Outputs out{values, indices, g};
-  if (k == n) {  // everything is kept: no selection to make
-    for (int64_t i = 0; i < n; ++i) out.keep(i);
+  if (k == n) {  // everything is kept: no selection to make (never sampled, nothing zeroed)
+    for (int64_t i = 0; i < n; ++i) {
+      values[i] = g[i];
+      indices[i] = static_cast<int32_t>(i);
+      g[i] = 0.0f;
+    }
+    out.kept_sq = sum_squares(values, n);
   } else if (k > 0) {
     const int64_t total = listed.load();
     if (sample && total >= k && total <= max_cands) {
+      out.zeroed_from = bounds.upper;
       select_exact(chunks.count, [&](int64_t c, auto&& fn) {
-        for (uint64_t e : cands[c]) fn(static_cast<uint32_t>(e >> 32), static_cast<int64_t>(e & 0xffffffffu));
-      }, k, out, &top_hist);
+        for (uint64_t e : cands[c]) fn(record_key(e), record_index(e), record_value(e));
+      }, k, out, &top_hist, /*narrow=*/true);
     } else {  // all of g: more passes, no candidate storage
+      if (sample && bounds.upper != kNoKey) {  // put back what pass 1 zeroed (all listed)
+        at::parallel_for(0, chunks.count, 1, [&](int64_t c0, int64_t c1) {
+          for (int64_t c = c0; c < c1; ++c) {
+            for (uint64_t e : cands[c]) {
+              if (record_key(e) >= bounds.upper) g[record_index(e)] = record_value(e);
+            }
+          }
+        });
+      }
       select_exact(chunks.count, [&](int64_t c, auto&& fn) {
-        for (int64_t i = chunks.begin(c), end = chunks.end(c); i < end; ++i) fn(key_of(g[i]), i);
+        for (int64_t i = chunks.begin(c), end = chunks.end(c); i < end; ++i) fn(key_of(g[i]), i, g[i]);
       }, k, out);
     }
   }
