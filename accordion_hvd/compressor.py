@@ -21,6 +21,11 @@ calling frame (``_allreduce_grad_async(self, p)``) and take its name from the op
 own ``_parameter_names``, the name Horovod itself uses for the collective. That is exact,
 independent of hook order, and fails loudly if called from anywhere else.
 
+Levels: a regime controller (accordion_hvd/controller.py) watches each compressed layer's raw
+gradient and the optimizer's learning rates; at the end of every step (when the step's last
+``decompress`` has run) it lets the policy decide, from numbers reduced over all ranks, and
+the new levels apply from the next step on every rank alike.
+
 Nothing may hang: at the first ``compress`` every rank allgathers its settings and all ranks
 raise the same ``ValueError`` if they differ; every wait on the channel has a timeout.
 """
@@ -30,16 +35,21 @@ from __future__ import annotations
 import hashlib
 import json
 import sys
+import time
+import weakref
 from typing import Any
 
 import torch
 
 from .codecs import PowerSGD, TopK
-from .codecs._common import NORMAL, positive_number
+from .codecs._common import positive_number
+from .controller import RegimeController
+from .policies import make_policy
 
 
 _DENSE, _POWERSGD, _TOPK = "dense", "powersgd", "topk"
 _CONFIG_BYTES = 1024  # the settings' canonical JSON, zero-padded: one fixed-size allgather
+_STATE_FORMAT = "accordion_hvd.AccordionCompressor/1"
 
 
 class _DefaultInstanceMethod:
@@ -63,27 +73,36 @@ class AccordionCompressor:
         codec: ``acc.PowerSGD(...)`` or ``acc.TopK(...)``; default ``PowerSGD(rank=1,
             critical_rank=4)``.
         eta: Accordion threshold on the relative change of a layer's gradient norm.
-        interval: detection period in optimizer steps.
-        policy: the level policy (the regime controller); ``None`` = Accordion.
+        interval: detection period in optimizer steps; ``None``: at each ``epoch_end()``.
+        policy: ``None`` (Accordion when the codec has two levels, else static), "accordion",
+            "static", or an ``acc.policies.Policy``.
+        accumulate: detect on the norm of each layer's gradient summed over the window (the
+            paper; one float32 buffer per compressed layer) or, if False, on its per-step
+            norms (no buffer).
         channel: the data plane (default: Horovod's collectives); tests pass a simulated one.
-
-    Until the regime controller lands, every layer runs at the codec's normal level; levels
-    can already be switched per layer with ``set_level``.
+        control: the control plane for the controller's reductions (default: MPI when its
+            world is Horovod's, else Horovod; see accordion_hvd/comm/control.py).
     """
 
     _default = None
 
-    def __init__(self, codec: PowerSGD | TopK | None = None, *, eta: float = 0.5, interval: int = 100,
-                 policy: Any = None, channel: Any = None) -> None:
+    def __init__(self, codec: PowerSGD | TopK | None = None, *, eta: float = 0.5, interval: int | None = 100,
+                 policy: Any = None, accumulate: bool = True, channel: Any = None, control: Any = None) -> None:
         if codec is None:
             codec = PowerSGD(rank=1, critical_rank=4)
         if not isinstance(codec, (PowerSGD, TopK)):
             raise TypeError(f"codec must be acc.PowerSGD(...) or acc.TopK(...), got {type(codec).__name__}")
         self.codec = codec
         self.eta = float(positive_number("eta", eta))
-        self.interval = positive_number("interval", interval, integer=True)
-        self.policy = policy
+        self.interval = None if interval is None else positive_number("interval", interval, integer=True)
+        self.policy = make_policy(policy, eta=self.eta, codec_adaptive=codec.adaptive)
+        self.controller = RegimeController(self.policy, self.interval, accumulate=accumulate)
         self._channel = channel
+        self._control = control
+        self._optimizer = None                       # weakref to Horovod's optimizer, once seen
+        self._reported_lrs: list[float] | None = None
+        self._in_step: set[str] = set()              # this step: layers compressed, not yet decompressed
+        self.seconds = {"compress": 0.0, "comm": 0.0}  # cumulative: codec math, waiting on collectives
         self._kind = _POWERSGD if isinstance(codec, PowerSGD) else _TOPK
         self._layers: dict[str, Any] = {}            # name -> codec state
         self._pending: dict[str, Any] = {}           # this step: name -> exchange in flight
@@ -100,7 +119,7 @@ class AccordionCompressor:
         return cls._default
 
     def __repr__(self) -> str:
-        return f"AccordionCompressor({self.codec!r}, eta={self.eta}, interval={self.interval})"
+        return f"AccordionCompressor({self.codec!r}, policy={self.policy!r}, interval={self.interval})"
 
     @property
     def channel(self):
@@ -109,25 +128,41 @@ class AccordionCompressor:
             self._channel = HorovodChannel()
         return self._channel
 
+    @property
+    def control(self):
+        if self._control is None:
+            make = getattr(self.channel, "control_plane", None)  # the simulated world has its own
+            if make is not None:
+                self._control = make()
+            else:
+                from .comm.control import control_plane
+                self._control = control_plane("auto")
+        return self._control
+
     # --- the Horovod Compressor interface -----------------------------------------------------
     @_DefaultInstanceMethod
     def compress(self, tensor: torch.Tensor):
         """Called by Horovod for each gradient; returns (tensor to allreduce, context)."""
-        return self.compress_named(_horovod_parameter_name(), tensor)
+        name, optimizer = _horovod_parameter()
+        if self._optimizer is None:
+            self._optimizer = weakref.ref(optimizer)
+        return self.compress_named(name, tensor)
 
     @_DefaultInstanceMethod
     def decompress(self, tensor: torch.Tensor, ctx):
         """Called by Horovod with the allreduced tensor; returns the averaged gradient."""
         kind, name = ctx
-        if kind == _DENSE:
-            return tensor
-        if self._pending:
-            self._exchange()
-        try:
-            return self._results.pop(name)
-        except KeyError:
+        if name not in self._in_step:
             raise RuntimeError(f"AccordionCompressor: no result for {name!r}: decompress called twice, "
-                               f"or without compress, in this step") from None
+                               f"or without compress, in this step")
+        if kind != _DENSE:
+            if self._pending:
+                self._exchange()
+            tensor = self._results.pop(name)
+        self._in_step.discard(name)
+        if not self._in_step:  # the step's last layer: the step is over on this rank
+            self._end_step()
+        return tensor
 
     # --- the same, with the parameter named explicitly (tests, other front ends) -------------
     @torch.no_grad()
@@ -136,22 +171,27 @@ class AccordionCompressor:
         the error feedback, and a PowerSGD layer's result is written into its memory (what
         Horovod does with the result anyway). Pass a copy to keep the gradient."""
         self._check_config_once()
-        if name in self._pending or name in self._results:
+        if name in self._in_step:
             raise RuntimeError(f"AccordionCompressor: {name!r} compressed twice in one step")
+        self._in_step.add(name)
         dense_floats = tensor.numel()
         self._dense[name] = self._dense.get(name, 0) + dense_floats
         if not self.codec.compressible(tensor.shape) or not tensor.is_floating_point():
             self._sent[name] = self._sent.get(name, 0) + dense_floats
             return tensor, (_DENSE, name)
+        started = time.perf_counter()
         state = self._layers.get(name)
         if state is None:
-            state = self._layers[name] = self.codec.init_state(name, tensor, NORMAL)
+            state = self._layers[name] = self.codec.init_state(name, tensor, self.controller.level_of(name))
         elif state.shape != tensor.shape:
             raise ValueError(f"AccordionCompressor: gradient of {name!r} changed shape from "
                              f"{tuple(state.shape)} to {tuple(tensor.shape)}")
+        self.controller.observe(name, tensor)  # before the codec consumes the gradient
         if self._kind == _TOPK and self.codec.sends_dense(state):
             self._sent[name] = self._sent.get(name, 0) + dense_floats
-            return self.codec.flush_dense(state, tensor), (_DENSE, name)
+            out = self.codec.flush_dense(state, tensor)
+            self.seconds["compress"] += time.perf_counter() - started
+            return out, (_DENSE, name)
         if self._kind == _POWERSGD:
             p = self.codec.start(state, tensor)
             handle = self.channel.allreduce_mean_async([p], name=f"acc.P.{name}")
@@ -159,12 +199,12 @@ class AccordionCompressor:
         else:
             self._pending[name] = (self.codec.encode(state, tensor), tensor)
         self._sent[name] = self._sent.get(name, 0) + self.codec.floats_sent(state)
+        self.seconds["compress"] += time.perf_counter() - started
         return tensor.new_empty(0), (self._kind, name)
 
     def config(self) -> dict:
         """The settings that must be equal on every rank (plain JSON values)."""
-        policy = "accordion" if self.policy is None else getattr(self.policy, "name", type(self.policy).__name__)
-        return {**self.codec.config(), "eta": self.eta, "interval": self.interval, "policy": policy}
+        return {**self.codec.config(), "eta": self.eta, **self.controller.config()}
 
     def _check_config_once(self) -> None:
         """At the first compress, compare every rank's settings (one blocking allgather).
@@ -192,14 +232,65 @@ class AccordionCompressor:
         pending, self._pending = self._pending, {}
         states = [self._layers[n] for n in names]
         if self._kind == _POWERSGD:
-            p_avgs = [self.channel.wait(pending[n][0])[0] for n in names]
+            p_avgs = [self._wait(pending[n][0])[0] for n in names]
+            started = time.perf_counter()
             qs = self.codec.middle(states, p_avgs)
-            q_avg = self.channel.wait(self.channel.allreduce_mean_async(qs, name=f"acc.Q.{len(names)}"))
+            self.seconds["compress"] += time.perf_counter() - started
+            q_avg = self._wait(self.channel.allreduce_mean_async(qs, name=f"acc.Q.{len(names)}"))
+            started = time.perf_counter()
             for n, s, q in zip(names, states, q_avg):
                 self._results[n] = self.codec.finish(s, q, pending[n][1])
+            self.seconds["compress"] += time.perf_counter() - started
         else:
             self._exchange_topk(names, states, pending)
+
+    def _wait(self, handle):
+        started = time.perf_counter()
+        try:
+            return self.channel.wait(handle)
+        finally:
+            self.seconds["comm"] += time.perf_counter() - started
+
+    def _end_step(self) -> None:
+        """Every rank, once per optimizer step, after the step's last decompress: count the
+        step and let the controller switch levels for the next one."""
         self.steps += 1
+        lrs = self._learning_rates()
+        changed = self.controller.end_step(self.control, sorted(self._layers), lrs)
+        self._apply_levels(changed)
+
+    def _learning_rates(self) -> list[float] | None:
+        if self._reported_lrs is not None:
+            return self._reported_lrs
+        optimizer = self._optimizer() if self._optimizer is not None else None
+        return None if optimizer is None else [float(g["lr"]) for g in optimizer.param_groups]
+
+    def _apply_levels(self, changed: dict[str, str] | None) -> None:
+        for name, level in (changed or {}).items():
+            if name in self._layers:
+                self.codec.set_level(self._layers[name], level)
+
+    # --- what users call between steps ---------------------------------------------------------
+    @_DefaultInstanceMethod
+    def epoch_end(self) -> None:
+        """An explicit detection point, on every rank at the same point (used when the
+        compressor was created with ``interval=None``; otherwise ignored with a warning)."""
+        self._between_steps("epoch_end")
+        self._apply_levels(self.controller.epoch_end(self.control, sorted(self._layers)))
+
+    @_DefaultInstanceMethod
+    def report_lr(self, lr) -> None:
+        """Tell the controller the learning rate(s) (a number or one per param group), for
+        front ends where it cannot read them from Horovod's optimizer; overrides that."""
+        values = [lr] if not isinstance(lr, (list, tuple)) else list(lr)
+        for v in values:
+            positive_number("lr", v)
+        self._reported_lrs = [float(v) for v in values]
+
+    def _between_steps(self, what: str) -> None:
+        if self._in_step:
+            raise RuntimeError(f"AccordionCompressor: {what} must be called between optimizer steps "
+                               f"(layers still in flight: {sorted(self._in_step)[:3]})")
 
     def _exchange_topk(self, names, states, pending) -> None:
         # One allgather: every layer's values and int32 indices as bytes, in name order. Every
@@ -209,7 +300,8 @@ class AccordionCompressor:
             values, indices = pending[n][0]
             parts += [values.reshape(-1).view(torch.uint8), indices.view(torch.uint8)]
         packed = torch.cat(parts)
-        gathered = self.channel.wait(self.channel.allgather_async(packed, name=f"acc.topk.{len(names)}"))
+        gathered = self._wait(self.channel.allgather_async(packed, name=f"acc.topk.{len(names)}"))
+        started = time.perf_counter()
         size = self.channel.size
         per_rank = gathered.view(size, packed.numel())
         offset = 0
@@ -219,15 +311,16 @@ class AccordionCompressor:
             indices = per_rank[:, offset + v_bytes:offset + v_bytes + 4 * s.k].contiguous().view(torch.int32).reshape(-1)
             offset += v_bytes + 4 * s.k
             self._results[n] = self.codec.decode(s, values, indices, size, pending[n][1].dtype)
+        self.seconds["compress"] += time.perf_counter() - started
 
     # --- levels, statistics, state ------------------------------------------------------------
     def set_level(self, name: str, level: str) -> None:
         """Switch one compressed layer to the codec's 'normal' or 'critical' level."""
         if name not in self._layers:
             raise KeyError(f"AccordionCompressor: no compressed layer named {name!r} (known: {sorted(self._layers)})")
-        if self._pending:
-            raise RuntimeError("AccordionCompressor: levels can only change between steps")
+        self._between_steps("set_level")
         self.codec.set_level(self._layers[name], level)
+        self.controller.levels[name] = level
 
     @_DefaultInstanceMethod
     def stats(self) -> dict:
@@ -237,10 +330,50 @@ class AccordionCompressor:
             "floats_sent": sum(self._sent.values()),
             "floats_dense": sum(self._dense.values()),
             "steps": self.steps,
+            "seconds_compress": self.seconds["compress"],
+            "seconds_comm": self.seconds["comm"],
             "layers": {n: {"floats_sent": self._sent[n], "floats_dense": self._dense[n],
                            "level": self._layers[n].level if n in self._layers else "dense"}
                        for n in sorted(self._dense)},
         }
+
+
+    # --- checkpoints ------------------------------------------------------------------------
+    @_DefaultInstanceMethod
+    def state_dict(self) -> dict:
+        """Everything needed to resume bit for bit: each layer's codec state (error feedback,
+        warm-start Q, level), the controller's and policy's state, the counters. Plain Python
+        values and tensors (picklable, ``torch.save``-able). Call it between steps."""
+        self._between_steps("state_dict")
+        return {"format": _STATE_FORMAT, "config": self.config(), "steps": self.steps,
+                "sent": dict(self._sent), "dense": dict(self._dense), "seconds": dict(self.seconds),
+                "reported_lrs": self._reported_lrs,
+                "layers": {n: self.codec.state_to_dict(s) for n, s in sorted(self._layers.items())},
+                "controller": self.controller.state_dict()}
+
+    @_DefaultInstanceMethod
+    def load_state_dict(self, state: dict) -> None:
+        """Restore a ``state_dict()`` taken from a compressor with the same settings (else a
+        ValueError naming the settings that differ; nothing is changed then)."""
+        self._between_steps("load_state_dict")
+        if not isinstance(state, dict) or state.get("format") != _STATE_FORMAT:
+            raise ValueError(f"AccordionCompressor.load_state_dict: not an AccordionCompressor state_dict "
+                             f"(expected a dict with format={_STATE_FORMAT!r})")
+        mine = self.config()
+        theirs = state["config"]
+        if json.dumps(theirs, sort_keys=True, default=repr) != json.dumps(mine, sort_keys=True, default=repr):
+            differing = sorted(k for k in set(mine) | set(theirs) if mine.get(k) != theirs.get(k))
+            raise ValueError("AccordionCompressor.load_state_dict: the checkpoint was made with different settings: "
+                             + "; ".join(f"{k}: checkpoint {theirs.get(k)!r}, this compressor {mine.get(k)!r}"
+                                         for k in differing))
+        layers = {n: self.codec.state_from_dict(n, d) for n, d in state["layers"].items()}
+        self.controller.load_state_dict(state["controller"])
+        self._layers = layers
+        self.steps = int(state["steps"])
+        self._sent = {str(k): int(v) for k, v in state["sent"].items()}
+        self._dense = {str(k): int(v) for k, v in state["dense"].items()}
+        self.seconds = {str(k): float(v) for k, v in state["seconds"].items()}
+        self._reported_lrs = state["reported_lrs"]
 
 
 def _config_mismatch_message(configs: list[dict]) -> str:
@@ -261,8 +394,9 @@ def _config_mismatch_message(configs: list[dict]) -> str:
             + "; ".join(differences) + ".")
 
 
-def _horovod_parameter_name(max_depth: int = 6) -> str:
-    """The name of the parameter whose gradient Horovod is compressing (see module doc)."""
+def _horovod_parameter(max_depth: int = 6) -> tuple[str, Any]:
+    """The name of the parameter whose gradient Horovod is compressing, and Horovod's
+    optimizer (see module doc)."""
     frame = sys._getframe(2)  # skip this function and compress()
     param = None
     for _ in range(max_depth):
@@ -275,7 +409,7 @@ def _horovod_parameter_name(max_depth: int = 6) -> str:
         if param is not None and owner is not None and hasattr(owner, "_parameter_names"):
             name = owner._parameter_names.get(param)
             if name is not None:
-                return name
+                return name, owner
         frame = frame.f_back
     raise RuntimeError(
         "AccordionCompressor.compress() must be called by horovod.torch.DistributedOptimizer "

@@ -42,3 +42,47 @@ def shard_batches(split: Split, batch_size: int, rank: int, size: int, epoch: in
     for start in range(0, per_rank - batch_size + 1, batch_size):
         idx = mine[start:start + batch_size]
         yield split.x[idx], split.y[idx]
+
+
+def load_synthetic(seed: int = 0, n_train: int = 4096, n_test: int = 1024, channels: int = 3,
+                   size: int = 32, classes: int = 10) -> tuple[Split, Split]:
+    """A learnable synthetic image task for throughput runs: Gaussian images labelled by a
+    fixed random linear teacher (the same on every rank). Accuracy is meaningful (a model
+    has something to learn) and no file is needed."""
+    gen = torch.Generator().manual_seed(10_007 + seed)
+    x = torch.randn(n_train + n_test, channels, size, size, generator=gen)
+    teacher = torch.randn(channels * size * size, classes, generator=gen)
+    y = (x.flatten(1) @ teacher).argmax(1)
+    return Split(x[:n_train], y[:n_train]), Split(x[n_train:], y[n_train:])
+
+
+def load_cifar10(data_dir) -> tuple[Split, Split]:
+    """CIFAR-10 from a local copy of the python version (``cifar-10-batches-py``, as
+    torchvision or the official tarball leave it); never downloads. Normalized per channel."""
+    import pickle
+    from pathlib import Path
+
+    import numpy as np
+
+    root = Path(data_dir)
+    if (root / "cifar-10-batches-py").is_dir():
+        root = root / "cifar-10-batches-py"
+    files = [root / f"data_batch_{i}" for i in range(1, 6)] + [root / "test_batch"]
+    missing = [str(f) for f in files if not f.is_file()]
+    if missing:
+        raise FileNotFoundError(f"--data-dir {data_dir}: CIFAR-10 (python version) not found, missing "
+                                f"{missing[0]}; nothing is downloaded, unpack cifar-10-python.tar.gz there")
+
+    def read(paths):
+        xs, ys = [], []
+        for path in paths:
+            with open(path, "rb") as f:
+                batch = pickle.load(f, encoding="latin1")
+            xs.append(np.asarray(batch["data"], dtype=np.uint8).reshape(-1, 3, 32, 32))
+            ys.append(np.asarray(batch["labels"], dtype=np.int64))
+        return torch.from_numpy(np.concatenate(xs)).float() / 255.0, torch.from_numpy(np.concatenate(ys))
+
+    (x_train, y_train), (x_test, y_test) = read(files[:5]), read(files[5:])
+    mean = x_train.mean(dim=(0, 2, 3), keepdim=True)
+    std = x_train.std(dim=(0, 2, 3), keepdim=True)
+    return Split((x_train - mean) / std, y_train), Split((x_test - mean) / std, y_test)

@@ -25,3 +25,38 @@ class SmallCNN(nn.Module):
 
     def forward(self, x):
         return self.classifier(self.features(x))
+
+
+class _BasicBlock(nn.Module):
+    def __init__(self, cin: int, cout: int, stride: int) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(cin, cout, 3, stride, 1, bias=False)
+        self.bn1 = nn.BatchNorm2d(cout)
+        self.conv2 = nn.Conv2d(cout, cout, 3, 1, 1, bias=False)
+        self.bn2 = nn.BatchNorm2d(cout)
+        self.shortcut = nn.Sequential()
+        if stride != 1 or cin != cout:
+            self.shortcut = nn.Sequential(nn.Conv2d(cin, cout, 1, stride, bias=False), nn.BatchNorm2d(cout))
+
+    def forward(self, x):
+        out = self.bn1(self.conv1(x)).relu()
+        return (self.bn2(self.conv2(out)) + self.shortcut(x)).relu()
+
+
+class ResNet18(nn.Module):
+    """ResNet-18 for 32x32 images (the CIFAR variant the Accordion paper trains: 3x3 stem,
+    no max-pool), 11.2M parameters; ``width`` scales every layer (64 = the standard one)."""
+
+    def __init__(self, num_classes: int = 10, channels: int = 3, width: int = 64) -> None:
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(channels, width, 3, 1, 1, bias=False), nn.BatchNorm2d(width), nn.ReLU())
+        layers, cin = [], width
+        for i, stride in enumerate((1, 2, 2, 2)):
+            cout = width * 2 ** i
+            layers += [_BasicBlock(cin, cout, stride), _BasicBlock(cout, cout, 1)]
+            cin = cout
+        self.layers = nn.Sequential(*layers)
+        self.head = nn.Linear(cin, num_classes)
+
+    def forward(self, x):
+        return self.head(self.layers(self.stem(x)).mean(dim=(2, 3)))

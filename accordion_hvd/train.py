@@ -1,10 +1,13 @@
 """Data-parallel training under horovodrun: ``python -m accordion_hvd.train``.
 
-    horovodrun -np 2 -H localhost:2 python -m accordion_hvd.train --codec powersgd --rank 1
+    horovodrun -np 2 -H localhost:2 python -m accordion_hvd.train --codec powersgd --rank 1 --critical-rank 4
 
 Every rank trains on its shard of the data with Horovod's DistributedOptimizer and the
-chosen gradient compression; rank 0 reports the test accuracy (over all ranks' shards of
-the test set) and the floats this rank sent against what dense allreduce would send.
+chosen gradient compression. Rank 0 shows a progress bar, logs each epoch's test accuracy
+(over all ranks' shards of the test set), and with ``--logdir`` writes per-step metrics as
+CSV and TensorBoard events and, at the end, PNG plots (accuracy vs floats sent and vs time,
+and the per-layer regime timeline). ``--checkpoint`` saves every epoch (one file per rank:
+error feedback is per rank), ``--resume`` continues such a run exactly.
 """
 
 from __future__ import annotations
@@ -12,19 +15,23 @@ from __future__ import annotations
 import argparse
 import logging
 import time
+from pathlib import Path
 
 import horovod.torch as hvd
 import torch
 import torch.nn.functional as F
 
+from . import data, models
 from .codecs import PowerSGD, TopK
 from .compressor import AccordionCompressor
-from .data import load_digits, shard_batches
-from .models import SmallCNN
+from .metrics import progress
 
 log = logging.getLogger("accordion_hvd.train")
 
 CODECS = ("none", "fp16", "powersgd", "topk")
+POLICIES = ("accordion", "static")
+DATASETS = ("digits", "synthetic", "cifar10")
+MODELS = ("cnn", "resnet18")
 
 
 def make_codec(args):
@@ -39,7 +46,8 @@ def make_codec(args):
 def make_compression(args):
     codec = make_codec(args)
     if codec is not None:
-        return AccordionCompressor(codec)
+        return AccordionCompressor(codec, policy=args.policy, eta=args.eta,
+                                   interval=None if args.interval == 0 else args.interval)
     return hvd.Compression.fp16 if args.codec == "fp16" else hvd.Compression.none
 
 
@@ -52,23 +60,68 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--critical-rank", type=int, default=None, help="PowerSGD rank in critical regimes")
     p.add_argument("--ratio", type=float, default=0.05, help="TopK fraction kept in normal regimes")
     p.add_argument("--critical-ratio", type=float, default=None, help="TopK fraction kept in critical regimes")
+    p.add_argument("--policy", choices=POLICIES, default=None,
+                   help="level policy (default: accordion when a critical level is given, else static)")
+    p.add_argument("--eta", type=float, default=0.5, help="Accordion threshold on the relative norm change")
+    p.add_argument("--interval", type=int, default=0,
+                   help="detection window in optimizer steps; 0 (default): one window per epoch")
+    p.add_argument("--dataset", choices=DATASETS, default="digits")
+    p.add_argument("--data-dir", type=Path, default=None, help="where cifar10 is (never downloaded)")
+    p.add_argument("--model", choices=MODELS, default=None, help="default: cnn, resnet18 for cifar10")
     p.add_argument("--epochs", type=int, default=15)
     p.add_argument("--batch-size", type=int, default=32, help="per-rank batch size")
     p.add_argument("--lr", type=float, default=0.02,
                    help="learning rate per rank (scaled by world size); 0.02 keeps the last epochs of a "
                         "compressed run on digits steady, higher rates make them swing by several points")
+    p.add_argument("--lr-milestones", default="", help="epochs at which the lr is multiplied by --lr-gamma, "
+                                                       "comma-separated (e.g. 10,15)")
+    p.add_argument("--lr-gamma", type=float, default=0.1)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--logdir", type=Path, default=None, help="write steps.csv, eval.csv, TensorBoard events, PNGs")
+    p.add_argument("--checkpoint", type=Path, default=None, help="save here every epoch (PATH.rank<r> per rank)")
+    p.add_argument("--resume", type=Path, default=None, help="continue from this --checkpoint PATH")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
     args = p.parse_args(argv)
     for name in ("epochs", "batch_size"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
     if args.lr <= 0:
         p.error(f"--lr must be positive, got {args.lr}")
+    if args.interval < 0:
+        p.error(f"--interval must be 0 (per epoch) or a positive number of steps, got {args.interval}")
+    try:
+        args.lr_milestones = sorted(int(m) for m in args.lr_milestones.split(",") if m.strip())
+    except ValueError:
+        p.error(f"--lr-milestones must be comma-separated epoch numbers, got {args.lr_milestones!r}")
+    if args.dataset == "cifar10" and args.data_dir is None:
+        p.error("--dataset cifar10 needs --data-dir (it is never downloaded)")
+    args.model = args.model or ("resnet18" if args.dataset == "cifar10" else "cnn")
     try:
         make_codec(args)
+        if args.codec in ("powersgd", "topk"):
+            make_compression(args)
     except (TypeError, ValueError) as exc:
         p.error(str(exc))
     return args
+
+
+def load_data(args):
+    if args.dataset == "digits":
+        return data.load_digits(seed=args.seed)
+    if args.dataset == "synthetic":
+        return data.load_synthetic(seed=args.seed, channels=1 if args.model == "cnn" else 3,
+                                   size=8 if args.model == "cnn" else 32)
+    return data.load_cifar10(args.data_dir)
+
+
+def make_model(args, train: data.Split) -> torch.nn.Module:
+    channels = train.x.shape[1]
+    if args.model == "cnn":
+        if tuple(train.x.shape[2:]) != (8, 8):
+            raise SystemExit(f"--model cnn takes 8x8 images; {args.dataset} has {tuple(train.x.shape[2:])}: "
+                             f"use --model resnet18")
+        return models.SmallCNN(channels=channels)
+    return models.ResNet18(channels=channels)
 
 
 @torch.no_grad()
@@ -76,47 +129,137 @@ def evaluate(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
     """Accuracy over all ranks: each rank scores its slice, the counts are summed."""
     model.eval()
     mine = slice(hvd.rank(), None, hvd.size())
-    correct = (model(x[mine]).argmax(1) == y[mine]).sum()
-    totals = hvd.allreduce(torch.stack([correct.double(), torch.tensor(float(len(y[mine])), dtype=torch.float64)]),
+    correct = sum((model(xb).argmax(1) == yb).sum() for xb, yb in zip(x[mine].split(512), y[mine].split(512)))
+    totals = hvd.allreduce(torch.stack([torch.as_tensor(correct).double(),
+                                        torch.tensor(float(len(y[mine])), dtype=torch.float64)]),
                            op=hvd.Sum, name="eval.accuracy")
     model.train()
     return (totals[0] / totals[1]).item()
 
 
+def checkpoint_path(base: Path, rank: int) -> Path:
+    return base.with_name(f"{base.name}.rank{rank}")
+
+
+def save_checkpoint(path: Path, epoch: int, step: int, model, opt, compression) -> None:
+    state = {"epoch": epoch, "step": step, "world_size": hvd.size(), "model": model.state_dict(),
+             "optimizer": opt.state_dict(),
+             "compression": compression.state_dict() if isinstance(compression, AccordionCompressor) else None}
+    target = checkpoint_path(path, hvd.rank())
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.with_name(target.name + ".tmp")
+    torch.save(state, tmp)
+    tmp.replace(target)  # never a half-written checkpoint
+
+
+def load_checkpoint(path: Path, model, opt, compression) -> tuple[int, int]:
+    source = checkpoint_path(path, hvd.rank())
+    if not source.is_file():
+        raise SystemExit(f"--resume {path}: {source} not found (one file per rank; same world size needed)")
+    state = torch.load(source, weights_only=False)
+    if state["world_size"] != hvd.size():
+        raise SystemExit(f"--resume {path}: saved by {state['world_size']} ranks, this run has {hvd.size()}")
+    model.load_state_dict(state["model"])
+    opt.load_state_dict(state["optimizer"])
+    if isinstance(compression, AccordionCompressor):
+        compression.load_state_dict(state["compression"])
+    return state["epoch"], state["step"]
+
+
 def main(argv=None) -> float:
     args = parse_args(argv)
     hvd.init()
-    logging.basicConfig(level=logging.INFO if hvd.rank() == 0 else logging.WARNING,
+    rank0 = hvd.rank() == 0
+    logging.basicConfig(level=logging.INFO if rank0 else logging.WARNING,
                         format="%(asctime)s %(name)s: %(message)s")
     torch.manual_seed(args.seed)
-    train, test = load_digits(seed=args.seed)
-
-    model = SmallCNN()
-    opt = torch.optim.SGD(model.parameters(), lr=args.lr * hvd.size(), momentum=0.9)
+    train, test = load_data(args)
+    model = make_model(args, train)
+    base_lr = args.lr * hvd.size()
+    opt = torch.optim.SGD(model.parameters(), lr=base_lr, momentum=0.9)
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     hvd.broadcast_optimizer_state(opt, root_rank=0)
-    opt = hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters(),
-                                   compression=(compression := make_compression(args)))
-    log.info("training on %d ranks, compression %s, %d train / %d test images",
-             hvd.size(), compression, len(train.y), len(test.y))
+    compression = make_compression(args)
+    opt = hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters(), compression=compression)
+    start_epoch, step = 0, 0
+    if args.resume is not None:
+        start_epoch, step = load_checkpoint(args.resume, model, opt, compression)
+        log.info("resumed from %s at epoch %d, step %d", args.resume, start_epoch, step)
+    log.info("training %s (%s parameters) on %s, %d ranks, compression %s, %d train / %d test samples",
+             args.model, f"{sum(p.numel() for p in model.parameters()):,}", args.dataset, hvd.size(),
+             compression, len(train.y), len(test.y))
 
+    steps_per_epoch = (len(train.y) // hvd.size()) // args.batch_size
+    metrics = _metrics_logger(args, model, compression) if rank0 and args.logdir else None
+    bar = progress(steps_per_epoch * (args.epochs - start_epoch), enabled=rank0 and not args.no_progress,
+                   desc="training")
+    dense_per_step = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    acc, seconds_before = float("nan"), dict(getattr(compression, "seconds", {}))
     start = time.perf_counter()
-    for epoch in range(args.epochs):
-        for x, y in shard_batches(train, args.batch_size, hvd.rank(), hvd.size(), epoch, args.seed):
+    for epoch in range(start_epoch, args.epochs):
+        lr = base_lr * args.lr_gamma ** sum(epoch >= m for m in args.lr_milestones)
+        for group in opt.param_groups:
+            group["lr"] = lr
+        for x, y in data.shard_batches(train, args.batch_size, hvd.rank(), hvd.size(), epoch, args.seed):
             opt.zero_grad()
             loss = F.cross_entropy(model(x), y)
             loss.backward()
             opt.step()
+            step += 1
+            bar.update()
+            if metrics is not None:
+                seconds_before = _log_step(metrics, compression, step, epoch, loss, lr, start, seconds_before,
+                                           dense_per_step)
+        if isinstance(compression, AccordionCompressor):
+            compression.epoch_end()  # a detection point when --interval 0
         acc = evaluate(model, test.x, test.y)
+        bar.set_postfix(loss=f"{loss.item():.3f}", acc=f"{acc:.4f}")
         log.info("epoch %d/%d  loss %.4f  test accuracy %.4f", epoch + 1, args.epochs, loss.item(), acc)
-    if hvd.rank() == 0:
+        if metrics is not None:
+            stats = compression.stats() if isinstance(compression, AccordionCompressor) else None
+            metrics.log_eval(step, epoch=epoch + 1, accuracy=acc, wall_s=time.perf_counter() - start,
+                             floats_sent=stats["floats_sent"] if stats else step * dense_per_step)
+        if args.checkpoint is not None:
+            save_checkpoint(args.checkpoint, epoch + 1, step, model, opt, compression)
+    bar.close()
+    if rank0:
         print(f"final test accuracy: {acc:.4f} ({hvd.size()} ranks, {args.epochs} epochs, "
               f"{time.perf_counter() - start:.1f} s)", flush=True)
         if isinstance(compression, AccordionCompressor):
             stats = compression.stats()
             print(f"floats sent by rank 0: {stats['floats_sent']:,} of {stats['floats_dense']:,} "
                   f"({stats['floats_dense'] / stats['floats_sent']:.1f}x less than dense)", flush=True)
+    if metrics is not None:
+        metrics.close()
+        from .plots import plot_run
+        for png in plot_run(args.logdir):
+            log.info("wrote %s", png)
     return acc
+
+
+def _metrics_logger(args, model, compression):
+    from .metrics import MetricsLogger
+    names = [n for n, p in model.named_parameters() if p.requires_grad]
+    if (args.logdir / "steps.csv").exists():
+        log.warning("--logdir %s: replacing the run recorded there", args.logdir)
+    return MetricsLogger(args.logdir, layers=names, overwrite=True)
+
+
+def _log_step(metrics, compression, step, epoch, loss, lr, start, seconds_before, dense_per_step):
+    """One steps.csv row: cumulative floats, this step's seconds in compression and in
+    communication (waiting on our collectives), every layer's level."""
+    if isinstance(compression, AccordionCompressor):
+        stats = compression.stats()
+        sent, dense = stats["floats_sent"], stats["floats_dense"]
+        levels = {n: layer["level"] for n, layer in stats["layers"].items()}
+        now = dict(compression.seconds)
+    else:  # Horovod's own: every float goes (fp16 halves the bytes, not the floats)
+        sent = dense = step * dense_per_step
+        levels, now = {}, {"compress": 0.0, "comm": 0.0}
+    metrics.log_step(step, epoch=epoch + 1, loss=loss.item(), lr=lr, floats_sent=sent, floats_dense=dense,
+                     levels=levels, compress_s=now["compress"] - seconds_before.get("compress", 0.0),
+                     comm_s=now["comm"] - seconds_before.get("comm", 0.0), wall_s=time.perf_counter() - start)
+    return now
 
 
 if __name__ == "__main__":

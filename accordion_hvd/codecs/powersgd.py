@@ -114,6 +114,22 @@ class PowerSGD:
             state.q = state.q.t()[:rank].contiguous().t()
         state.rank = rank
 
+    def state_to_dict(self, state: PowerSGDState) -> dict:
+        """A layer's state as plain values and tensors (copies), for checkpoints."""
+        return {"shape": list(state.shape), "level": state.level, "rank": state.rank,
+                "residual": state.residual.clone(), "qt": state.q.t().contiguous()}
+
+    def state_from_dict(self, name: str, d: dict) -> PowerSGDState:
+        shape = torch.Size(d["shape"])
+        n, m = self.matrix_shape(shape)
+        level, rank = check_level(d["level"]), int(d["rank"])
+        residual, qt = d["residual"], d["qt"]
+        if rank != self.level_rank(level, shape) or tuple(residual.shape) != (n, m) or tuple(qt.shape) != (rank, m):
+            raise ValueError(f"PowerSGD state of {name!r} does not fit this codec: level {level!r} needs rank "
+                             f"{self.level_rank(level, shape)}, got rank {rank}, residual {tuple(residual.shape)} "
+                             f"(expected {(n, m)}), Q^T {tuple(qt.shape)}")
+        return PowerSGDState(name, shape, level, rank, residual.clone(), qt.clone().t())
+
     def _fresh_columns(self, name: str, m: int, first: int, last: int, dtype, device) -> torch.Tensor:
         """Columns first..last-1 of a layer's initial Q: column j depends only on (seed, name, j)."""
         cols = []

@@ -75,6 +75,21 @@ class TopK:
         state.level = level
         state.k = self.level_k(level, state.residual.numel())
 
+    def state_to_dict(self, state: TopKState) -> dict:
+        """A layer's state as plain values and tensors (copies), for checkpoints."""
+        return {"shape": list(state.shape), "level": state.level, "k": state.k, "residual": state.residual.clone(),
+                "g_sq": state.g_sq, "kept_sq": state.kept_sq}
+
+    def state_from_dict(self, name: str, d: dict) -> TopKState:
+        shape = torch.Size(d["shape"])
+        level, k, residual = check_level(d["level"]), int(d["k"]), d["residual"]
+        numel = math.prod(shape)
+        if k != self.level_k(level, numel) or tuple(residual.shape) != (numel,):
+            raise ValueError(f"TopK state of {name!r} does not fit this codec: level {level!r} needs k "
+                             f"{self.level_k(level, numel)}, got k {k}, residual {tuple(residual.shape)} "
+                             f"(expected {(numel,)})")
+        return TopKState(name, shape, level, k, residual.clone(), float(d["g_sq"]), float(d["kept_sq"]))
+
     def sends_dense(self, state: TopKState) -> bool:
         """At a level keeping half the entries or more, values plus indices would cost more
         than the dense tensor: such a step goes through the ordinary dense allreduce instead

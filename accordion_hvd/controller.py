@@ -1,0 +1,159 @@
+"""The regime controller: gathers what a level decision needs, identically on every rank.
+
+Between the compressor (which sees each layer's raw local gradient) and the policy (pure
+decision logic), the controller
+
+* accumulates each compressed layer's raw local gradient over the detection window (one
+  float32 buffer per compressed layer, the size of the layer: the memory cost of
+  detection), or, with ``accumulate=False``, only each step's squared norm (no buffer; the
+  window norm is then the root of the summed squares, a different but equally comparable
+  measure);
+* ends a window every ``interval`` optimizer steps, or at ``epoch_end()`` when ``interval``
+  is None;
+* reduces the inputs of every decision over the control plane (MPI when its world is
+  Horovod's, else Horovod's own collectives): the window norms (mean over ranks of each
+  rank's local norm) and, every step, the learning rates (minimum and maximum over ranks:
+  they must agree, and a decrease is seen by all ranks in the same step);
+* hands the policy those reduced numbers and returns its levels to the compressor.
+
+Every rank runs the same deterministic rule on the same reduced numbers, so all ranks switch
+levels in the same step; a rank-dependent local norm cannot make them disagree.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import zlib
+from typing import Any
+
+import numpy as np
+import torch
+
+from .codecs._common import positive_number
+from .policies import Policy, WindowReport
+
+log = logging.getLogger("accordion_hvd.controller")
+
+
+class RegimeController:
+    def __init__(self, policy: Policy, interval: int | None, *, accumulate: bool = True) -> None:
+        self.policy = policy
+        self.interval = None if interval is None else positive_number("interval", interval, integer=True)
+        if not isinstance(accumulate, bool):
+            raise TypeError(f"accumulate must be a bool, got {type(accumulate).__name__}")
+        self.accumulate = accumulate
+        self.levels: dict[str, str] = {}           # the level each layer uses now
+        self._sums: dict[str, torch.Tensor] = {}   # accumulate=True: sum of raw gradients
+        self._sq: dict[str, float] = {}            # accumulate=False: sum of squared norms
+        self._window_steps = 0
+        self._lrs: list[float] | None = None       # learning rates agreed at the last step
+        self.windows = 0                           # detection points so far
+        self._warned_epoch_end = False
+
+    def config(self) -> dict:
+        return {**self.policy.config(), "interval": self.interval, "accumulate": self.accumulate}
+
+    def level_of(self, layer: str) -> str:
+        """The level of a layer (a new layer gets the policy's initial level)."""
+        if layer not in self.levels:
+            self.levels[layer] = self.policy.initial_level(layer)
+        return self.levels[layer]
+
+    @torch.no_grad()
+    def observe(self, layer: str, grad: torch.Tensor) -> None:
+        """Called with each compressed layer's raw local gradient, before compression."""
+        if not self.policy.uses_norms:
+            return
+        if self.accumulate:
+            total = self._sums.get(layer)
+            if total is None:
+                self._sums[layer] = grad.detach().to(torch.float32, copy=True).reshape(-1)
+            else:
+                total.add_(grad.reshape(-1))
+        else:
+            self._sq[layer] = self._sq.get(layer, 0.0) + float(torch.linalg.vector_norm(grad, dtype=torch.float64)) ** 2
+
+    def end_step(self, control: Any, layers: list[str], lrs: list[float] | None) -> dict[str, str] | None:
+        """At the end of every optimizer step (all ranks, same step). ``lrs``: this rank's
+        learning rates (one per param group), or None when unknown (then on every rank).
+        Returns the levels to use from the next step when any changes, else None."""
+        self._window_steps += 1
+        lr_down = lrs is not None and self._lr_decreased(control, lrs)
+        decided = None
+        if self.interval is not None and self._window_steps >= self.interval:
+            decided = self._end_window(control, layers)
+        if lr_down:  # wins over a detection in the same step: critical until the next one
+            decided = self.policy.lr_decreased(layers) or decided
+            log.info("learning rate decreased: every layer at the policy's level for a decay until the next "
+                     "detection point")
+        return self._apply(decided)
+
+    def epoch_end(self, control: Any, layers: list[str]) -> dict[str, str] | None:
+        """An explicit detection point (windows are epochs when ``interval`` is None)."""
+        if self.interval is not None:
+            if not self._warned_epoch_end:
+                log.warning("epoch_end() ignored: detection windows are every %d steps (pass interval=None "
+                            "to detect at epoch ends instead)", self.interval)
+                self._warned_epoch_end = True
+            return None
+        return self._apply(self._end_window(control, layers)) if self._window_steps else None
+
+    # --- internals --------------------------------------------------------------------------
+    def _apply(self, decided: dict[str, str] | None) -> dict[str, str] | None:
+        if not decided:
+            return None
+        changed = {layer: level for layer, level in decided.items() if self.levels.get(layer) != level}
+        self.levels.update(decided)
+        return changed or None
+
+    def _lr_decreased(self, control: Any, lrs: list[float]) -> bool:
+        """Agree on the learning rates (min and max over ranks, one small collective) and
+        say whether any went down since the last step."""
+        local = np.asarray([float(x) for x in lrs], dtype=np.float64)
+        reduced = control.allreduce(np.concatenate([local, -local]), name=f"acc.lr.{len(lrs)}", op="min")
+        low, high = reduced[:len(lrs)], -reduced[len(lrs):]
+        if not np.array_equal(low, high):
+            raise RuntimeError(f"AccordionCompressor: ranks use different learning rates (per param group, "
+                               f"min {low.tolist()} vs max {high.tolist()} over ranks); the regime controller "
+                               f"needs them equal")
+        previous, self._lrs = self._lrs, low.tolist()
+        return previous is not None and len(previous) == len(self._lrs) and any(
+            new < old for new, old in zip(self._lrs, previous))
+
+    def _end_window(self, control: Any, layers: list[str]) -> dict[str, str]:
+        steps, self._window_steps = self._window_steps, 0
+        self.windows += 1
+        if not self.policy.uses_norms:
+            return self.policy.end_window(WindowReport({layer: 0.0 for layer in layers}, steps))
+        local = np.asarray([self._local_norm(layer) for layer in layers], dtype=np.float64)
+        self._sums.clear()
+        self._sq.clear()
+        # The collective's name carries a digest of the layer list: ranks that compress
+        # different layers fail by name instead of comparing the wrong norms.
+        digest = zlib.crc32("\0".join(layers).encode())
+        total = control.allreduce(local, name=f"acc.window.{len(layers)}.{digest:08x}", op="sum")
+        norms = {layer: float(v) / control.size for layer, v in zip(layers, total)}
+        return self.policy.end_window(WindowReport(norms, steps))
+
+    def _local_norm(self, layer: str) -> float:
+        if self.accumulate:
+            total = self._sums.get(layer)
+            return 0.0 if total is None else float(torch.linalg.vector_norm(total, dtype=torch.float64))
+        return math.sqrt(self._sq.get(layer, 0.0))
+
+    # --- state ------------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        return {"levels": dict(self.levels), "window_steps": self._window_steps, "windows": self.windows,
+                "lrs": None if self._lrs is None else list(self._lrs),
+                "sums": {k: v.clone() for k, v in self._sums.items()}, "sq": dict(self._sq),
+                "policy": self.policy.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.levels = dict(state["levels"])
+        self._window_steps = int(state["window_steps"])
+        self.windows = int(state["windows"])
+        self._lrs = None if state["lrs"] is None else [float(x) for x in state["lrs"]]
+        self._sums = {k: v.clone() for k, v in state["sums"].items()}
+        self._sq = {k: float(v) for k, v in state["sq"].items()}
+        self.policy.load_state_dict(state["policy"])

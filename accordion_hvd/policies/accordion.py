@@ -1,0 +1,73 @@
+"""The Accordion rule (Agarwal et al., MLSys 2021): gentle compression in critical regimes.
+
+At the end of every detection window, each layer's gradient norm over the window is compared
+with its norm over the previous window; the layer is in a critical regime (and gets the
+codec's gentle "critical" level for the next window) when
+
+    |prev - new| / prev >= eta
+
+and in a normal regime (aggressive level) otherwise. A layer's first window is critical, and
+so is the window after it (there is nothing to compare with yet; prev == 0 counts as
+critical too). When the learning rate goes down, every layer is critical until the next
+detection point, as in the paper.
+
+A window whose norms are not all finite (a NaN or Inf gradient on some rank) is skipped with
+a warning: levels and the reference norms stay as they were, so one bad step can neither
+flip every layer nor poison the next comparison. Every rank sees the same reduced norms, so
+every rank skips alike.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+
+from ..codecs._common import CRITICAL, NORMAL, positive_number
+from .base import Policy, WindowReport
+
+log = logging.getLogger("accordion_hvd.policies")
+
+
+class Accordion(Policy):
+    """Args:
+        eta: threshold on the relative change of a layer's window norm (paper: 0.5).
+    """
+
+    name = "accordion"
+
+    def __init__(self, eta: float = 0.5) -> None:
+        self.eta = float(positive_number("eta", eta))
+        self._prev: dict[str, float] = {}    # each layer's norm over the last window
+        self._levels: dict[str, str] = {}    # each layer's level from the last decision
+
+    def __repr__(self) -> str:
+        return f"Accordion(eta={self.eta})"
+
+    def config(self) -> dict:
+        return {"policy": self.name, "eta": self.eta}
+
+    def initial_level(self, layer: str) -> str:
+        return CRITICAL
+
+    def end_window(self, report: WindowReport) -> dict[str, str]:
+        bad = sorted(layer for layer, norm in report.norms.items() if not math.isfinite(norm))
+        if bad:
+            log.warning("Accordion: window of %d steps skipped, non-finite gradient norm in %s; levels unchanged",
+                        report.steps, ", ".join(bad[:5]) + (" ..." if len(bad) > 5 else ""))
+            return {layer: self._levels.get(layer, CRITICAL) for layer in report.norms}
+        for layer, new in report.norms.items():
+            prev = self._prev.get(layer)
+            critical = prev is None or prev == 0 or abs(prev - new) / prev >= self.eta
+            self._levels[layer] = CRITICAL if critical else NORMAL
+            self._prev[layer] = new
+        return {layer: self._levels[layer] for layer in report.norms}
+
+    def lr_decreased(self, layers: list[str]) -> dict[str, str]:
+        return {layer: CRITICAL for layer in layers}
+
+    def state_dict(self) -> dict:
+        return {"prev": dict(self._prev), "levels": dict(self._levels)}
+
+    def load_state_dict(self, state: dict) -> None:
+        self._prev = {str(k): float(v) for k, v in state["prev"].items()}
+        self._levels = {str(k): str(v) for k, v in state["levels"].items()}

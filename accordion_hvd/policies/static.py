@@ -1,0 +1,17 @@
+"""Static: every layer at the codec's normal level, always (no detection, no norms)."""
+
+from __future__ import annotations
+
+from ..codecs._common import NORMAL
+from .base import Policy, WindowReport
+
+
+class Static(Policy):
+    name = "static"
+    uses_norms = False
+
+    def initial_level(self, layer: str) -> str:
+        return NORMAL
+
+    def end_window(self, report: WindowReport) -> dict[str, str]:
+        return {layer: NORMAL for layer in report.norms}
