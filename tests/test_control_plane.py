@@ -113,7 +113,8 @@ def test_a_rank_that_never_joins_makes_the_others_time_out_and_stop():
     (["1.0"], "sum", "lr", TypeError, "values must be real numbers, got dtype <U3"),
     ([None], "sum", "lr", TypeError, "values must be real numbers, got dtype object"),
     (np.ones(2, complex), "sum", "lr", TypeError, "values must be real numbers, got dtype complex128"),
-    (torch.ones(2, dtype=torch.complex64), "sum", "lr", TypeError, "values must be real numbers, got a torch.complex64"),
+    (torch.ones(2, dtype=torch.complex64), "sum", "lr", TypeError,
+     "values must be real numbers, got a torch.complex64"),
 ])
 def test_bad_arguments_are_named_before_any_communication(values, op, name, error, message):
     # A world of 2 in which rank 1 never calls: any communication would time out instead.
@@ -132,6 +133,16 @@ def test_control_plane_rejects_unknown_kinds_and_needs_horovod_initialised():
         pytest.skip("Horovod was initialised in this process by another test")
     with pytest.raises(ValueError, match=r"call hvd.init\(\) first"):
         control_plane()
+
+
+def test_auto_never_starts_mpi_when_horovod_runs_without_it():
+    # In a fresh process: whether MPI starts shows in sys.modules (mpi4py.MPI initialises it).
+    code = ("import sys, types; from accordion_hvd.comm.control import _why_not_mpi; "
+            "print(_why_not_mpi(types.SimpleNamespace(mpi_enabled=lambda: False), start_mpi=False)); "
+            "print('mpi4py.MPI' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.splitlines() == ["Horovod runs without MPI (a horovodrun --gloo launch), so MPI's world would be "
+                                "each process alone", "False"]
 
 
 def test_importing_the_package_does_not_start_mpi():

@@ -1,19 +1,14 @@
 """The control plane: small float64 reductions whose result every rank sees bit for bit.
 
-The regime controller reduces a few numbers at each detection point (per-layer gradient
-norms, the learning rate, counters), and every rank applies the same deterministic rule to
-the result, so that all ranks switch compression levels in the same step. That needs
-reductions that give every rank the same bits, never combine two different collectives, and
-never hang. One small protocol, three implementations:
-
-- ``MPIControlPlane``: mpi4py on a private communicator, apart from Horovod's data traffic.
-- ``HorovodControlPlane``: Horovod's own allreduce, for ``horovodrun --gloo`` launches, where
-  every process sees an MPI world of size 1 and a controller trusting MPI would let the ranks
-  diverge without any error.
-- ``SimulatedControlPlane``: one per rank thread of a ``SimulatedWorld``, for unit tests.
-
-``control_plane()`` picks MPI or Horovod. Every wait polls with a deadline
-($ACCORDION_COLLECTIVE_TIMEOUT, default 300 s) and raises the channels' ``TimeoutError``.
+The regime controller reduces a few numbers per detection point (per-layer gradient norms,
+the learning rate, counters) and every rank applies the same deterministic rule to the
+result, so all ranks switch levels in the same step. So the reductions must give every rank
+the same bits, never combine two different collectives, and never hang (every wait polls
+with a deadline, $ACCORDION_COLLECTIVE_TIMEOUT). Three implementations of one protocol:
+``MPIControlPlane`` (mpi4py, apart from Horovod's traffic), ``HorovodControlPlane`` (for
+``horovodrun --gloo``, where every process sees an MPI world of size 1, and a controller
+trusting MPI would let the ranks diverge silently) and ``SimulatedControlPlane`` (unit
+tests). ``control_plane()`` picks MPI or Horovod.
 """
 
 from __future__ import annotations
@@ -66,10 +61,6 @@ def _as_float64(values) -> np.ndarray:
 class _Plane:
     """What all planes share: argument checks, and no use after a timeout (a collective is then
     pending on some ranks only, so the ranks are out of step for good)."""
-    kind: str
-    rank: int
-    size: int
-    timeout: float
     _stuck: str | None = None
 
     def allreduce(self, values, name: str, op: str = "sum") -> np.ndarray:
@@ -86,12 +77,6 @@ class _Plane:
         except TimeoutError:
             self._stuck = name
             raise
-
-
-def _mismatch(name: str, rank: int) -> RuntimeError:
-    return RuntimeError(f"control collective {name!r} on rank {rank}: the ranks issued different control "
-                        f"collectives (names or lengths) in the same round; every rank must issue the same "
-                        f"ones in the same order")
 
 
 # --- MPI: collectives pair by order, so each carries a tag of its name, reduced with it ----
@@ -163,7 +148,9 @@ class MPIControlPlane(_Plane):
         recv = np.empty_like(send)
         self._wait(self._comm.Iallreduce(send, recv, op=self._ops[op]), name)
         if not _tags_agree(recv[:len(head)], op, self.size):
-            raise _mismatch(name, self.rank)
+            raise RuntimeError(f"control collective {name!r} on rank {self.rank}: the ranks issued different "
+                               f"control collectives (names or lengths) in the same round; every rank must "
+                               f"issue the same ones in the same order")
         return recv[len(head):]
 
 
@@ -219,8 +206,8 @@ def _why_not_mpi(hvd, start_mpi: bool) -> str | None:
         return f"mpi4py cannot be imported ({exc})"
     size, rank = MPI.COMM_WORLD.Get_size(), MPI.COMM_WORLD.Get_rank()
     if (size, rank) != (hvd.size(), hvd.rank()):
-        return (f"MPI's world (size {size}, rank {rank}) is not Horovod's (size {hvd.size()}, rank {hvd.rank()})"
-                + (", as under horovodrun --gloo, where every process sees an MPI world of size 1" if size == 1 else ""))
+        hint = ", as under horovodrun --gloo, where every process sees an MPI world of size 1" if size == 1 else ""
+        return f"MPI's world (size {size}, rank {rank}) is not Horovod's (size {hvd.size()}, rank {hvd.rank()}){hint}"
     return None
 
 
@@ -234,7 +221,8 @@ def control_plane(kind: str = "auto", *, timeout: float | None = None) -> Contro
     """
     global _announced
     if kind not in ("auto", "mpi", "horovod"):
-        raise ValueError(f"kind must be 'auto', 'mpi' or 'horovod', got {kind!r}")
+        raise ValueError(f"kind must be 'auto', 'mpi' or 'horovod', got {kind!r} "
+                         f"(a simulated plane is built as SimulatedControlPlane(world, rank))")
     import horovod.torch as hvd
 
     if not hvd.is_initialized():
