@@ -14,7 +14,8 @@ from __future__ import annotations
 import math
 import numbers
 import os
-from typing import Any, Protocol
+import time
+from typing import Any, Callable, Protocol
 
 import torch
 
@@ -22,6 +23,10 @@ Handle = Any  # opaque, channel-specific
 
 TIMEOUT_ENV = "ACCORDION_COLLECTIVE_TIMEOUT"
 DEFAULT_TIMEOUT = 300.0
+
+# wait_for polls with a growing pause: quick for collectives that are about to finish, cheap
+# (1000 polls/s at most) for long ones, and never more than _MAX_PAUSE late.
+_FIRST_PAUSE, _MAX_PAUSE = 1e-5, 1e-3
 
 
 class Channel(Protocol):
@@ -69,3 +74,17 @@ def collective_timeout_error(name: str, rank: int, size: int, timeout: float) ->
         f"(world size {size}). Usually the ranks disagree on their configuration or on which layers get "
         f"compressed (different models, or parameters that require gradients on some ranks only), so "
         f"another rank never submitted {name!r}. If a rank is merely slow, raise {TIMEOUT_ENV} (seconds).")
+
+
+def wait_for(done: Callable[[], bool], name: str, rank: int, size: int, timeout: float) -> None:
+    """Poll ``done()`` until it returns True; after ``timeout`` seconds raise
+    ``collective_timeout_error``. Every wait on a collective goes through here, never through a
+    blocking wait (``hvd.synchronize``, ``MPI_Wait``), which would hang forever on a collective
+    that another rank never submits."""
+    deadline = time.monotonic() + timeout
+    pause = _FIRST_PAUSE
+    while not done():
+        if time.monotonic() >= deadline:
+            raise collective_timeout_error(name, rank, size, timeout)
+        time.sleep(pause)
+        pause = min(2 * pause, _MAX_PAUSE)

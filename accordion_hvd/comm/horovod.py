@@ -2,15 +2,9 @@
 
 from __future__ import annotations
 
-import time
-
 import torch
 
-from .channel import collective_timeout, collective_timeout_error
-
-# wait() polls with a growing pause: quick for collectives that are about to finish, cheap
-# (1000 polls/s at most) for long ones, and never more than _MAX_PAUSE late.
-_FIRST_PAUSE, _MAX_PAUSE = 1e-5, 1e-3
+from .channel import collective_timeout, wait_for
 
 
 class HorovodChannel:
@@ -50,11 +44,5 @@ class HorovodChannel:
 
     def wait(self, handle):
         name = self._names.pop(handle, "<unnamed>")
-        deadline = time.monotonic() + self.timeout
-        pause = _FIRST_PAUSE
-        while not self._hvd.poll(handle):
-            if time.monotonic() >= deadline:
-                raise collective_timeout_error(name, self.rank, self.size, self.timeout)
-            time.sleep(pause)
-            pause = min(2 * pause, _MAX_PAUSE)
+        wait_for(lambda: self._hvd.poll(handle), name, self.rank, self.size, self.timeout)
         return self._hvd.synchronize(handle)

@@ -35,8 +35,11 @@ class SimulatedWorld:
     def channel(self, rank: int) -> "SimulatedChannel":
         return SimulatedChannel(self, rank)
 
-    def _exchange(self, rank: int, kind: str, name: str, payload: Any) -> list[Any]:
-        """Rendezvous: every rank deposits (kind:name, payload); all see everyone's payloads."""
+    def exchange(self, rank: int, kind: str, name: str, payload: Any) -> list[Any]:
+        """Rendezvous: every rank deposits (kind:name, payload); all see everyone's payloads, in
+        rank order. Any collective can be simulated on top of it (the channel's allreduce and
+        allgather, the control plane's reductions); ranks that name different collectives in
+        the same round all raise ``CollectiveMismatch``."""
         self._slots[rank] = (f"{kind}:{name}", payload)
         self._rendezvous(rank, name)
         entries = list(self._slots)
@@ -96,7 +99,7 @@ class SimulatedChannel:
 
     def wait(self, handle):
         kind, payload, name = handle
-        everyone = self.world._exchange(self.rank, kind, name, payload)
+        everyone = self.world.exchange(self.rank, kind, name, payload)
         if kind == "allgather":
             return torch.cat(everyone)
         # Sum in rank order, then divide: the same on every rank.
