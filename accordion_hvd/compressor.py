@@ -330,8 +330,6 @@ class AccordionCompressor:
             "floats_sent": sum(self._sent.values()),
             "floats_dense": sum(self._dense.values()),
             "steps": self.steps,
-            "seconds_compress": self.seconds["compress"],
-            "seconds_comm": self.seconds["comm"],
             "layers": {n: {"floats_sent": self._sent[n], "floats_dense": self._dense[n],
                            "level": self._layers[n].level if n in self._layers else "dense"}
                        for n in sorted(self._dense)},

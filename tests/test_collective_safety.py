@@ -109,6 +109,9 @@ class CountingChannel:
         self.names.append(name)
         return self.inner.allreduce_mean_async(tensors, name)
 
+    def control_plane(self):
+        return self.inner.control_plane()
+
     def allgather_async(self, tensor, name):
         self.names.append(name)
         return self.inner.allgather_async(tensor, name)

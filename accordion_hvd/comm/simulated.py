@@ -89,6 +89,12 @@ class SimulatedChannel:
     def timeout(self) -> float:
         return self.world.timeout
 
+    def control_plane(self):
+        """This rank's control plane in the same simulated world (the compressor asks its
+        channel for one before falling back to MPI/Horovod)."""
+        from .control import SimulatedControlPlane
+        return SimulatedControlPlane(self.world, self.rank)
+
     # The simulation is synchronous: "async" records the call, wait() performs it, which keeps
     # the call order that the real channel has (issue, ..., wait).
     def allreduce_mean_async(self, tensors: list[torch.Tensor], name: str):
