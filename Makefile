@@ -9,7 +9,7 @@ NP     ?= 2
 help:
 	@echo "make setup       install Open MPI, .venv (torch, Horovod 0.28.1 with MPI+Gloo) and build accordion_hvd"
 	@echo "make test        set up, then run the whole test suite (incl. horovodrun with Gloo and MPI)"
-	@echo "make demo        set up, then train $(NP) ranks under horovodrun on the digits data"
+	@echo "make demo        set up, then train $(NP) ranks with Accordion under horovodrun on digits (runs/demo: CSV, TensorBoard, PNGs)"
 	@echo "make build       rebuild the C++/CUDA extension (incremental)"
 	@echo "make cuda-check  compile every CUDA kernel for sm_80 and sm_90 (skips without nvcc)"
 
@@ -28,7 +28,8 @@ test-fast: setup
 
 demo: setup
 	OMP_NUM_THREADS=1 $(VENV)/bin/horovodrun -np $(NP) -H localhost:$(NP) --gloo \
-	    $(PY) -m accordion_hvd.train --codec powersgd --rank 1 --epochs 15
+	    $(PY) -m accordion_hvd.train --codec powersgd --rank 1 --critical-rank 4 --epochs 15 \
+	    --lr-milestones 10 --logdir runs/demo
 
 cuda-check:
 	@scripts/cuda_check.sh

@@ -80,9 +80,12 @@ for name, p in model.named_parameters():
     layer = stats["layers"][name]
     check(layer["floats_dense"] == p.numel() * steps, f"{name}: floats_dense {layer['floats_dense']}")
     if codec.compressible(p.shape):
-        check(layer["level"] == "normal", f"{name} level {layer['level']}")
-        per_step = ((p.shape[0] + p.shape[1]) * min(codec.rank, *p.shape) if isinstance(codec, acc.PowerSGD)
-                    else 2 * codec.level_k("normal", p.numel()))
+        # The class's default codec has two levels: Accordion keeps its first window (100
+        # steps, longer than this run) critical. The others are static.
+        level = "critical" if use_class else "normal"
+        check(layer["level"] == level, f"{name} level {layer['level']}")
+        per_step = ((p.shape[0] + p.shape[1]) * codec.level_rank(level, p.shape) if isinstance(codec, acc.PowerSGD)
+                    else 2 * codec.level_k(level, p.numel()))
     else:
         check(layer["level"] == "dense", f"{name} should be dense")
         per_step = p.numel()

@@ -1,0 +1,237 @@
+"""The level policies and the regime controller, on the simulated N-rank world.
+
+The Accordion rule by hand; then the whole loop (compressor -> controller -> policy ->
+levels) with rank-dependent gradients, where every rank must switch in the same step;
+learning-rate decreases; non-finite norms; checkpoints that resume bit for bit.
+"""
+
+import math
+
+import pytest
+import torch
+
+import accordion_hvd as acc
+from accordion_hvd.comm import SimulatedWorld
+from accordion_hvd.policies import Accordion, Static, WindowReport
+
+C, N = "critical", "normal"
+
+
+def window(norms, steps=10):
+    return WindowReport(dict(norms), steps)
+
+
+def test_accordion_rule_by_hand():
+    policy = Accordion(eta=0.5)
+    assert policy.initial_level("w") == C
+    assert policy.end_window(window({"w": 4.0, "v": 1.0})) == {"w": C, "v": C}  # nothing to compare yet
+    assert policy.end_window(window({"w": 3.0, "v": 1.2})) == {"w": N, "v": N}  # -25%, +20%
+    assert policy.end_window(window({"w": 1.5, "v": 1.8})) == {"w": C, "v": C}  # -50% (= eta), +50%
+    assert policy.end_window(window({"w": 1.4, "v": 0.0})) == {"w": N, "v": C}
+    assert policy.end_window(window({"w": 1.4, "v": 5.0})) == {"w": N, "v": C}  # prev == 0 counts as critical
+    assert policy.lr_decreased(["w", "v"]) == {"w": C, "v": C}
+
+
+def test_a_non_finite_window_is_skipped_and_does_not_poison_the_next_one():
+    policy = Accordion(eta=0.5)
+    policy.end_window(window({"w": 4.0, "v": 1.0}))
+    assert policy.end_window(window({"w": 3.9, "v": 1.1})) == {"w": N, "v": N}
+    assert policy.end_window(window({"w": math.nan, "v": 100.0})) == {"w": N, "v": N}  # skipped: unchanged
+    # The comparison is with the last good window (3.9, 1.1), not with the skipped one.
+    assert policy.end_window(window({"w": 3.8, "v": 1.0})) == {"w": N, "v": N}
+    assert policy.end_window(window({"w": math.inf, "v": 1.0})) == {"w": N, "v": N}
+
+
+def test_static_never_leaves_the_normal_level():
+    policy = Static()
+    assert policy.initial_level("w") == N
+    assert policy.end_window(window({"w": 1.0})) == {"w": N}
+    assert policy.lr_decreased(["w"]) is None
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    (dict(policy="gravity"), "policy must be one of"),
+    (dict(policy=3), "policy must be None, a name or a Policy"),
+    (dict(eta=0), "eta must be positive"),
+    (dict(eta=-1.0), "eta must be positive"),
+    (dict(interval=0), "interval must be positive"),
+    (dict(interval=2.5), "interval must be an int"),
+    (dict(accumulate="yes"), "accumulate must be a bool"),
+])
+def test_bad_policy_arguments_name_the_problem(kwargs, message):
+    with pytest.raises((TypeError, ValueError), match=message):
+        acc.AccordionCompressor(acc.PowerSGD(1, 4), **kwargs)
+
+
+def test_accordion_is_the_default_only_when_the_codec_has_two_levels():
+    assert isinstance(acc.AccordionCompressor(acc.PowerSGD(1, 4)).policy, Accordion)
+    assert isinstance(acc.AccordionCompressor(acc.PowerSGD(2)).policy, Static)
+    assert isinstance(acc.AccordionCompressor(acc.TopK(0.1, 0.99), policy="static").policy, Static)
+
+
+# --- the loop, on the simulated world ---------------------------------------------------------
+SHAPES = {"a.weight": (32, 48), "b.weight": (24, 40), "b.bias": (24,)}
+
+
+def scale_for(rank, step):
+    """A gradient scale that changes by regime and differs a lot between ranks: rank 1's local
+    norm alone would put layer b in other regimes than rank 0's would."""
+    base = 1.0 if step < 12 else 0.2 if step < 24 else 0.19
+    return base * (5.0 if rank == 1 and step % 7 == 0 else 1.0)
+
+
+def run(world_size, steps, make, *, lr=None, grads=None, start_state=None, record_levels=True):
+    """Every simulated rank runs `steps` steps; returns per rank (levels per step, results,
+    compressor)."""
+    def worker(rank, channel):
+        comp = make(channel)
+        if start_state is not None:
+            comp.load_state_dict(start_state[rank])
+        levels, results = [], []
+        for step in range(steps):
+            if lr is not None:
+                comp.report_lr(lr(step))
+            gen = torch.Generator().manual_seed(100 * step + rank)
+            g = grads(rank, step) if grads else {
+                n: torch.randn(s, generator=gen) * scale_for(rank, step) for n, s in SHAPES.items()}
+            sent = {n: comp.compress_named(n, g[n]) for n in sorted(g)}
+            reduced = {n: channel.wait(channel.allreduce_mean_async([sent[n][0]], f"hvd.{n}"))[0] for n in sent}
+            results.append({n: comp.decompress(reduced[n], sent[n][1]) for n in sorted(sent)})
+            levels.append({n: layer["level"] for n, layer in comp.stats()["layers"].items()})
+        return levels, results, comp
+    return SimulatedWorld(world_size).run(worker)
+
+
+def accordion(interval=4, **kw):
+    return lambda channel: acc.AccordionCompressor(acc.PowerSGD(1, critical_rank=4), interval=interval,
+                                                   channel=channel, **kw)
+
+
+@pytest.mark.parametrize("accumulate", [True, False])
+def test_all_ranks_switch_in_the_same_step_despite_rank_dependent_norms(accumulate):
+    out = run(2, 36, accordion(interval=4, accumulate=accumulate))
+    levels0, levels1 = out[0][0], out[1][0]
+    assert levels0 == levels1, "ranks used different levels in the same step"
+    seen = {lv for step in levels0 for lv in step.values()}
+    assert seen == {C, N, "dense"}, f"the run never switched: {seen}"
+    # levels[step] is what the end of that step decided (used from step + 1); decisions
+    # happen at the end of every 4th step only.
+    for step in range(1, 36):
+        if (step + 1) % 4 != 0:
+            assert levels0[step] == levels0[step - 1], f"level changed at step {step}, not a detection point"
+    # The regime change at step 12 (gradients 5x smaller) makes the window ending at step 15
+    # critical for both layers.
+    assert levels0[15]["a.weight"] == C and levels0[15]["b.weight"] == C
+
+
+def test_controller_uses_the_mean_of_the_ranks_norms():
+    # Layer norms per rank are known exactly: gradient = c * ones. Rank 0 always 1, rank 1
+    # 1 then 3: rank 0 alone would see no change, rank 1 alone +200%; the mean, 1 -> 2, is
+    # +100%: critical at eta 0.9, normal at eta 1.5.
+    def grads(rank, step):
+        c = 1.0 if rank == 0 or step < 4 else 3.0
+        return {"w": torch.full((16, 16), c)}
+    for eta, expected in ((0.9, C), (1.5, N)):
+        out = run(2, 9, accordion(interval=4, eta=eta), grads=grads)
+        assert out[0][0][8]["w"] == out[1][0][8]["w"] == expected, (eta, out[0][0])
+
+
+def test_a_learning_rate_decrease_makes_every_layer_critical_until_the_next_detection():
+    def lr(step):
+        return 0.1 if step < 17 else 0.01
+    # Steady gradients: normal from the second detection (end of step 7) on; the lr drop in
+    # step 17 makes everything critical from step 18 until the detection at the end of 19.
+    # (levels[step]: what the end of that step decided.)
+    out = run(2, 26, accordion(interval=4), lr=lr, grads=lambda rank, step: {"w": torch.full((16, 16), 1.0 + rank)})
+    levels = [step["w"] for step in out[0][0]]
+    assert levels[7:17] == [N] * 10 and levels[17:19] == [C, C] and levels[19:] == [N] * 7, levels
+    assert [step["w"] for step in out[1][0]] == levels
+
+
+def test_ranks_with_different_learning_rates_fail_loudly_on_every_rank():
+    def make(channel):
+        comp = accordion()(channel)
+        comp.report_lr(0.1 * (channel.rank + 1))
+        return comp
+    with pytest.raises(RuntimeError, match="ranks use different learning rates"):
+        run(2, 2, make)
+
+
+def test_epoch_windows():
+    def make(channel):
+        return acc.AccordionCompressor(acc.PowerSGD(1, 4), interval=None, channel=channel)
+
+    def worker(rank, channel):
+        comp = make(channel)
+        levels = []
+        for epoch in range(4):
+            for step in range(3):
+                g = torch.full((16, 16), 1.0 if epoch < 2 else 10.0)
+                sent, ctx = comp.compress_named("w", g)
+                comp.decompress(sent, ctx)
+            comp.epoch_end()
+            levels.append(comp.stats()["layers"]["w"]["level"])
+        return levels
+    for levels in SimulatedWorld(2).run(worker):
+        assert levels == [C, N, C, N], levels
+
+
+def test_a_nan_gradient_on_one_rank_skips_the_window_on_every_rank():
+    def grads(rank, step):
+        g = torch.ones(16, 16)
+        if rank == 1 and step == 9:
+            g[3, 3] = math.nan
+        return {"w": g}
+    out = run(2, 16, accordion(interval=4), grads=grads)
+    levels = [step["w"] for step in out[0][0]]
+    # Windows end at steps 3, 7, 11, 15: critical (first), normal, skipped (NaN), normal
+    # (compared with the window ending at 7, the last good one).
+    assert levels[:7] == [C] * 7 and levels[7:] == [N] * 9, levels
+    assert [step["w"] for step in out[1][0]] == levels
+
+
+# --- checkpoints --------------------------------------------------------------------------
+@pytest.mark.parametrize("make_codec", [lambda: acc.PowerSGD(1, 4), lambda: acc.TopK(0.05, 0.6)],
+                         ids=["powersgd", "topk"])
+def test_resuming_from_a_state_dict_is_bit_identical(make_codec):
+    def make(channel):
+        return acc.AccordionCompressor(make_codec(), interval=3, channel=channel)
+
+    full = run(2, 20, make)
+    first = run(2, 11, make)
+    states = [r[2].state_dict() for r in first]
+    # Through bytes, as a checkpoint file would carry it.
+    import io
+    buffers = []
+    for s in states:
+        buffers.append(io.BytesIO())
+        torch.save(s, buffers[-1])
+    states = [torch.load(io.BytesIO(b.getvalue()), weights_only=False) for b in buffers]
+
+    def later_grads(rank, step):
+        gen = torch.Generator().manual_seed(100 * (step + 11) + rank)
+        return {n: torch.randn(s, generator=gen) * scale_for(rank, step + 11) for n, s in SHAPES.items()}
+    resumed = run(2, 9, make, grads=later_grads, start_state=states)
+    for rank in range(2):
+        assert resumed[rank][0] == full[rank][0][11:], "levels differ after resuming"
+        for a, b in zip(resumed[rank][1], full[rank][1][11:]):
+            assert all(torch.equal(a[n], b[n]) for n in a), "results differ after resuming"
+        assert resumed[rank][2].stats() == full[rank][2].stats()
+
+
+def test_load_state_dict_refuses_other_settings_and_garbage():
+    def worker(rank, channel):
+        comp = acc.AccordionCompressor(acc.PowerSGD(1, 4), channel=channel)
+        sent, ctx = comp.compress_named("w", torch.randn(16, 16))
+        comp.decompress(sent, ctx)
+        state = comp.state_dict()
+        other = acc.AccordionCompressor(acc.PowerSGD(2, 4), channel=channel)
+        with pytest.raises(ValueError, match=r"different settings: rank: checkpoint 1, this compressor 2"):
+            other.load_state_dict(state)
+        with pytest.raises(ValueError, match="not an AccordionCompressor state_dict"):
+            other.load_state_dict({"junk": 1})
+        broken = dict(state, layers={"w": dict(state["layers"]["w"], rank=3)})
+        with pytest.raises(ValueError, match="does not fit this codec"):
+            acc.AccordionCompressor(acc.PowerSGD(1, 4), channel=channel).load_state_dict(broken)
+        return True
+    assert SimulatedWorld(1).run(worker) == [True]

@@ -1,0 +1,57 @@
+"""The training CLI under horovodrun: what it records, and exact resume from a checkpoint."""
+
+import csv
+
+import pytest
+import torch
+
+from launch import run_module
+
+pytestmark = pytest.mark.horovod
+
+ACCORDION = ["--codec", "powersgd", "--rank", "1", "--critical-rank", "4", "--lr-milestones", "3", "--no-progress"]
+
+
+def test_records_metrics_and_plots(tmp_path):
+    out = run_module("accordion_hvd.train", *ACCORDION, "--epochs", "4", "--logdir", str(tmp_path), np=2,
+                     backend="gloo")
+    assert "final test accuracy" in out
+    with open(tmp_path / "steps.csv") as f:
+        rows = list(csv.DictReader(f))
+    steps_per_epoch = (1438 // 2) // 32
+    assert len(rows) == 4 * steps_per_epoch
+    levels = {k: v for k, v in rows[-1].items() if k.startswith("level/")}
+    assert levels["level/classifier.1.bias"] == "dense" and levels["level/classifier.1.weight"] in ("normal", "critical")
+    assert int(rows[-1]["floats_sent"]) < int(rows[-1]["floats_dense"])
+    # The lr drop at the start of the 4th epoch is a step down in the lr column, and every layer is critical
+    # right after it (until the detection at the end of that epoch).
+    first_of_epoch4 = next(i for i, r in enumerate(rows) if r["epoch"] == "4")
+    assert float(rows[first_of_epoch4]["lr"]) < float(rows[first_of_epoch4 - 1]["lr"])
+    after = rows[first_of_epoch4]
+    assert all(v in ("critical", "dense") for k, v in after.items() if k.startswith("level/")), after
+    with open(tmp_path / "eval.csv") as f:
+        assert len(list(csv.DictReader(f))) == 4
+    for png in ("accuracy_vs_floats.png", "accuracy_vs_time.png", "regimes.png"):
+        assert (tmp_path / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert list(tmp_path.glob("events.out.tfevents.*"))
+
+
+@pytest.mark.parametrize("codec", [ACCORDION, ["--codec", "topk", "--ratio", "0.1", "--critical-ratio", "0.6",
+                                               "--no-progress"]], ids=["powersgd", "topk"])
+def test_resume_is_bit_identical_to_an_uninterrupted_run(tmp_path, codec):
+    whole, half, resumed = tmp_path / "whole", tmp_path / "half", tmp_path / "resumed"
+    run_module("accordion_hvd.train", *codec, "--epochs", "4", "--checkpoint", str(whole), np=2, backend="gloo")
+    run_module("accordion_hvd.train", *codec, "--epochs", "2", "--checkpoint", str(half), np=2, backend="gloo")
+    out = run_module("accordion_hvd.train", *codec, "--epochs", "4", "--resume", str(half),
+                     "--checkpoint", str(resumed), np=2, backend="gloo")
+    assert "resumed from" in out
+    for rank in range(2):
+        a = torch.load(f"{whole}.rank{rank}", weights_only=False)
+        b = torch.load(f"{resumed}.rank{rank}", weights_only=False)
+        assert a["step"] == b["step"]
+        for name in a["model"]:
+            assert torch.equal(a["model"][name], b["model"][name]), f"rank {rank}: {name} differs"
+        ca, cb = a["compression"], b["compression"]
+        assert ca["sent"] == cb["sent"] and ca["controller"]["levels"] == cb["controller"]["levels"]
+        for layer in ca["layers"]:
+            assert torch.equal(ca["layers"][layer]["residual"], cb["layers"][layer]["residual"]), layer
