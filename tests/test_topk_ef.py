@@ -65,10 +65,10 @@ def test_heavy_ties_take_the_lowest_indices(kind, k):
 
 
 def test_a_misleading_sample_still_gives_the_exact_answer():
-    # Large values exactly where the kernel samples (512 runs of 32, spread evenly) and
+    # Large values exactly where the kernel samples (128 runs of 128, spread evenly) and
     # nowhere else: the sampled bound lets fewer than k entries through, so the kernel must
     # notice and select over all of g.
-    n, runs, run = 1_000_000, 512, 32
+    n, runs, run = 1_000_000, 128, 128
     grad = torch.rand(n) * 0.01
     for j in range(runs):
         start = j * (n - run) // (runs - 1)
@@ -81,7 +81,7 @@ def test_entries_zeroed_early_but_not_kept_are_restored():
     # should reach. Here 2k entries, none of them sampled, share one value above every
     # sampled one: U lies below the threshold, the candidate list is still short enough for
     # the fast path, and the k ties that are not kept must get their value back in e.
-    n, k, runs, run = 1 << 20, 10_000, 512, 32
+    n, k, runs, run = 1 << 20, 10_000, 128, 128
     grad = torch.randn(n, generator=torch.Generator().manual_seed(1))
     sampled = torch.zeros(n, dtype=torch.bool)
     for j in range(runs):

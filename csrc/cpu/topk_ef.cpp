@@ -13,15 +13,16 @@
 //
 // Fast path, one pass over the tensor. A sample of 16Ki entries of g gives two keys: L,
 // which with overwhelming probability a little more than k entries reach (about 1.05k plus
-// four standard deviations of the sample), and U, which a little fewer than k reach (0.95k
-// minus as much). The single pass does the error-feedback add, the squared norm, lists the
-// entries with key >= L as candidates (a vectorized compare; everything else is never
-// looked at again), and zeroes in g the entries with key >= U, which are all but surely
-// kept, while the block is still in L1. The candidate records carry key, sign and index, so
+// four standard deviations of the sample), and U, which a little fewer than k reach (one
+// standard deviation below k). The single pass (topk_pass1.h; AVX-512 where the CPU has it)
+// does the error-feedback add, the squared norm, lists the entries with key >= L as
+// candidates (a vectorized compare; everything else is never looked at again), and zeroes
+// in g the entries with key >= U, which are almost all kept, while the block is still in
+// registers. The candidate records carry key, sign and index, so
 // the radix select on them (O(k) work) writes values and indices without reading g, and
-// only the few kept entries below U are zeroed afterwards: at a 10% ratio, a separate zeroing
+// only the kept entries below U are zeroed afterwards: at a 10% ratio, a separate zeroing
 // walk would touch every cache line of g a second time. Should U turn out to be above the
-// threshold after all, the entries zeroed but not kept are written back from their records.
+// threshold, the entries zeroed but not kept are written back from their records.
 // Fallback: if the sample misled (fewer than k candidates, or more than 3k + 64Ki), or the
 // tensor is small or k > n/4, g is restored from the records and the same select runs over
 // all of g in a few more passes.
@@ -57,8 +58,9 @@ constexpr int64_t kMinChunk = 1 << 16;    // smallest piece of work one thread t
 // At most this many chunks, whatever the thread count, so that every result (including the
 // float rounding of g_sq) is the same on any number of threads.
 constexpr int64_t kMaxChunks = 64;
-constexpr int64_t kSampleRuns = 512, kSampleRun = 32;  // 16Ki sampled entries
+constexpr int64_t kSampleRuns = 128, kSampleRun = 128;  // 16Ki sampled entries
 constexpr int64_t kCandidateSlack = 1 << 16;
+constexpr int64_t kNarrowFrom = 1 << 18;  // candidates: below this the select walks them all
 
 // The tensor is cut into `count` contiguous chunks, independent of the thread count;
 // per-chunk counts give every chunk its output offset.
@@ -68,27 +70,36 @@ struct Chunks {
   int64_t end(int64_t c) const { return (c + 1) * n / count; }
 };
 
-// The r-th largest of `keys` (1 <= r <= size): its top digit by a histogram, then
-// nth_element within that one bucket.
-uint32_t rth_largest(const std::vector<uint32_t>& keys, int64_t r) {
-  std::vector<int64_t> hist(1u << kTopBits, 0);
+// The r_low-th and r_high-th largest of `keys` (1 <= r <= size): their top digits from one
+// histogram, then nth_element within those buckets only.
+std::pair<uint32_t, uint32_t> two_largest(const std::vector<uint32_t>& keys, int64_t r_low, int64_t r_high) {
+  uint32_t hist[1u << kTopBits] = {};
   for (uint32_t key : keys) ++hist[key >> kTopShift];
-  uint32_t top = hist.size();
-  while (top-- > 0 && hist[top] < r) r -= hist[top];
-  std::vector<uint32_t> bucket;
+  auto bucket_of = [&](int64_t& r) {
+    uint32_t top = 1u << kTopBits;
+    while (top-- > 0 && hist[top] < r) r -= hist[top];
+    return top;
+  };
+  const uint32_t top_low = bucket_of(r_low), top_high = bucket_of(r_high);
+  std::vector<uint32_t> low, high;
   for (uint32_t key : keys) {
-    if ((key >> kTopShift) == top) bucket.push_back(key);
+    if ((key >> kTopShift) == top_low) low.push_back(key);
+    if ((key >> kTopShift) == top_high) high.push_back(key);
   }
-  std::nth_element(bucket.begin(), bucket.begin() + (r - 1), bucket.end(), std::greater<uint32_t>());
-  return bucket[r - 1];
+  std::nth_element(low.begin(), low.begin() + (r_low - 1), low.end(), std::greater<uint32_t>());
+  std::nth_element(high.begin(), high.begin() + (r_high - 1), high.end(), std::greater<uint32_t>());
+  return {low[r_low - 1], high[r_high - 1]};
 }
 
 // Keys that, judging from a sample of g = grad + residual (computed as the error-feedback add
-// computes it), bracket the k-th largest: `lower`, which more than k entries should reach
-// (the sample's r-th largest key, r about 1.05 k/n of the sample plus four standard
-// deviations), and `upper`, which fewer than k should reach (0.95 k/n minus as much; none,
-// kNoKey, when that rank is below 1). The sample is kSampleRuns short runs spread evenly
-// over the tensor, so it costs a few hundred cache lines rather than one miss per entry.
+// computes it), bracket the k-th largest: `lower`, which more than k entries reach with
+// overwhelming probability (the sample's r-th largest key, r about 1.05 k/n of the sample
+// plus four standard deviations), and `upper`, which somewhat fewer than k should reach (one
+// standard deviation below k/n of the sample; none, kNoKey, when that rank is below 1). An
+// `upper` a little too low costs only a few write-backs (see topk_ef_impl); one too high
+// leaves more kept entries to zero one by one, so it sits close to the expected cut. The
+// sample is kSampleRuns runs spread evenly over the tensor: short sequential streams,
+// prefetched up front, rather than a miss per sampled entry.
 struct KeyBounds {
   uint64_t lower;  // kNoKey: list nothing
   uint64_t upper;
@@ -117,10 +128,10 @@ KeyBounds sampled_bounds(const G* grad, const float* residual, int64_t n, int64_
   const int64_t s = static_cast<int64_t>(keys.size());
   const double expected = static_cast<double>(s) * k / n, spread = 4 * std::sqrt(expected) + 4;
   const int64_t r_low = std::min<int64_t>(s, static_cast<int64_t>(std::ceil(1.05 * expected + spread)));
-  const int64_t r_high = static_cast<int64_t>(std::floor(0.95 * expected - spread));
-  const uint32_t lower = rth_largest(keys, r_low);
+  const int64_t r_high = static_cast<int64_t>(std::floor(expected - std::sqrt(expected)));
   // upper >= lower always (r_high < r_low), so every entry zeroed in pass 1 is a candidate.
-  return {lower, r_high >= 1 ? rth_largest(keys, r_high) : kNoKey};
+  const auto [lower, upper] = two_largest(keys, r_low, std::max<int64_t>(r_high, 1));
+  return {lower, r_high >= 1 ? upper : kNoKey};
 }
 
 // A chunk's candidate records, in index order. Grown by hand: std::vector would zero-fill
@@ -362,7 +373,7 @@ void topk_ef_impl(const G* grad, float* g, int64_t n, int64_t k, float* values, 
       out.zeroed_from = bounds.upper;
       select_exact(chunks.count, [&](int64_t c, auto&& fn) {
         for (uint64_t e : cands[c]) fn(record_key(e), record_index(e), record_value(e));
-      }, k, out, &top_hist, /*narrow=*/true);
+      }, k, out, &top_hist, /*narrow=*/total > kNarrowFrom);
     } else {  // all of g: more passes, no candidate storage
       if (sample && bounds.upper != kNoKey) {  // put back what pass 1 zeroed (all listed)
         at::parallel_for(0, chunks.count, 1, [&](int64_t c0, int64_t c1) {
