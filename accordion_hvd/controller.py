@@ -5,9 +5,10 @@ decision logic), the controller
 
 * accumulates each compressed layer's raw local gradient over the detection window (one
   float32 buffer per compressed layer, the size of the layer: the memory cost of
-  detection), or, with ``accumulate=False``, only each step's squared norm (no buffer; the
-  window norm is then the root of the summed squares, a different but equally comparable
-  measure);
+  detection), or, with ``accumulate=False``, only each step's squared norm (no buffer);
+  the window's measure is the norm of the *mean* gradient over the window (or the root mean
+  square of the step norms), so windows of different lengths (epochs of another size, or
+  another batch size) still compare like for like;
 * ends a window every ``interval`` optimizer steps, or at ``epoch_end()`` when ``interval``
   is None;
 * reduces the inputs of every decision over the control plane (MPI when its world is
@@ -46,6 +47,7 @@ class RegimeController:
         self.levels: dict[str, str] = {}           # the level each layer uses now
         self._sums: dict[str, torch.Tensor] = {}   # accumulate=True: sum of raw gradients
         self._sq: dict[str, float] = {}            # accumulate=False: sum of squared norms
+        self._weight: dict[str, float] = {}        # what the sums above are sums of (steps)
         self._window_steps = 0
         self._lrs: list[float] | None = None       # learning rates agreed at the last step
         self.windows = 0                           # detection points so far
@@ -61,18 +63,21 @@ class RegimeController:
         return self.levels[layer]
 
     @torch.no_grad()
-    def observe(self, layer: str, grad: torch.Tensor) -> None:
-        """Called with each compressed layer's raw local gradient, before compression."""
+    def observe(self, layer: str, grad: torch.Tensor, weight: float = 1.0) -> None:
+        """Called with each compressed layer's raw local gradient, before compression.
+        ``weight``: how many samples' worth the gradient is the mean of, in units the window
+        divides by (1 per step for the compressor; micro-batches for the batch-size mode)."""
         if not self.policy.uses_norms:
             return
+        self._weight[layer] = self._weight.get(layer, 0.0) + weight
         if self.accumulate:
             total = self._sums.get(layer)
             if total is None:
-                self._sums[layer] = grad.detach().to(torch.float32, copy=True).reshape(-1)
-            else:
-                total.add_(grad.reshape(-1))
+                self._sums[layer] = total = torch.zeros(grad.numel(), dtype=torch.float32, device=grad.device)
+            total.add_(grad.reshape(-1), alpha=weight)
         else:
-            self._sq[layer] = self._sq.get(layer, 0.0) + float(torch.linalg.vector_norm(grad, dtype=torch.float64)) ** 2
+            norm = float(torch.linalg.vector_norm(grad, dtype=torch.float64))
+            self._sq[layer] = self._sq.get(layer, 0.0) + weight * norm ** 2
 
     def end_step(self, control: Any, layers: list[str], lrs: list[float] | None) -> dict[str, str] | None:
         """At the end of every optimizer step (all ranks, same step). ``lrs``: this rank's
@@ -129,24 +134,31 @@ class RegimeController:
         local = np.asarray([self._local_norm(layer) for layer in layers], dtype=np.float64)
         self._sums.clear()
         self._sq.clear()
+        self._weight.clear()
         # The collective's name carries a digest of the layer list: ranks that compress
         # different layers fail by name instead of comparing the wrong norms.
         digest = zlib.crc32("\0".join(layers).encode())
         total = control.allreduce(local, name=f"acc.window.{len(layers)}.{digest:08x}", op="sum")
         norms = {layer: float(v) / control.size for layer, v in zip(layers, total)}
-        return self.policy.end_window(WindowReport(norms, steps))
+        levels = self.policy.end_window(WindowReport(norms, steps))
+        log.debug("window %d (%d steps): norms %s -> levels %s", self.windows, steps,
+                  {k: round(v, 6) for k, v in list(norms.items())[:8]}, dict(list(levels.items())[:8]))
+        return levels
 
     def _local_norm(self, layer: str) -> float:
+        weight = self._weight.get(layer, 0.0)
+        if weight == 0:
+            return 0.0
         if self.accumulate:
-            total = self._sums.get(layer)
-            return 0.0 if total is None else float(torch.linalg.vector_norm(total, dtype=torch.float64))
-        return math.sqrt(self._sq.get(layer, 0.0))
+            return float(torch.linalg.vector_norm(self._sums[layer], dtype=torch.float64)) / weight
+        return math.sqrt(self._sq[layer] / weight)
 
     # --- state ------------------------------------------------------------------------------
     def state_dict(self) -> dict:
         return {"levels": dict(self.levels), "window_steps": self._window_steps, "windows": self.windows,
                 "lrs": None if self._lrs is None else list(self._lrs),
                 "sums": {k: v.clone() for k, v in self._sums.items()}, "sq": dict(self._sq),
+                "weight": dict(self._weight),
                 "policy": self.policy.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
@@ -156,4 +168,5 @@ class RegimeController:
         self._lrs = None if state["lrs"] is None else [float(x) for x in state["lrs"]]
         self._sums = {k: v.clone() for k, v in state["sums"].items()}
         self._sq = {k: float(v) for k, v in state["sq"].items()}
+        self._weight = {k: float(v) for k, v in state["weight"].items()}
         self.policy.load_state_dict(state["policy"])

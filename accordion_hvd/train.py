@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from . import data, models
+from .batch_size import AccordionBatchSize
 from .codecs import PowerSGD, TopK
 from .compressor import AccordionCompressor
 from .metrics import progress
@@ -65,6 +66,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--eta", type=float, default=0.5, help="Accordion threshold on the relative norm change")
     p.add_argument("--interval", type=int, default=0,
                    help="detection window in optimizer steps; 0 (default): one window per epoch")
+    p.add_argument("--batch-mode", action="store_true",
+                   help="Accordion drives the batch size: --batch-size per step in critical regimes, "
+                        "--large-passes times that (gradient accumulation, lr scaled alike) otherwise")
+    p.add_argument("--large-passes", type=int, default=8, help="micro-batches per step in normal regimes "
+                                                                "with --batch-mode (default 8: 32 -> 256)")
     p.add_argument("--dataset", choices=DATASETS, default="digits")
     p.add_argument("--data-dir", type=Path, default=None, help="where cifar10 is (never downloaded)")
     p.add_argument("--model", choices=MODELS, default=None, help="default: cnn, resnet18 for cifar10")
@@ -87,6 +93,8 @@ def parse_args(argv=None) -> argparse.Namespace:
             p.error(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
     if args.lr <= 0:
         p.error(f"--lr must be positive, got {args.lr}")
+    if args.large_passes < 1:
+        p.error(f"--large-passes must be at least 1, got {args.large_passes}")
     if args.interval < 0:
         p.error(f"--interval must be 0 (per epoch) or a positive number of steps, got {args.interval}")
     try:
@@ -141,10 +149,11 @@ def checkpoint_path(base: Path, rank: int) -> Path:
     return base.with_name(f"{base.name}.rank{rank}")
 
 
-def save_checkpoint(path: Path, epoch: int, step: int, model, opt, compression) -> None:
+def save_checkpoint(path: Path, epoch: int, step: int, model, opt, compression, batch) -> None:
     state = {"epoch": epoch, "step": step, "world_size": hvd.size(), "model": model.state_dict(),
              "optimizer": opt.state_dict(),
-             "compression": compression.state_dict() if isinstance(compression, AccordionCompressor) else None}
+             "compression": compression.state_dict() if isinstance(compression, AccordionCompressor) else None,
+             "batch": batch.state_dict() if batch is not None else None}
     target = checkpoint_path(path, hvd.rank())
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = target.with_name(target.name + ".tmp")
@@ -152,7 +161,7 @@ def save_checkpoint(path: Path, epoch: int, step: int, model, opt, compression) 
     tmp.replace(target)  # never a half-written checkpoint
 
 
-def load_checkpoint(path: Path, model, opt, compression) -> tuple[int, int]:
+def load_checkpoint(path: Path, model, opt, compression, batch) -> tuple[int, int]:
     source = checkpoint_path(path, hvd.rank())
     if not source.is_file():
         raise SystemExit(f"--resume {path}: {source} not found (one file per rank; same world size needed)")
@@ -163,6 +172,10 @@ def load_checkpoint(path: Path, model, opt, compression) -> tuple[int, int]:
     opt.load_state_dict(state["optimizer"])
     if isinstance(compression, AccordionCompressor):
         compression.load_state_dict(state["compression"])
+    if batch is not None:
+        if state.get("batch") is None:
+            raise SystemExit(f"--resume {path}: that run had no --batch-mode")
+        batch.load_state_dict(state["batch"])
     return state["epoch"], state["step"]
 
 
@@ -181,37 +194,53 @@ def main(argv=None) -> float:
     hvd.broadcast_optimizer_state(opt, root_rank=0)
     compression = make_compression(args)
     opt = hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters(), compression=compression)
+    batch = (AccordionBatchSize(opt, small=1, large=args.large_passes, eta=args.eta,
+                                interval=None if args.interval == 0 else args.interval)
+             if args.batch_mode else None)
     start_epoch, step = 0, 0
     if args.resume is not None:
-        start_epoch, step = load_checkpoint(args.resume, model, opt, compression)
+        start_epoch, step = load_checkpoint(args.resume, model, opt, compression, batch)
         log.info("resumed from %s at epoch %d, step %d", args.resume, start_epoch, step)
     log.info("training %s (%s parameters) on %s, %d ranks, compression %s, %d train / %d test samples",
              args.model, f"{sum(p.numel() for p in model.parameters()):,}", args.dataset, hvd.size(),
              compression, len(train.y), len(test.y))
 
-    steps_per_epoch = (len(train.y) // hvd.size()) // args.batch_size
+    micro_per_epoch = (len(train.y) // hvd.size()) // args.batch_size
     metrics = _metrics_logger(args, model, compression) if rank0 and args.logdir else None
-    bar = progress(steps_per_epoch * (args.epochs - start_epoch), enabled=rank0 and not args.no_progress,
-                   desc="training")
+    bar = progress(micro_per_epoch * (args.epochs - start_epoch), enabled=rank0 and not args.no_progress,
+                   desc="training (micro-batches)" if batch else "training")
     dense_per_step = sum(p.numel() for p in model.parameters() if p.requires_grad)
     acc, seconds_before = float("nan"), dict(getattr(compression, "seconds", {}))
     start = time.perf_counter()
     for epoch in range(start_epoch, args.epochs):
         lr = base_lr * args.lr_gamma ** sum(epoch >= m for m in args.lr_milestones)
-        for group in opt.param_groups:
-            group["lr"] = lr
+        for group in opt.param_groups:  # with --batch-mode, times its current scale
+            group["lr"] = lr * (batch._scale if batch else 1.0)
+        micro = 0
+        opt.zero_grad()
         for x, y in data.shard_batches(train, args.batch_size, hvd.rank(), hvd.size(), epoch, args.seed):
-            opt.zero_grad()
             loss = F.cross_entropy(model(x), y)
-            loss.backward()
-            opt.step()
-            step += 1
+            if batch is None:
+                loss.backward()
+            else:  # the mean over the step's micro-batches
+                (loss / batch.passes).backward()
+            micro += 1
             bar.update()
-            if metrics is not None:
-                seconds_before = _log_step(metrics, compression, step, epoch, loss, lr, start, seconds_before,
-                                           dense_per_step)
+            last = micro == micro_per_epoch  # every rank has the same count: a short last step is safe
+            if batch is None or batch.micro_batch_done() or last:
+                opt.step()
+                used = {"lr": opt.param_groups[0]["lr"], **({"passes": batch.passes} if batch else {})}
+                if batch is not None:
+                    batch.step()  # reads the step's averaged gradient: before zero_grad
+                opt.zero_grad()
+                step += 1
+                if metrics is not None:
+                    seconds_before = _log_step(metrics, compression, step, epoch, loss, start, seconds_before,
+                                               dense_per_step, **used)
         if isinstance(compression, AccordionCompressor):
             compression.epoch_end()  # a detection point when --interval 0
+        if batch is not None:
+            batch.epoch_end()
         acc = evaluate(model, test.x, test.y)
         bar.set_postfix(loss=f"{loss.item():.3f}", acc=f"{acc:.4f}")
         log.info("epoch %d/%d  loss %.4f  test accuracy %.4f", epoch + 1, args.epochs, loss.item(), acc)
@@ -220,7 +249,7 @@ def main(argv=None) -> float:
             metrics.log_eval(step, epoch=epoch + 1, accuracy=acc, wall_s=time.perf_counter() - start,
                              floats_sent=stats["floats_sent"] if stats else step * dense_per_step)
         if args.checkpoint is not None:
-            save_checkpoint(args.checkpoint, epoch + 1, step, model, opt, compression)
+            save_checkpoint(args.checkpoint, epoch + 1, step, model, opt, compression, batch)
     bar.close()
     if rank0:
         print(f"final test accuracy: {acc:.4f} ({hvd.size()} ranks, {args.epochs} epochs, "
@@ -245,9 +274,10 @@ def _metrics_logger(args, model, compression):
     return MetricsLogger(args.logdir, layers=names, overwrite=True)
 
 
-def _log_step(metrics, compression, step, epoch, loss, lr, start, seconds_before, dense_per_step):
+def _log_step(metrics, compression, step, epoch, loss, start, seconds_before, dense_per_step, *, lr, **extra):
     """One steps.csv row: cumulative floats, this step's seconds in compression and in
-    communication (waiting on our collectives), every layer's level."""
+    communication (waiting on our collectives), every layer's level (for the next step),
+    the learning rate (and, in batch mode, the micro-batches) this step used."""
     if isinstance(compression, AccordionCompressor):
         stats = compression.stats()
         sent, dense = stats["floats_sent"], stats["floats_dense"]
@@ -258,7 +288,8 @@ def _log_step(metrics, compression, step, epoch, loss, lr, start, seconds_before
         levels, now = {}, {"compress": 0.0, "comm": 0.0}
     metrics.log_step(step, epoch=epoch + 1, loss=loss.item(), lr=lr, floats_sent=sent, floats_dense=dense,
                      levels=levels, compress_s=now["compress"] - seconds_before.get("compress", 0.0),
-                     comm_s=now["comm"] - seconds_before.get("comm", 0.0), wall_s=time.perf_counter() - start)
+                     comm_s=now["comm"] - seconds_before.get("comm", 0.0), wall_s=time.perf_counter() - start,
+                     **extra)
     return now
 
 

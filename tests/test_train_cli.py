@@ -55,3 +55,22 @@ def test_resume_is_bit_identical_to_an_uninterrupted_run(tmp_path, codec):
         assert ca["sent"] == cb["sent"] and ca["controller"]["levels"] == cb["controller"]["levels"]
         for layer in ca["layers"]:
             assert torch.equal(ca["layers"][layer]["residual"], cb["layers"][layer]["residual"]), layer
+
+
+def test_batch_mode_switches_between_small_and_large_batches(tmp_path):
+    # Accordion drives the batch size: 1 micro-batch per step in critical regimes (the
+    # first two epochs at least), 4 otherwise, with the learning rate scaled alike; fewer
+    # optimizer steps means fewer allreduces.
+    out = run_module("accordion_hvd.train", "--codec", "none", "--batch-mode", "--large-passes", "4",
+                     "--epochs", "8", "--lr-milestones", "6", "--no-progress", "--logdir", str(tmp_path),
+                     np=2, backend="gloo")
+    with open(tmp_path / "steps.csv") as f:
+        rows = list(csv.DictReader(f))
+    passes = [int(r["passes"]) for r in rows]
+    assert passes[0] == 1 and 4 in passes, passes
+    for r in rows:  # the learning rate carries the batch's scale (base 0.04 on 2 ranks)
+        base = 0.04 * (0.1 if int(r["epoch"]) > 6 else 1.0)
+        assert float(r["lr"]) == pytest.approx(base * int(r["passes"])), r
+    assert len(rows) < 8 * 22, "no step took more than one micro-batch"
+    accuracy = float(out.split("final test accuracy: ")[1].split()[0])
+    assert accuracy > 0.9, out
