@@ -7,7 +7,7 @@ For each codec pair (PowerSGD rank 1 <-> 4, TopK 10% <-> 99%) it trains, under h
 with the same seed, data and steps: the aggressive level alone ("static low"), the gentle
 level alone ("static high") and Accordion switching between them, plus uncompressed
 training. Every run goes through the training CLI with --logdir, so each has its CSVs and
-plots; this script reads the last rows back, writes benchmarks/results/regimes-<dataset>.md
+plots; this script reads the last rows back, writes benchmarks/results/regimes-<dataset>-<epochs>ep.md
 and a CSV, and draws one comparison figure per codec (accuracy vs floats sent, vs time).
 The bar (issue 4): Accordion within 0.5 points of static high's accuracy, sending at most
 half of its floats.
@@ -74,7 +74,7 @@ def main(argv=None) -> None:
     common = ["--dataset", args.dataset, "--epochs", str(args.epochs), *args.extra.split()]
     if args.model:
         common += ["--model", args.model]
-    out_dir = RESULTS / f"regimes-{args.dataset}"
+    out_dir = RESULTS / f"regimes-{args.dataset}-{args.epochs}ep"
     results: dict[str, list[dict]] = {}
     for label, run_args in RUNS.items():
         if args.only and args.only not in label:
@@ -87,6 +87,16 @@ def main(argv=None) -> None:
                   else "FAILED\n" + r["error"]), flush=True)
             results.setdefault(label, []).append({**r, "seed": seed, "logdir": logdir})
     write_report(args, common, seeds, results, out_dir)
+
+
+def _cpu_model() -> str:
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
 
 
 def write_report(args, common, seeds, results, out_dir: Path) -> None:
@@ -135,8 +145,8 @@ def write_report(args, common, seeds, results, out_dir: Path) -> None:
         writer = csv.DictWriter(f, fieldnames=list(rows[0]) if rows else ["label"])
         writer.writeheader()
         writer.writerows(rows)
-    machine = f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores"
-    text = [f"# Accordion vs static compression ({args.dataset}, {args.np} ranks)", "",
+    machine = f"{_cpu_model()}, {os.cpu_count()} cores"
+    text = [f"# Accordion vs static compression ({args.dataset}, {args.epochs} epochs, {args.np} ranks)", "",
             f"Machine: {machine}. Command: `.venv/bin/python benchmarks/regimes.py "
             f"{' '.join(sys.argv[1:])}`; every run: `horovodrun -np {args.np} --gloo python -m "
             f"accordion_hvd.train <codec args> {' '.join(common)} --seed S`. Accuracy is the final test "
@@ -147,7 +157,7 @@ def write_report(args, common, seeds, results, out_dir: Path) -> None:
             "| --- | --- | ---: | ---: | ---: | ---: |", *table, "", *verdicts, "",
             f"Per-run CSVs, TensorBoard events and plots (incl. the regime timeline `regimes.png`): "
             f"`{out_dir.relative_to(REPO)}/runs/`; comparison figures: `compare-powersgd/`, `compare-topk/`."]
-    (out_dir.parent / f"regimes-{args.dataset}.md").write_text("\n".join(text) + "\n")
+    (out_dir.parent / f"{out_dir.name}.md").write_text("\n".join(text) + "\n")
     print("\n".join(text))
 
 
