@@ -9,11 +9,13 @@ from ._extension import load as _load_extension
 
 _C = _load_extension()  # registers torch.ops.accordion.*; raises ImportError if unusable
 
-from . import ops  # noqa: E402
+from . import ops, policies  # noqa: E402
+from .batch_size import AccordionBatchSize  # noqa: E402
 from .codecs import PowerSGD, TopK  # noqa: E402
 from .compressor import AccordionCompressor  # noqa: E402
 
 __version__ = "0.1.0"
 with_cuda: bool = bool(_C.with_cuda)
 
-__all__ = ["AccordionCompressor", "PowerSGD", "TopK", "ops", "with_cuda", "__version__"]
+__all__ = ["AccordionBatchSize", "AccordionCompressor", "PowerSGD", "TopK", "ops", "policies", "with_cuda",
+           "__version__"]

@@ -76,9 +76,9 @@ class AccordionCompressor:
         interval: detection period in optimizer steps; ``None``: at each ``epoch_end()``.
         policy: ``None`` (Accordion when the codec has two levels, else static), "accordion",
             "static", or an ``acc.policies.Policy``.
-        accumulate: detect on the norm of each layer's gradient summed over the window (the
-            paper; one float32 buffer per compressed layer) or, if False, on its per-step
-            norms (no buffer).
+        accumulate: detect on the norm of each layer's gradient accumulated over the window
+            (the paper; one float32 buffer per compressed layer) or, if False, on its
+            per-step norms (no buffer).
         channel: the data plane (default: Horovod's collectives); tests pass a simulated one.
         control: the control plane for the controller's reductions (default: MPI when its
             world is Horovod's, else Horovod; see accordion_hvd/comm/control.py).

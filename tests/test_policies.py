@@ -235,3 +235,42 @@ def test_load_state_dict_refuses_other_settings_and_garbage():
             acc.AccordionCompressor(acc.PowerSGD(1, 4), channel=channel).load_state_dict(broken)
         return True
     assert SimulatedWorld(1).run(worker) == [True]
+
+
+# --- batch-size mode (the horovodrun test is in test_train_cli.py) ----------------------------
+class _Optimizer:
+    """What AccordionBatchSize uses of Horovod's DistributedOptimizer."""
+    def __init__(self, lr):
+        self.param = torch.nn.Parameter(torch.zeros(8, 8))
+        self.param_groups = [{"params": [self.param], "lr": lr}]
+        self.backward_passes_per_step = 1
+
+    def set_backward_passes_per_step(self, passes):
+        self.backward_passes_per_step = passes
+
+
+def test_batch_size_mode_switches_passes_and_scales_the_lr():
+    def worker(rank, channel):
+        opt = _Optimizer(lr=0.1)
+        batch = acc.AccordionBatchSize(opt, small=1, large=4, interval=2, control=channel.control_plane())
+        seen = []
+        for step in range(12):
+            assert opt.backward_passes_per_step == batch.passes
+            assert opt.param_groups[0]["lr"] == pytest.approx(0.1 * batch.passes)
+            opt.param.grad = torch.full((8, 8), 1.0 + rank)  # a steady gradient: normal after 2 windows
+            seen.append(batch.passes)
+            batch.step()
+        return seen
+    for seen in SimulatedWorld(2).run(worker):
+        assert seen == [1, 1, 1, 1, 4, 4, 4, 4, 4, 4, 4, 4], seen
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    (dict(small=0), "small must be positive"), (dict(large=2.5), "large must be an int"),
+    (dict(small=4, large=2), "large must be >= small"), (dict(eta=0), "eta must be positive"),
+])
+def test_batch_size_mode_bad_arguments(kwargs, message):
+    with pytest.raises((TypeError, ValueError), match=message):
+        acc.AccordionBatchSize(_Optimizer(0.1), **kwargs)
+    with pytest.raises(TypeError, match="Horovod's DistributedOptimizer"):
+        acc.AccordionBatchSize(torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1))

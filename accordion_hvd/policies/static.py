@@ -10,6 +10,9 @@ class Static(Policy):
     name = "static"
     uses_norms = False
 
+    def __repr__(self) -> str:
+        return "Static()"
+
     def initial_level(self, layer: str) -> str:
         return NORMAL
 
