@@ -44,7 +44,8 @@ import torch
 from .codecs import PowerSGD, TopK
 from .codecs._common import positive_number
 from .controller import RegimeController
-from .policies import make_policy
+from .policies import GraVAC, make_policy
+from .policies.gravac import CANDIDATE, DENSE
 
 
 _DENSE, _POWERSGD, _TOPK = "dense", "powersgd", "topk"
@@ -96,6 +97,10 @@ class AccordionCompressor:
         self.eta = float(positive_number("eta", eta))
         self.interval = None if interval is None else positive_number("interval", interval, integer=True)
         self.policy = make_policy(policy, eta=self.eta, codec_adaptive=codec.adaptive)
+        if isinstance(self.policy, GraVAC) and not isinstance(codec, TopK):
+            raise ValueError("policy GraVAC needs the TopK codec (its gain comes from TopK's kept and total "
+                             f"squared norms), got {codec!r}")
+        self._last_exchange: float | None = None      # GraVAC: when the previous step's exchange ran
         self.controller = RegimeController(self.policy, self.interval, accumulate=accumulate)
         self._channel = channel
         self._control = control
@@ -187,6 +192,8 @@ class AccordionCompressor:
             raise ValueError(f"AccordionCompressor: gradient of {name!r} changed shape from "
                              f"{tuple(state.shape)} to {tuple(tensor.shape)}")
         self.controller.observe(name, tensor)  # before the codec consumes the gradient
+        if isinstance(self.policy, GraVAC):  # encode at the minimum factor; trimmed later if need be
+            self.codec.set_level(state, f"{self.policy.min_factor:g}x")
         if self._kind == _TOPK and self.codec.sends_dense(state):
             self._sent[name] = self._sent.get(name, 0) + dense_floats
             out = self.codec.flush_dense(state, tensor)
@@ -244,6 +251,50 @@ class AccordionCompressor:
         else:
             self._exchange_topk(names, states, pending)
 
+    @torch.no_grad()
+    def _gravac_step(self, names, states, pending) -> str:
+        """GraVAC's per-step choice (policies/gravac.py). Every layer was encoded at the
+        minimum factor; the candidate factor's selection is the top of that one, so both
+        gains come from one kernel call per layer. The model's squared norms and the step's
+        time are summed over ranks (one control collective), so every rank chooses alike;
+        then the selections are trimmed to the candidate, kept, or undone to send g dense."""
+        candidate, minimum = self.policy.factors()
+        now = time.perf_counter()
+        seconds = 0.0 if self._last_exchange is None else now - self._last_exchange
+        self._last_exchange = now
+        g_sq = kept_min = kept_cand = 0.0
+        for n, s in zip(names, states):
+            values = pending[n][0][0]
+            k = self.codec.factor_k(s.residual.numel(), candidate)
+            g_sq, kept_min = g_sq + s.g_sq, kept_min + s.kept_sq
+            top = values.abs().topk(k).values if k < values.numel() else values
+            kept_cand += top.double().square().sum().item()
+        totals = self.control.allreduce([g_sq, kept_min, kept_cand, seconds], name="acc.gravac", op="sum")
+        total_g = totals[0]
+        gains = (totals[2] / total_g, totals[1] / total_g) if total_g > 0 else (1.0, 1.0)
+        choice = self.policy.choose(*gains)
+        self.policy.end_step(totals[3] / self.control.size)
+        for n, s in zip(names, states):
+            values, indices = pending[n][0]
+            numel = s.residual.numel()
+            before = self.codec.floats_sent(s)
+            if choice == CANDIDATE:
+                pending[n] = (self.codec.trim(s, values, indices, self.codec.factor_k(numel, candidate)),
+                              pending[n][1])
+                s.level = f"{candidate:g}x"
+            elif choice == DENSE:
+                self.codec.restore(s, values, indices)
+                s.level = DENSE
+            self._sent[n] += (numel if choice == DENSE else self.codec.floats_sent(s)) - before
+        if choice != DENSE:
+            return choice
+        # Dense: every layer's g = grad + e averaged in one grouped allreduce; e is reset.
+        avgs = self._wait(self.channel.allreduce_mean_async([s.residual for s in states], name=f"acc.dense.{len(names)}"))
+        for n, s, avg in zip(names, states, avgs):
+            self._results[n] = avg.to(pending[n][1].dtype).view(s.shape)
+            s.residual.zero_()
+        return choice
+
     def _wait(self, handle):
         started = time.perf_counter()
         try:
@@ -293,6 +344,8 @@ class AccordionCompressor:
                                f"(layers still in flight: {sorted(self._in_step)[:3]})")
 
     def _exchange_topk(self, names, states, pending) -> None:
+        if isinstance(self.policy, GraVAC) and self._gravac_step(names, states, pending) == DENSE:
+            return
         # One allgather: every layer's values and int32 indices as bytes, in name order. Every
         # rank sends the same layout (k is a function of the level, equal on all ranks).
         parts = []

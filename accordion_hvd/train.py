@@ -26,11 +26,12 @@ from .batch_size import AccordionBatchSize
 from .codecs import PowerSGD, TopK
 from .compressor import AccordionCompressor
 from .metrics import progress
+from .policies import GraVAC
 
 log = logging.getLogger("accordion_hvd.train")
 
 CODECS = ("none", "fp16", "powersgd", "topk")
-POLICIES = ("accordion", "static")
+POLICIES = ("accordion", "static", "gravac")
 DATASETS = ("digits", "synthetic", "cifar10")
 MODELS = ("cnn", "resnet18")
 
@@ -47,7 +48,10 @@ def make_codec(args):
 def make_compression(args):
     codec = make_codec(args)
     if codec is not None:
-        return AccordionCompressor(codec, policy=args.policy, eta=args.eta,
+        policy = args.policy
+        if policy == "gravac":
+            policy = GraVAC(args.min_factor, args.max_factor, window=args.gravac_window, epsilon=args.epsilon)
+        return AccordionCompressor(codec, policy=policy, eta=args.eta,
                                    interval=None if args.interval == 0 else args.interval)
     return hvd.Compression.fp16 if args.codec == "fp16" else hvd.Compression.none
 
@@ -66,6 +70,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--eta", type=float, default=0.5, help="Accordion threshold on the relative norm change")
     p.add_argument("--interval", type=int, default=0,
                    help="detection window in optimizer steps; 0 (default): one window per epoch")
+    p.add_argument("--min-factor", type=float, default=10.0, help="GraVAC: smallest compression factor")
+    p.add_argument("--max-factor", type=float, default=1000.0, help="GraVAC: largest compression factor")
+    p.add_argument("--gravac-window", type=int, default=100, help="GraVAC: steps between candidate growths")
+    p.add_argument("--epsilon", type=float, default=0.7, help="GraVAC: the gain a factor must keep")
     p.add_argument("--batch-mode", action="store_true",
                    help="Accordion drives the batch size: --batch-size per step in critical regimes, "
                         "--large-passes times that (gradient accumulation, lr scaled alike) otherwise")

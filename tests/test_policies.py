@@ -274,3 +274,67 @@ def test_batch_size_mode_bad_arguments(kwargs, message):
         acc.AccordionBatchSize(_Optimizer(0.1), **kwargs)
     with pytest.raises(TypeError, match="Horovod's DistributedOptimizer"):
         acc.AccordionBatchSize(torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1))
+
+
+# --- GraVAC -------------------------------------------------------------------------------
+from accordion_hvd.policies import GraVAC  # noqa: E402
+
+
+def test_gravac_rule_by_hand():
+    policy = GraVAC(min_factor=10, max_factor=80, window=2, epsilon=0.7, omega=0.01, smoothing=0.0)
+    assert policy.factors() == (10, 10)
+    assert policy.choose(0.9, 0.9) == "candidate"
+    assert policy.choose(0.5, 0.8) == "minimum"
+    assert policy.choose(0.5, 0.6) == "dense"
+    assert policy.choose(math.nan, 0.9) == "dense"
+    policy.end_step(1.0)
+    policy.end_step(1.0)  # window done: score 10x, grow to 20x
+    assert policy.factors() == (20, 10) and policy.searching
+    policy.choose(0.75, 0.9)
+    policy.end_step(0.5)
+    policy.end_step(0.5)  # 20x: twice the throughput, gain 0.75 -> the best so far; grow to 40x
+    assert policy.candidate == 40
+    policy.choose(0.375, 0.9)  # half the gain at twice the speed: the same compression throughput
+    policy.end_step(0.25)
+    policy.end_step(0.25)
+    assert not policy.searching and policy.candidate == 20, policy.history  # the lower of the two best
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    (dict(min_factor=0.5), "min_factor <= max_factor"), (dict(min_factor=100, max_factor=10), "max_factor"),
+    (dict(epsilon=1.5), "epsilon must be in"), (dict(growth="linear"), "growth must be"),
+    (dict(window=0), "window must be positive"), (dict(smoothing=1.0), "smoothing must be in"),
+])
+def test_gravac_bad_arguments(kwargs, message):
+    with pytest.raises((TypeError, ValueError), match=message):
+        GraVAC(**kwargs)
+
+
+def test_gravac_needs_topk():
+    with pytest.raises(ValueError, match="GraVAC needs the TopK codec"):
+        acc.AccordionCompressor(acc.PowerSGD(1), policy="gravac")
+
+
+def test_gravac_in_the_compressor_chooses_alike_and_keeps_the_error_feedback_exact():
+    # Error-feedback conservation under every choice: what all ranks sent (the mean of
+    # their decompressed gradients, times the world size) plus what they keep equals what
+    # they were given.
+    def worker(rank, channel):
+        policy = GraVAC(min_factor=4, max_factor=32, window=3, epsilon=0.5, smoothing=0.0)
+        comp = acc.AccordionCompressor(acc.TopK(0.1), policy=policy, channel=channel)
+        given, sent, levels = torch.zeros(64 * 48), torch.zeros(64 * 48), []
+        for step in range(14):
+            gen = torch.Generator().manual_seed(100 * step + rank)
+            g = torch.randn(64, 48, generator=gen) * (1 + 3 * (step % 5 == 0))
+            given += g.reshape(-1)
+            out, ctx = comp.compress_named("w", g.clone())
+            sent += comp.decompress(out, ctx).reshape(-1)
+            levels.append(comp.stats()["layers"]["w"]["level"])
+        return levels, given, sent, comp._layers["w"].residual.clone(), comp.stats()
+    out = SimulatedWorld(2).run(worker)
+    assert out[0][0] == out[1][0], "ranks chose differently"
+    assert len(set(out[0][0])) >= 2, out[0][0]
+    given = out[0][1] + out[1][1]
+    kept = out[0][3] + out[1][3]
+    torch.testing.assert_close(out[0][2] * 2 + kept, given, rtol=1e-5, atol=1e-4)
+    assert out[0][4] == out[1][4]

@@ -74,3 +74,15 @@ def test_batch_mode_switches_between_small_and_large_batches(tmp_path):
     assert len(rows) < 8 * 22, "no step took more than one micro-batch"
     accuracy = float(out.split("final test accuracy: ")[1].split()[0])
     assert accuracy > 0.9, out
+
+
+def test_gravac_policy_trains_and_records_its_choices(tmp_path):
+    out = run_module("accordion_hvd.train", "--codec", "topk", "--policy", "gravac", "--gravac-window", "20",
+                     "--epochs", "5", "--no-progress", "--logdir", str(tmp_path), np=2, backend="gloo")
+    with open(tmp_path / "steps.csv") as f:
+        rows = list(csv.DictReader(f))
+    levels = {v for r in rows for k, v in r.items() if k.startswith("level/")}
+    assert "10x" in levels, levels  # the minimum factor; "dense" for biases and fallbacks
+    assert int(rows[-1]["floats_sent"]) < int(rows[-1]["floats_dense"]) / 2
+    accuracy = float(out.split("final test accuracy: ")[1].split()[0])
+    assert accuracy > 0.9, out

@@ -60,6 +60,16 @@ class TopK:
         ratio = self.critical_ratio if check_level(level) == CRITICAL else self.ratio
         return max(1, min(numel, math.ceil(ratio * numel)))
 
+    @staticmethod
+    def factor_k(numel: int, factor: float) -> int:
+        """k for a compression factor (GraVAC's levels, written "<factor>x")."""
+        return max(1, min(numel, math.ceil(numel / factor)))
+
+    def _k_of(self, level: str, numel: int) -> int:
+        if isinstance(level, str) and level.endswith("x"):
+            return self.factor_k(numel, float(level[:-1]))
+        return self.level_k(level, numel)
+
     def compressible(self, shape: torch.Size) -> bool:
         numel = math.prod(shape)
         return len(shape) >= 2 and numel >= self.min_compression_rate * 2 * self.level_k(NORMAL, numel)
@@ -69,11 +79,31 @@ class TopK:
 
     def init_state(self, name: str, grad: torch.Tensor, level: str = NORMAL) -> TopKState:
         residual = torch.zeros(grad.numel(), dtype=residual_dtype(grad.dtype), device=grad.device)
-        return TopKState(name, grad.shape, level, self.level_k(level, grad.numel()), residual)
+        return TopKState(name, grad.shape, level, self._k_of(level, grad.numel()), residual)
 
     def set_level(self, state: TopKState, level: str) -> None:
+        """'normal', 'critical', or a compression factor written '<factor>x'."""
+        state.k = self._k_of(level, state.residual.numel())
         state.level = level
-        state.k = self.level_k(level, state.residual.numel())
+
+    def trim(self, state: TopKState, values: torch.Tensor, indices: torch.Tensor,
+             k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """From an encoded selection, keep only its k largest magnitudes (ties to the lower
+        index, as the kernel's), in index order; the others go back into the error feedback.
+        Equal to encoding at k directly."""
+        if k >= values.numel():
+            return values, indices
+        order = torch.sort(values.abs(), descending=True, stable=True).indices  # indices ascend: ties ok
+        keep, drop = order[:k].sort().values, order[k:]
+        state.residual[indices[drop].long()] = values[drop].to(state.residual.dtype)
+        state.kept_sq = values[keep].double().square().sum().item()
+        state.k = k
+        return values[keep], indices[keep]
+
+    def restore(self, state: TopKState, values: torch.Tensor, indices: torch.Tensor) -> None:
+        """Undo an encode: the selected entries go back into the error feedback, which then
+        holds the whole g = grad + e again."""
+        state.residual[indices.long()] = values.to(state.residual.dtype)
 
     def state_to_dict(self, state: TopKState) -> dict:
         """A layer's state as plain values and tensors (copies), for checkpoints."""
@@ -82,11 +112,13 @@ class TopK:
 
     def state_from_dict(self, name: str, d: dict) -> TopKState:
         shape = torch.Size(d["shape"])
-        level, k, residual = check_level(d["level"]), int(d["k"]), d["residual"]
+        level, k, residual = str(d["level"]), int(d["k"]), d["residual"]
         numel = math.prod(shape)
-        if k != self.level_k(level, numel) or tuple(residual.shape) != (numel,):
+        if not level.endswith("x") and level != "dense":  # factor levels and "dense": GraVAC's
+            check_level(level)
+        if (level != "dense" and k != self._k_of(level, numel)) or tuple(residual.shape) != (numel,):
             raise ValueError(f"TopK state of {name!r} does not fit this codec: level {level!r} needs k "
-                             f"{self.level_k(level, numel)}, got k {k}, residual {tuple(residual.shape)} "
+                             f"{self._k_of(level, numel)}, got k {k}, residual {tuple(residual.shape)} "
                              f"(expected {(numel,)})")
         return TopKState(name, shape, level, k, residual.clone(), float(d["g_sq"]), float(d["kept_sq"]))
 

@@ -8,18 +8,19 @@ numbers is the controller's job (accordion_hvd/controller.py).
 
 from .accordion import Accordion
 from .base import Policy, WindowReport
+from .gravac import GraVAC
 from .static import Static
 
-__all__ = ["Accordion", "Policy", "Static", "WindowReport", "make_policy"]
+__all__ = ["Accordion", "GraVAC", "Policy", "Static", "WindowReport", "make_policy"]
 
 
 def make_policy(policy, *, eta: float, codec_adaptive: bool) -> Policy:
     """``policy`` as given to AccordionCompressor: None (Accordion when the codec has two
-    levels, else Static), a name ("accordion", "static"), or a Policy instance."""
+    levels, else Static), a name ("accordion", "static", "gravac"), or a Policy instance."""
     if policy is None:
         return Accordion(eta) if codec_adaptive else Static()
     if isinstance(policy, str):
-        choices = {"accordion": lambda: Accordion(eta), "static": Static}
+        choices = {"accordion": lambda: Accordion(eta), "static": Static, "gravac": GraVAC}
         if policy not in choices:
             raise ValueError(f"policy must be one of {sorted(choices)} or a Policy instance, got {policy!r}")
         return choices[policy]()
