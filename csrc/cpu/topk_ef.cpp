@@ -109,22 +109,23 @@ template <typename G>
 KeyBounds sampled_bounds(const G* grad, const float* residual, int64_t n, int64_t k) {
   const int64_t runs = std::min(kSampleRuns, n / kSampleRun);
   auto run_start = [&](int64_t j) { return j * (n - kSampleRun) / std::max<int64_t>(runs - 1, 1); };
-  // Ask for every sampled cache line first: the misses then overlap instead of queueing.
-  for (int64_t j = 0; j < runs; ++j) {
-    const int64_t start = run_start(j);
-    for (int64_t i = start; i < start + kSampleRun; i += 64 / sizeof(float)) {
-      __builtin_prefetch(grad + i);
-      __builtin_prefetch(residual + i);
+  // Runs split between threads (each run has its fixed place in `keys`); within a thread,
+  // every sampled cache line is asked for first, so the misses overlap instead of queueing.
+  std::vector<uint32_t> keys(runs * kSampleRun);
+  at::parallel_for(0, runs, 16, [&](int64_t j0, int64_t j1) {
+    for (int64_t j = j0; j < j1; ++j) {
+      for (int64_t i = run_start(j); i < run_start(j) + kSampleRun; i += 64 / sizeof(float)) {
+        __builtin_prefetch(grad + i);
+        __builtin_prefetch(residual + i);
+      }
     }
-  }
-  std::vector<uint32_t> keys;
-  keys.reserve(runs * kSampleRun);
-  for (int64_t j = 0; j < runs; ++j) {
-    const int64_t start = run_start(j);
-    for (int64_t i = start; i < start + kSampleRun; ++i) {
-      keys.push_back(key_of(static_cast<float>(grad[i]) + residual[i]));
+    for (int64_t j = j0; j < j1; ++j) {
+      const int64_t start = run_start(j);
+      for (int64_t i = 0; i < kSampleRun; ++i) {
+        keys[j * kSampleRun + i] = key_of(static_cast<float>(grad[start + i]) + residual[start + i]);
+      }
     }
-  }
+  });
   const int64_t s = static_cast<int64_t>(keys.size());
   const double expected = static_cast<double>(s) * k / n, spread = 4 * std::sqrt(expected) + 4;
   const int64_t r_low = std::min<int64_t>(s, static_cast<int64_t>(std::ceil(1.05 * expected + spread)));
