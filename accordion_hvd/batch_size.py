@@ -112,6 +112,12 @@ class AccordionBatchSize:
         self.optimizer.set_backward_passes_per_step(passes)
 
     @property
+    def lr_scale(self) -> float:
+        """The factor the learning rates carry now (passes / small, or 1 without scale_lr):
+        a schedule that sets the lr itself multiplies by it."""
+        return self._scale
+
+    @property
     def regime(self) -> str:
         return self.controller.level_of(_MODEL)
 

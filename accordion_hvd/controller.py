@@ -84,7 +84,7 @@ class RegimeController:
         learning rates (one per param group), or None when unknown (then on every rank).
         Returns the levels to use from the next step when any changes, else None."""
         self._window_steps += 1
-        lr_down = lrs is not None and self._lr_decreased(control, lrs)
+        lr_down = lrs is not None and self.policy.reacts_to_lr and self._lr_decreased(control, lrs)
         decided = None
         if self.interval is not None and self._window_steps >= self.interval:
             decided = self._end_window(control, layers)

@@ -223,7 +223,7 @@ def main(argv=None) -> float:
     for epoch in range(start_epoch, args.epochs):
         lr = base_lr * args.lr_gamma ** sum(epoch >= m for m in args.lr_milestones)
         for group in opt.param_groups:  # with --batch-mode, times its current scale
-            group["lr"] = lr * (batch._scale if batch else 1.0)
+            group["lr"] = lr * (batch.lr_scale if batch else 1.0)
         micro = 0
         opt.zero_grad()
         for x, y in data.shard_batches(train, args.batch_size, hvd.rank(), hvd.size(), epoch, args.seed):

@@ -29,7 +29,8 @@ class Policy:
     """
 
     name = "policy"
-    uses_norms = True  # False: the controller need not gather gradient norms at all
+    uses_norms = True   # False: the controller need not gather gradient norms at all
+    reacts_to_lr = True  # False: no per-step learning-rate reduction either
 
     def config(self) -> dict:
         return {"policy": self.name}

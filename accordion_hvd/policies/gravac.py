@@ -38,6 +38,7 @@ class GraVAC(Policy):
 
     name = "gravac"
     uses_norms = False
+    reacts_to_lr = False
 
     def __init__(self, min_factor: float = 10.0, max_factor: float = 1000.0, *, window: int = 500,
                  epsilon: float = 0.7, omega: float = 0.01, growth: str = "exponential",

@@ -9,6 +9,7 @@ from .base import Policy, WindowReport
 class Static(Policy):
     name = "static"
     uses_norms = False
+    reacts_to_lr = False
 
     def __repr__(self) -> str:
         return "Static()"
