@@ -258,7 +258,7 @@ class AccordionCompressor:
         gains come from one kernel call per layer. The model's squared norms and the step's
         time are summed over ranks (one control collective), so every rank chooses alike;
         then the selections are trimmed to the candidate, kept, or undone to send g dense."""
-        candidate, minimum = self.policy.factors()
+        candidate, _ = self.policy.factors()
         now = time.perf_counter()
         seconds = 0.0 if self._last_exchange is None else now - self._last_exchange
         self._last_exchange = now
@@ -387,7 +387,6 @@ class AccordionCompressor:
                            "level": self._layers[n].level if n in self._layers else "dense"}
                        for n in sorted(self._dense)},
         }
-
 
     # --- checkpoints ------------------------------------------------------------------------
     @_DefaultInstanceMethod
