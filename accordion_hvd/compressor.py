@@ -28,12 +28,23 @@ the new levels apply from the next step on every rank alike.
 
 Nothing may hang: at the first ``compress`` every rank allgathers its settings and all ranks
 raise the same ``ValueError`` if they differ; every wait on the channel has a timeout.
+
+Non-finite gradients (NaN, Inf) skip the step on every rank, as AMP's GradScaler does: a
+rank whose gradient of a compressed layer is not finite leaves that layer's error feedback
+alone and sends NaN in its place, so the fault is in the exchanged data that every rank
+reads (a dense layer's NaN is in Horovod's average anyway). A step with a fault ends with
+every decompressed gradient zero on every rank, and ``step_skipped`` True; each layer's
+gradient of that step stays in its error feedback (nothing is lost, nothing is poisoned).
+Zero gradients still let momentum and weight decay move the parameters; for an exact skip,
+step the optimizer only when ``step_skipped`` is False (README: "Non-finite gradients").
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import logging
+import math
 import sys
 import time
 import weakref
@@ -51,6 +62,8 @@ from .policies.gravac import CANDIDATE, DENSE
 _DENSE, _POWERSGD, _TOPK = "dense", "powersgd", "topk"
 _CONFIG_BYTES = 1024  # the settings' canonical JSON, zero-padded: one fixed-size allgather
 _STATE_FORMAT = "accordion_hvd.AccordionCompressor/1"
+
+log = logging.getLogger("accordion_hvd.compressor")
 
 
 class _DefaultInstanceMethod:
@@ -115,7 +128,18 @@ class AccordionCompressor:
         self._sent: dict[str, int] = {}              # cumulative floats sent, per layer
         self._dense: dict[str, int] = {}             # cumulative floats a dense allreduce sends
         self.steps = 0
+        self.skipped_steps = 0
+        self.step_skipped = False                    # the last step had a non-finite gradient
         self._config_checked = False
+        self._new_step()
+
+    def _new_step(self) -> None:
+        """What one step keeps until its end, to settle it or to skip it."""
+        self._outputs: list[torch.Tensor] = []  # every gradient returned to Horovod
+        self._local_faults: list[str] = []       # layers whose gradient is not finite on this rank
+        self._fault = False                      # some rank's was not (the same on every rank)
+        self._undo: list = []                    # put a layer's gradient back into e, if skipped
+        self._settle: list = []                  # finish a layer's error feedback, if not
 
     @classmethod
     def default_instance(cls) -> "AccordionCompressor":
@@ -164,6 +188,9 @@ class AccordionCompressor:
             if self._pending:
                 self._exchange()
             tensor = self._results.pop(name)
+        elif tensor.is_floating_point() and not _all_finite(tensor):
+            self._fault = True  # Horovod's average: the same on every rank
+        self._outputs.append(tensor)
         self._in_step.discard(name)
         if not self._in_step:  # the step's last layer: the step is over on this rank
             self._end_step()
@@ -191,20 +218,29 @@ class AccordionCompressor:
         elif state.shape != tensor.shape:
             raise ValueError(f"AccordionCompressor: gradient of {name!r} changed shape from "
                              f"{tuple(state.shape)} to {tuple(tensor.shape)}")
-        self.controller.observe(name, tensor)  # before the codec consumes the gradient
+        finite = _all_finite(tensor)
+        if finite:
+            self.controller.observe(name, tensor)  # before the codec consumes the gradient
+        else:
+            self._local_faults.append(name)
         if isinstance(self.policy, GraVAC):  # encode at the minimum factor; trimmed later if need be
             self.codec.set_level(state, f"{self.policy.min_factor:g}x")
         if self._kind == _TOPK and self.codec.sends_dense(state):
             self._sent[name] = self._sent.get(name, 0) + dense_floats
-            out = self.codec.flush_dense(state, tensor)
+            if finite:
+                out = self.codec.flush_dense(state, tensor)
+                self._settle.append(lambda s=state, dtype=tensor.dtype: self.codec.settle_dense(s, dtype))
+            else:
+                out = torch.full_like(tensor, float("nan"))
             self.seconds["compress"] += time.perf_counter() - started
             return out, (_DENSE, name)
         if self._kind == _POWERSGD:
-            p = self.codec.start(state, tensor)
+            p = self.codec.start(state, tensor) if finite else self.codec.poisoned(state)
             handle = self.channel.allreduce_mean_async([p], name=f"acc.P.{name}")
             self._pending[name] = (handle, tensor)
         else:
-            self._pending[name] = (self.codec.encode(state, tensor), tensor)
+            encoded = self.codec.encode(state, tensor) if finite else self.codec.poisoned(state)
+            self._pending[name] = (encoded, tensor)
         self._sent[name] = self._sent.get(name, 0) + self.codec.floats_sent(state)
         self.seconds["compress"] += time.perf_counter() - started
         return tensor.new_empty(0), (self._kind, name)
@@ -240,24 +276,30 @@ class AccordionCompressor:
         states = [self._layers[n] for n in names]
         if self._kind == _POWERSGD:
             p_avgs = [self._wait(pending[n][0])[0] for n in names]
+            if not all(_all_finite(p) for p in p_avgs):  # a rank sent NaN: skip the Q round
+                self._skip_exchange(names, states, pending)
+                return
             started = time.perf_counter()
             qs = self.codec.middle(states, p_avgs)
             self.seconds["compress"] += time.perf_counter() - started
             q_avg = self._wait(self.channel.allreduce_mean_async(qs, name=f"acc.Q.{len(names)}"))
             started = time.perf_counter()
             for n, s, q in zip(names, states, q_avg):
-                self._results[n] = self.codec.finish(s, q, pending[n][1])
+                m_hat = self._results[n] = self.codec.finish(s, q, pending[n][1])
+                self._undo.append(lambda e=s.residual, m_hat=m_hat: e.add_(m_hat.reshape(e.shape).to(e.dtype)))
             self.seconds["compress"] += time.perf_counter() - started
         else:
             self._exchange_topk(names, states, pending)
 
     @torch.no_grad()
-    def _gravac_step(self, names, states, pending) -> str:
+    def _gravac_step(self, names, states, pending) -> bool:
         """GraVAC's per-step choice (policies/gravac.py). Every layer was encoded at the
         minimum factor; the candidate factor's selection is the top of that one, so both
         gains come from one kernel call per layer. The model's squared norms and the step's
         time are summed over ranks (one control collective), so every rank chooses alike;
-        then the selections are trimmed to the candidate, kept, or undone to send g dense."""
+        then the selections are trimmed to the candidate, kept, or undone to send g dense.
+        Returns whether the step's exchange is done (dense, or skipped for a non-finite
+        gradient), else the selections are to be sent."""
         candidate, _ = self.policy.factors()
         now = time.perf_counter()
         seconds = 0.0 if self._last_exchange is None else now - self._last_exchange
@@ -270,6 +312,9 @@ class AccordionCompressor:
             top = values.abs().topk(k).values if k < values.numel() else values
             kept_cand += top.double().square().sum().item()
         totals = self.control.allreduce([g_sq, kept_min, kept_cand, seconds], name="acc.gravac", op="sum")
+        if not all(math.isfinite(t) for t in totals[:3]):  # a rank's gradient was not finite
+            self._skip_exchange(names, states, pending)
+            return True
         total_g = totals[0]
         gains = (totals[2] / total_g, totals[1] / total_g) if total_g > 0 else (1.0, 1.0)
         choice = self.policy.choose(*gains)
@@ -287,13 +332,25 @@ class AccordionCompressor:
                 s.level = DENSE
             self._sent[n] += (numel if choice == DENSE else self.codec.floats_sent(s)) - before
         if choice != DENSE:
-            return choice
-        # Dense: every layer's g = grad + e averaged in one grouped allreduce; e is reset.
+            return False
+        # Dense: every layer's g = grad + e averaged in one grouped allreduce; e is reset once
+        # the step is known not to be skipped.
         avgs = self._wait(self.channel.allreduce_mean_async([s.residual for s in states], name=f"acc.dense.{len(names)}"))
         for n, s, avg in zip(names, states, avgs):
             self._results[n] = avg.to(pending[n][1].dtype).view(s.shape)
-            s.residual.zero_()
-        return choice
+            self._settle.append(s.residual.zero_)
+        return True
+
+    def _skip_exchange(self, names, states, pending) -> None:
+        """A rank's gradient was not finite (seen alike on every rank in the exchanged data):
+        no result this step, and each layer's gradient stays in its error feedback. PowerSGD's
+        e holds M = grad + e already; TopK's selection goes back into e. A layer that was not
+        finite here left its e untouched."""
+        self._fault = True
+        for n, s in zip(names, states):
+            if self._kind == _TOPK and n not in self._local_faults:
+                self.codec.restore(s, *pending[n][0])
+            self._results[n] = torch.zeros_like(pending[n][1])
 
     def _wait(self, handle):
         started = time.perf_counter()
@@ -303,8 +360,27 @@ class AccordionCompressor:
             self.seconds["comm"] += time.perf_counter() - started
 
     def _end_step(self) -> None:
-        """Every rank, once per optimizer step, after the step's last decompress: count the
-        step and let the controller switch levels for the next one."""
+        """Every rank, once per optimizer step, after the step's last decompress: skip or
+        settle the step, count it and let the controller switch levels for the next one."""
+        if self._local_faults:
+            log.warning("rank %d: non-finite gradient in %s at step %d", self.channel.rank,
+                        ", ".join(self._local_faults[:3]) + (" ..." if len(self._local_faults) > 3 else ""),
+                        self.steps + 1)
+            if not self._fault:  # cannot happen: the NaN sent in its place reaches every rank
+                raise RuntimeError("AccordionCompressor: a non-finite gradient was not seen in the exchange")
+        if self._fault:
+            for undo in self._undo:  # before the zeroing: PowerSGD's undo reads its result
+                undo()
+            for out in self._outputs:
+                out.zero_()
+            self.skipped_steps += 1
+            log.warning("step %d skipped on every rank: a gradient was not finite on some rank; gradients set to "
+                        "zero, error feedback kept (%d skipped so far)", self.steps + 1, self.skipped_steps)
+        else:
+            for settle in self._settle:
+                settle()
+        self.step_skipped = self._fault
+        self._new_step()
         self.steps += 1
         lrs = self._learning_rates()
         changed = self.controller.end_step(self.control, sorted(self._layers), lrs)
@@ -344,7 +420,7 @@ class AccordionCompressor:
                                f"(layers still in flight: {sorted(self._in_step)[:3]})")
 
     def _exchange_topk(self, names, states, pending) -> None:
-        if isinstance(self.policy, GraVAC) and self._gravac_step(names, states, pending) == DENSE:
+        if isinstance(self.policy, GraVAC) and self._gravac_step(names, states, pending):
             return
         # One allgather: every layer's values and int32 indices as bytes, in name order. Every
         # rank sends the same layout (k is a function of the level, equal on all ranks).
@@ -357,13 +433,19 @@ class AccordionCompressor:
         started = time.perf_counter()
         size = self.channel.size
         per_rank = gathered.view(size, packed.numel())
-        offset = 0
+        offset, gathered_layers = 0, []
         for n, s in zip(names, states):
             v_bytes = s.k * s.residual.element_size()
             values = per_rank[:, offset:offset + v_bytes].contiguous().view(s.residual.dtype).reshape(-1)
             indices = per_rank[:, offset + v_bytes:offset + v_bytes + 4 * s.k].contiguous().view(torch.int32).reshape(-1)
             offset += v_bytes + 4 * s.k
+            gathered_layers.append((values, indices))
+        if not all(_all_finite(values) for values, _ in gathered_layers):  # a rank sent NaN
+            self._skip_exchange(names, states, pending)
+            return
+        for n, s, (values, indices) in zip(names, states, gathered_layers):
             self._results[n] = self.codec.decode(s, values, indices, size, pending[n][1].dtype)
+            self._undo.append(lambda s=s, sent=pending[n][0]: self.codec.restore(s, *sent))
         self.seconds["compress"] += time.perf_counter() - started
 
     # --- levels, statistics, state ------------------------------------------------------------
@@ -383,6 +465,7 @@ class AccordionCompressor:
             "floats_sent": sum(self._sent.values()),
             "floats_dense": sum(self._dense.values()),
             "steps": self.steps,
+            "skipped_steps": self.skipped_steps,
             "layers": {n: {"floats_sent": self._sent[n], "floats_dense": self._dense[n],
                            "level": self._layers[n].level if n in self._layers else "dense"}
                        for n in sorted(self._dense)},
@@ -396,6 +479,7 @@ class AccordionCompressor:
         values and tensors (picklable, ``torch.save``-able). Call it between steps."""
         self._between_steps("state_dict")
         return {"format": _STATE_FORMAT, "config": self.config(), "steps": self.steps,
+                "skipped_steps": self.skipped_steps,
                 "sent": dict(self._sent), "dense": dict(self._dense), "seconds": dict(self.seconds),
                 "reported_lrs": self._reported_lrs,
                 "layers": {n: self.codec.state_to_dict(s) for n, s in sorted(self._layers.items())},
@@ -420,10 +504,21 @@ class AccordionCompressor:
         self.controller.load_state_dict(state["controller"])
         self._layers = layers
         self.steps = int(state["steps"])
+        self.skipped_steps = int(state.get("skipped_steps", 0))
         self._sent = {str(k): int(v) for k, v in state["sent"].items()}
         self._dense = {str(k): int(v) for k, v in state["dense"].items()}
         self.seconds = {str(k): float(v) for k, v in state["seconds"].items()}
         self._reported_lrs = state["reported_lrs"]
+
+
+def _all_finite(t: torch.Tensor) -> bool:
+    """Whether every entry is finite, from one float32 sum (non-finite entries make it NaN or
+    Inf; about 10x cheaper than ``isfinite().all()``). A finite tensor whose sum overflows
+    float32 counts as not finite: it would overflow the norms downstream anyway."""
+    if t.numel() == 0:
+        return True
+    total = t.sum() if t.dtype in (torch.float32, torch.float64) else t.sum(dtype=torch.float32)
+    return math.isfinite(total.item())
 
 
 def _config_mismatch_message(configs: list[dict]) -> str:

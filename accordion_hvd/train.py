@@ -95,6 +95,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--checkpoint", type=Path, default=None, help="save here every epoch (PATH.rank<r> per rank)")
     p.add_argument("--resume", type=Path, default=None, help="continue from this --checkpoint PATH")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--inject-nonfinite", type=_fault, action="append", default=[], metavar="STEP@RANK",
+                   help="fault injection (reliability tests): rank RANK's loss is NaN in optimizer step STEP "
+                        "(1-based), so all its gradients are; the step is skipped on every rank. Repeatable")
     args = p.parse_args(argv)
     for name in ("epochs", "batch_size"):
         if getattr(args, name) < 1:
@@ -119,6 +122,16 @@ def parse_args(argv=None) -> argparse.Namespace:
     except (TypeError, ValueError) as exc:
         p.error(str(exc))
     return args
+
+
+def _fault(text: str) -> tuple[int, int]:
+    try:
+        step, rank = (int(part) for part in text.split("@"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected STEP@RANK (e.g. 30@1), got {text!r}") from None
+    if step < 1 or rank < 0:
+        raise argparse.ArgumentTypeError(f"STEP must be >= 1 and RANK >= 0, got {text!r}")
+    return step, rank
 
 
 def load_data(args):
@@ -228,6 +241,8 @@ def main(argv=None) -> float:
         opt.zero_grad()
         for x, y in data.shard_batches(train, args.batch_size, hvd.rank(), hvd.size(), epoch, args.seed):
             loss = F.cross_entropy(model(x), y)
+            if (step + 1, hvd.rank()) in args.inject_nonfinite:
+                loss = loss * float("nan")
             if batch is None:
                 loss.backward()
             else:  # the mean over the step's micro-batches
@@ -236,7 +251,10 @@ def main(argv=None) -> float:
             bar.update()
             last = micro == micro_per_epoch  # every rank has the same count: a short last step is safe
             if batch is None or batch.micro_batch_done() or last:
-                opt.step()
+                opt.synchronize()
+                if not getattr(compression, "step_skipped", False):  # a non-finite gradient: skip exactly
+                    with opt.skip_synchronize():
+                        opt.step()
                 used = {"lr": opt.param_groups[0]["lr"], **({"passes": batch.passes} if batch else {})}
                 if batch is not None:
                     batch.step()  # reads the step's averaged gradient: before zero_grad

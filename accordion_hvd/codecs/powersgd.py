@@ -146,6 +146,11 @@ class PowerSGD:
         ops.ef_add_(grad.reshape(state.residual.shape), state.residual)
         return state.residual @ state.q
 
+    def poisoned(self, state: PowerSGDState) -> torch.Tensor:
+        """What a rank sends as P for a layer whose gradient is not finite: NaN (so every rank
+        sees the fault in the averaged P); ``e`` is not touched."""
+        return state.residual.new_full((state.residual.shape[0], state.rank), float("nan"))
+
     def middle(self, states: list[PowerSGDState], p_avgs: list[torch.Tensor]) -> list[torch.Tensor]:
         """Orthogonalizes every layer's averaged P (in one kernel call); returns each layer's
         Q^T = P^T M (rank x m), to be averaged. (Q^T rather than Q: BLAS reads M in its own

@@ -130,12 +130,28 @@ class TopK:
 
     def flush_dense(self, state: TopKState, grad: torch.Tensor) -> torch.Tensor:
         """For a dense step: returns ``grad + e`` in the gradient's dtype, to be allreduced as
-        it is; ``e`` keeps only what that dtype rounded away."""
-        g = ops.ef_add(grad.reshape(-1), state.residual)
-        out = g.to(grad.dtype, copy=True)  # never g itself: g becomes the new residual
-        state.residual = g.sub_(out.to(g.dtype))
+        it is. ``e`` holds the whole ``g = grad + e`` until ``settle_dense`` at the end of the
+        step (so a skipped step can keep it); then only what the dtype rounded away."""
+        g = ops.ef_add_(grad.reshape(-1), state.residual)
+        out = g.to(grad.dtype, copy=True)  # never g itself: Horovod averages it in place
         state.g_sq = state.kept_sq = out.double().square().sum().item()
         return out.view(grad.shape)
+
+    @staticmethod
+    def settle_dense(state: TopKState, grad_dtype: torch.dtype) -> None:
+        """After a dense step went through: ``e`` keeps only what ``grad_dtype`` rounded away."""
+        e = state.residual
+        if grad_dtype == e.dtype:
+            e.zero_()
+        else:
+            e.sub_(e.to(grad_dtype).to(e.dtype))
+
+    def poisoned(self, state: TopKState) -> tuple[torch.Tensor, torch.Tensor]:
+        """What a rank sends for a layer whose gradient is not finite: NaN values (so every
+        rank sees the fault in the exchanged data) at valid indices; ``e`` is not touched."""
+        state.g_sq = state.kept_sq = float("nan")
+        return (torch.full((state.k,), float("nan"), dtype=state.residual.dtype, device=state.residual.device),
+                torch.zeros(state.k, dtype=torch.int32, device=state.residual.device))
 
     def encode(self, state: TopKState, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns (values, int32 indices) to exchange; updates the error feedback.
