@@ -53,7 +53,7 @@ from typing import Any
 import torch
 
 from .codecs import PowerSGD, TopK
-from .codecs._common import positive_number
+from .codecs._common import positive_number, residual_dtype
 from .controller import RegimeController
 from .policies import GraVAC, make_policy
 from .policies.gravac import CANDIDATE, DENSE
@@ -202,22 +202,29 @@ class AccordionCompressor:
         """``compress`` for the parameter ``name``. The gradient is consumed: it is folded into
         the error feedback, and a PowerSGD layer's result is written into its memory (what
         Horovod does with the result anyway). Pass a copy to keep the gradient."""
+        if not isinstance(tensor, torch.Tensor):
+            raise TypeError(f"AccordionCompressor: the gradient of {name!r} must be a torch.Tensor, "
+                            f"got {type(tensor).__name__}")
+        if tensor.device.type not in ("cpu", "cuda"):
+            raise ValueError(f"AccordionCompressor: the gradient of {name!r} is on device {tensor.device}; "
+                             f"expected a CPU or CUDA tensor")
         self._check_config_once()
         if name in self._in_step:
             raise RuntimeError(f"AccordionCompressor: {name!r} compressed twice in one step")
+        compressed = (tensor.layout == torch.strided and tensor.is_floating_point()
+                      and self.codec.compressible(tensor.shape))  # else (sparse, integer, complex, small) as it is
+        state = self._layers.get(name) if compressed else None
+        if state is not None:
+            _check_same_layer(name, state, tensor)
         self._in_step.add(name)
         dense_floats = tensor.numel()
         self._dense[name] = self._dense.get(name, 0) + dense_floats
-        if not self.codec.compressible(tensor.shape) or not tensor.is_floating_point():
+        if not compressed:
             self._sent[name] = self._sent.get(name, 0) + dense_floats
             return tensor, (_DENSE, name)
         started = time.perf_counter()
-        state = self._layers.get(name)
         if state is None:
             state = self._layers[name] = self.codec.init_state(name, tensor, self.controller.level_of(name))
-        elif state.shape != tensor.shape:
-            raise ValueError(f"AccordionCompressor: gradient of {name!r} changed shape from "
-                             f"{tuple(state.shape)} to {tuple(tensor.shape)}")
         finite = _all_finite(tensor)
         if finite:
             self.controller.observe(name, tensor)  # before the codec consumes the gradient
@@ -494,21 +501,47 @@ class AccordionCompressor:
             raise ValueError(f"AccordionCompressor.load_state_dict: not an AccordionCompressor state_dict "
                              f"(expected a dict with format={_STATE_FORMAT!r})")
         mine = self.config()
-        theirs = state["config"]
+        theirs = state.get("config")
+        if not isinstance(theirs, dict):
+            raise ValueError("AccordionCompressor.load_state_dict: the state_dict has no 'config' dict (corrupted?)")
         if json.dumps(theirs, sort_keys=True, default=repr) != json.dumps(mine, sort_keys=True, default=repr):
             differing = sorted(k for k in set(mine) | set(theirs) if mine.get(k) != theirs.get(k))
             raise ValueError("AccordionCompressor.load_state_dict: the checkpoint was made with different settings: "
                              + "; ".join(f"{k}: checkpoint {theirs.get(k)!r}, this compressor {mine.get(k)!r}"
                                          for k in differing))
-        layers = {n: self.codec.state_from_dict(n, d) for n, d in state["layers"].items()}
-        self.controller.load_state_dict(state["controller"])
+        # Read everything before changing anything: a malformed state_dict leaves this
+        # compressor as it was.
+        before = self.controller.state_dict()
+        try:
+            layers = {str(n): self.codec.state_from_dict(str(n), d) for n, d in state["layers"].items()}
+            for n, layer in layers.items():
+                if not bool(torch.isfinite(layer.residual).all()):
+                    raise ValueError(f"the error feedback of {n!r} is not finite")
+            counters = (int(state["steps"]), int(state.get("skipped_steps", 0)),
+                        {str(k): int(v) for k, v in state["sent"].items()},
+                        {str(k): int(v) for k, v in state["dense"].items()},
+                        {str(k): float(v) for k, v in state["seconds"].items()})
+            reported = state["reported_lrs"]
+            self.controller.load_state_dict(state["controller"])
+        except (KeyError, TypeError, ValueError, AttributeError, RuntimeError) as exc:
+            self.controller.load_state_dict(before)
+            what = f"missing entry {exc}" if isinstance(exc, KeyError) else str(exc)
+            raise ValueError(f"AccordionCompressor.load_state_dict: malformed state_dict ({what}); "
+                             f"nothing was loaded") from exc
         self._layers = layers
-        self.steps = int(state["steps"])
-        self.skipped_steps = int(state.get("skipped_steps", 0))
-        self._sent = {str(k): int(v) for k, v in state["sent"].items()}
-        self._dense = {str(k): int(v) for k, v in state["dense"].items()}
-        self.seconds = {str(k): float(v) for k, v in state["seconds"].items()}
-        self._reported_lrs = state["reported_lrs"]
+        self.steps, self.skipped_steps, self._sent, self._dense, self.seconds = counters
+        self._reported_lrs = reported
+
+
+def _check_same_layer(name: str, state, tensor: torch.Tensor) -> None:
+    """A layer keeps its shape, device and dtype from step to step (its state was made for them)."""
+    if state.shape != tensor.shape:
+        raise ValueError(f"AccordionCompressor: gradient of {name!r} changed shape from "
+                         f"{tuple(state.shape)} to {tuple(tensor.shape)}")
+    if state.residual.device != tensor.device or state.residual.dtype != residual_dtype(tensor.dtype):
+        raise ValueError(f"AccordionCompressor: gradient of {name!r} moved from {state.residual.device} "
+                         f"({state.residual.dtype} error feedback) to {tensor.device} ({tensor.dtype}); "
+                         f"a layer must keep its device and dtype")
 
 
 def _all_finite(t: torch.Tensor) -> bool:

@@ -182,17 +182,31 @@ def save_checkpoint(path: Path, epoch: int, step: int, model, opt, compression, 
     tmp.replace(target)  # never a half-written checkpoint
 
 
+def read_checkpoint(path: Path, source: Path) -> dict:
+    """One rank's checkpoint file, or SystemExit naming the file and what is wrong with it."""
+    try:
+        state = torch.load(source, weights_only=False)
+        if not isinstance(state, dict) or not {"epoch", "step", "world_size", "model", "optimizer"} <= set(state):
+            raise ValueError("not a checkpoint written by --checkpoint")
+    except Exception as exc:  # truncated, corrupted, or another program's file
+        raise SystemExit(f"--resume {path}: cannot read {source}: {type(exc).__name__}: {exc}") from None
+    return state
+
+
 def load_checkpoint(path: Path, model, opt, compression, batch) -> tuple[int, int]:
     source = checkpoint_path(path, hvd.rank())
     if not source.is_file():
         raise SystemExit(f"--resume {path}: {source} not found (one file per rank; same world size needed)")
-    state = torch.load(source, weights_only=False)
+    state = read_checkpoint(path, source)
     if state["world_size"] != hvd.size():
         raise SystemExit(f"--resume {path}: saved by {state['world_size']} ranks, this run has {hvd.size()}")
     model.load_state_dict(state["model"])
     opt.load_state_dict(state["optimizer"])
     if isinstance(compression, AccordionCompressor):
-        compression.load_state_dict(state["compression"])
+        try:
+            compression.load_state_dict(state["compression"])
+        except ValueError as exc:
+            raise SystemExit(f"--resume {path}: {exc}") from None
     if batch is not None:
         if state.get("batch") is None:
             raise SystemExit(f"--resume {path}: that run had no --batch-mode")

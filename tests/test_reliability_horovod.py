@@ -6,7 +6,7 @@ import re
 
 import pytest
 
-from launch import run_module, run_worker
+from launch import horovodrun, run_module, run_worker
 
 pytestmark = pytest.mark.horovod
 
@@ -32,3 +32,13 @@ def test_the_cli_trains_through_injected_faults(codec):
         assert len(re.findall(rf"step {step} skipped on every rank", out)) == 2, out
     accuracy = float(re.search(r"final test accuracy: ([0-9.]+)", out).group(1))
     assert accuracy > 0.85, out
+
+
+def test_resume_from_a_damaged_checkpoint_stops_with_its_name(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    run_module("accordion_hvd.train", "--epochs", "1", "--no-progress", "--checkpoint", str(ckpt), np=2, backend="gloo")
+    damaged = tmp_path / "ckpt.rank1"
+    damaged.write_bytes(damaged.read_bytes()[:1000])
+    result = horovodrun(["-m", "accordion_hvd.train", "--epochs", "2", "--no-progress", "--resume", str(ckpt)],
+                        np=2, backend="gloo", timeout=120)
+    assert result.returncode != 0 and f"cannot read {damaged}" in result.stdout, result.stdout
