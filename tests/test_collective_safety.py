@@ -36,6 +36,10 @@ def messages_by_rank(out):
 @pytest.mark.parametrize("mode,fields", [
     ("rank", ["'rank': 2 (rank 0) vs 4 (rank 1)", "'critical_rank': 2 (rank 0) vs 4 (rank 1)"]),
     ("codec", ["'codec': 'powersgd' (rank 0) vs 'topk' (rank 1)", "'ratio': (not set) (rank 0) vs 0.1 (rank 1)"]),
+    ("ratio", ["'ratio': 0.05 (rank 0) vs 0.1 (rank 1)"]),
+    ("eta", ["'eta': 0.5 (rank 0) vs 0.3 (rank 1)"]),
+    ("policy", ["'policy'"]),
+    ("interval", ["'interval': 100 (rank 0) vs None (rank 1)"]),
 ])
 def test_different_settings_fail_with_the_same_message_on_every_rank(mode, fields, backend):
     result, elapsed = run_mismatch(mode, backend)

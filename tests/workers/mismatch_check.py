@@ -5,6 +5,7 @@ Every rank trains a small model with the stock hvd.DistributedOptimizer and
 AccordionCompressor, but the ranks differ on purpose:
   rank   : rank 0 uses PowerSGD(rank=2), rank 1 PowerSGD(rank=4)  -> configuration error
   codec  : rank 0 uses PowerSGD, rank 1 TopK                       -> configuration error
+  ratio, eta, policy, interval: one setting differs                 -> configuration error
   layers : rank 0 has an extra compressed layer the others lack     -> collective timeout
 A rank that gets our error prints "rank R: <ExceptionType>: <message>" and exits 1.
 Usage: mismatch_check.py MODE
@@ -45,13 +46,18 @@ if mode == "rank":
     codec = acc.PowerSGD(rank=2 if rank == 0 else 4)
 elif mode == "codec":
     codec = acc.PowerSGD(rank=2) if rank == 0 else acc.TopK(ratio=0.1)
-elif mode == "layers":
-    codec = acc.PowerSGD(rank=2)
+elif mode == "ratio":
+    codec = acc.TopK(ratio=0.05 if rank == 0 else 0.1, critical_ratio=0.5)
+elif mode in ("layers", "eta", "policy", "interval"):
+    codec = acc.PowerSGD(rank=1, critical_rank=2)
 else:
-    raise SystemExit(f"MODE must be rank, codec or layers, got {mode!r}")
+    raise SystemExit(f"MODE must be rank, codec, ratio, eta, policy, interval or layers, got {mode!r}")
+settings = {"eta": {"eta": 0.5 if rank == 0 else 0.3},
+            "policy": {"policy": "accordion" if rank == 0 else "static"},
+            "interval": {"interval": 100 if rank == 0 else None}}.get(mode, {})
 
 model = Model(extra=(mode == "layers" and rank == 0))
-compression = acc.AccordionCompressor(codec)
+compression = acc.AccordionCompressor(codec, **settings)
 # No broadcast_parameters: with different models it would be a mismatch of its own.
 opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05),
                                named_parameters=model.named_parameters(), compression=compression)
