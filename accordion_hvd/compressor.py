@@ -117,6 +117,7 @@ class AccordionCompressor:
         self.controller = RegimeController(self.policy, self.interval, accumulate=accumulate)
         self._channel = channel
         self._control = control
+        self._control_given = control is not None
         self._optimizer = None                       # weakref to Horovod's optimizer, once seen
         self._reported_lrs: list[float] | None = None
         self._in_step: set[str] = set()              # this step: layers compressed, not yet decompressed
@@ -420,6 +421,27 @@ class AccordionCompressor:
         for v in values:
             positive_number("lr", v)
         self._reported_lrs = [float(v) for v in values]
+
+    def abort_step(self) -> None:
+        """Drop the step in flight, as when Horovod Elastic interrupts a step because a worker
+        failed (its exchanges will never complete). Some layers may have folded this step's
+        gradient into their error feedback already: restore a ``state_dict()`` taken between
+        steps next, as ``accordion_hvd.elastic`` does."""
+        self._in_step.clear()
+        self._pending.clear()
+        self._results.clear()
+        self._new_step()
+
+    def world_changed(self) -> None:
+        """Horovod re-formed the world (Elastic): forget collectives in flight, rebuild the
+        control plane for the new ranks, and compare every rank's settings again at the next
+        compress (a worker that joined has not been checked yet)."""
+        self._config_checked = False
+        if not self._control_given:
+            self._control = None
+        forget = getattr(self._channel, "forget_handles", None)
+        if forget is not None:
+            forget()
 
     def _between_steps(self, what: str) -> None:
         if self._in_step:

@@ -42,6 +42,10 @@ class HorovodChannel:
         self._names[handle] = name
         return handle
 
+    def forget_handles(self) -> None:
+        """Horovod Elastic re-formed the world: handles in flight will never complete."""
+        self._names.clear()
+
     def wait(self, handle):
         name = self._names.pop(handle, "<unnamed>")
         wait_for(lambda: self._hvd.poll(handle), name, self.rank, self.size, self.timeout)
