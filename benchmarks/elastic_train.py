@@ -22,6 +22,7 @@ import hashlib
 import os
 import socket
 import sys
+import time
 from pathlib import Path
 
 import horovod.torch as hvd
@@ -38,12 +39,16 @@ def parse_args():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--epochs", type=int, default=20)
     p.add_argument("--batch-size", type=int, default=32)
-    p.add_argument("--lr", type=float, default=0.04, help="fixed, whatever the world size")
+    p.add_argument("--lr", type=float, default=0.02, help="per rank: scaled by the world size of the moment")
     p.add_argument("--lr-milestones", default="12", help="epochs at which the lr is multiplied by 0.1")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--step-seconds", type=float, default=0.0,
+                   help="sleep this long after each step (gives a joining worker time to start; no effect on the math)")
     p.add_argument("--commit-every", type=int, default=5, help="optimizer steps between state.commit()")
     p.add_argument("--die-on", default="", help="hostname whose worker exits mid-step (once)")
     p.add_argument("--die-at", type=int, default=100, help="global optimizer step at which it exits")
+    p.add_argument("--died-file", type=Path, default=None, help="the dying worker creates this file first "
+                                                                "(lets a driver add a host afterwards)")
     return p.parse_args()
 
 
@@ -54,7 +59,7 @@ def main() -> None:
     torch.manual_seed(args.seed)
     train_split, test_split = data.load_digits(seed=args.seed)
     model = models.SmallCNN(channels=1)
-    opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
+    opt = torch.optim.SGD(model.parameters(), lr=args.lr * hvd.size(), momentum=0.9)
     compression = acc.AccordionCompressor(acc.PowerSGD(rank=1, critical_rank=4), interval=None)
     opt = hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters(), compression=compression)
     state = hvd.elastic.TorchState(model=model, optimizer=opt, compression=compression,
@@ -65,6 +70,8 @@ def main() -> None:
     def maybe_die(grad):
         if die["armed"] and state.step == args.die_at:
             print(f"{host}: worker exits in the backward pass of step {state.step}", flush=True)
+            if args.died_file is not None:
+                args.died_file.touch()
             os._exit(1)
         return grad
 
@@ -75,7 +82,7 @@ def main() -> None:
         if not state.sizes or state.sizes[-1] != hvd.size():
             state.sizes = [*state.sizes, hvd.size()]
         while state.epoch < args.epochs:
-            lr = args.lr * 0.1 ** sum(state.epoch >= m for m in milestones)
+            lr = args.lr * hvd.size() * 0.1 ** sum(state.epoch >= m for m in milestones)
             for group in opt.param_groups:
                 group["lr"] = lr
             batches = data.shard_batches(train_split, args.batch_size, hvd.rank(), hvd.size(), state.epoch, args.seed)
@@ -86,6 +93,7 @@ def main() -> None:
                 F.cross_entropy(model(x), y).backward()
                 opt.step()
                 state.batch, state.step = i + 1, state.step + 1
+                time.sleep(args.step_seconds)
                 if state.step % args.commit_every == 0:
                     state.commit()
             compression.epoch_end()

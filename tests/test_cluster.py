@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import re
 import shutil
 import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 
@@ -149,6 +151,35 @@ def test_elastic_job_survives_a_dead_node():
     assert result.returncode == 0, output
     assert "node2: exiting at step 4" in output, output
     assert "done: 12 steps, final size 1" in output, output
+
+
+@pytest.mark.horovod
+def test_compressor_state_survives_a_dead_worker_and_a_joining_one(tmp_path):
+    """AccordionCompressor under Horovod Elastic (benchmarks/elastic_train.py): node2's worker
+    exits mid-backward (compressed exchanges in flight), the survivor restores the last
+    commit and goes on alone; node3 then joins and gets the shared state by sync. Every rank
+    ends with the same parameters, levels, Q and counters, and the model has learned."""
+    died = tmp_path / "died"
+    with Cluster(3, prefix=PREFIX) as cluster:
+        cluster.set_hosts(["node1:1", "node2:1"])
+
+        def add_node3():
+            deadline = time.monotonic() + 120
+            while not died.exists() and time.monotonic() < deadline:
+                time.sleep(0.2)
+            cluster.set_hosts(["node1:1", "node2:1", "node3:1"])
+
+        threading.Thread(target=add_node3, daemon=True).start()
+        result = cluster.horovodrun(
+            [str(REPO / "benchmarks" / "elastic_train.py"), "--epochs", "6", "--lr-milestones", "4",
+             "--die-on", "node2", "--die-at", "30", "--died-file", str(died), "--step-seconds", "0.05"],
+            np=2, backend="gloo", elastic=True, timeout=240)
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output
+    assert "node2: worker exits in the backward pass of step 30" in output, output
+    final = re.search(r"final test accuracy: ([0-9.]+); world sizes \[2, 1, 2\]; steps \d+; ranks agree: True",
+                      output)
+    assert final and float(final.group(1)) > 0.85, output
 
 
 def test_stand_in_ssh():
