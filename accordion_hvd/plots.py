@@ -163,6 +163,12 @@ def plot_run(logdir, out_dir=None) -> list[Path]:
     return written
 
 
+def plot_curves(curves: dict[str, tuple[np.ndarray, np.ndarray]], xlabel: str, title: str, path,
+                log_x: bool | None = None) -> Path:
+    """One PNG: test accuracy (a fraction) against any x, one line per label."""
+    return _save(_accuracy_figure(curves, xlabel, title, log_x), Path(path))
+
+
 def compare_runs(runs: dict, out_dir) -> list[Path]:
     """compare_accuracy_vs_floats.png and compare_accuracy_vs_time.png: one line per run,
     ``runs`` mapping a legend label to a logdir."""

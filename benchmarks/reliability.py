@@ -13,7 +13,9 @@ Parts (each under real horovodrun, 2 ranks; the elastic part on the emulated clu
   soak        5,000 steps with frequent level switches: RSS and open fds, floats_sent
   elastic     Horovod Elastic on the emulated cluster: a worker dies mid-step, later a new
               host joins; accuracy against an undisturbed elastic run (needs root and ip/tc)
-Writes benchmarks/results/reliability.md (with the machine and every command).
+Each part writes its section to benchmarks/results/reliability/<part>.md (with the machine and
+its command), so a part can be rerun alone; benchmarks/results/reliability.md is assembled
+from every section there.
 """
 
 from __future__ import annotations
@@ -185,7 +187,7 @@ def part_elastic(epochs: int, seeds: int) -> list[str]:
     accuracy: dict[str, list[float]] = {label: [] for label in runs}
     for seed in range(seeds):
         for label, extra in runs.items():
-            with Cluster(3, rate="1gbit") as cluster, tempfile.TemporaryDirectory() as tmp:
+            with Cluster(3, rate="1gbit", prefix="accrel-") as cluster, tempfile.TemporaryDirectory() as tmp:
                 cluster.set_hosts(["node1:1", "node2:1"])
                 died = Path(tmp) / "died"
                 if "joins" in label:
@@ -240,20 +242,30 @@ def main() -> None:
     sections = {"badinput": part_badinput, "nonfinite": lambda: part_nonfinite(args.seeds, args.epochs),
                 "divergence": part_divergence, "resume": part_resume, "soak": lambda: part_soak(args.soak_steps),
                 "elastic": lambda: part_elastic(args.epochs, args.seeds)}
-    body = []
+    fragments = args.out.with_suffix("")
+    fragments.mkdir(parents=True, exist_ok=True)
     for part in chosen:
         print(f"--- {part}", flush=True)
+        started = time.monotonic()
         try:
-            body += sections[part]()
+            body = sections[part]()
         except Exception as exc:  # one part failing must not lose the others
-            body += [f"## {part}: FAILED", "", f"```\n{exc}\n```", ""]
+            body = [f"## {part}: FAILED", "", f"```\n{exc}\n```", ""]
             print(f"{part} failed: {exc}", flush=True)
+        command = f"`{PY} benchmarks/reliability.py --only {part} --seeds {args.seeds} --epochs {args.epochs}`"
+        body[1:1] = ["", f"*{machine()}; {command}; {time.monotonic() - started:.0f} s.*"]
+        (fragments / f"{part}.md").write_text("\n".join(body) + "\n")
+    done = [fragments / f"{part}.md" for part in PARTS if (fragments / f"{part}.md").exists()]
     header = ["# Reliability: faults injected and what survived", "",
-              f"Machine: {platform.node()}, {platform.processor() or platform.machine()}, "
-              f"{torch.get_num_threads()} threads, torch {torch.__version__}, Python {platform.python_version()}. "
-              f"Command: `{PY} benchmarks/reliability.py --only {','.join(chosen)}`.", ""]
-    args.out.write_text("\n".join(header + body) + "\n")
-    print(f"wrote {args.out}")
+              "Each section below was measured by `benchmarks/reliability.py --only PART` (its command and "
+              "machine are under its title); the goal is that nothing is lost.", ""]
+    args.out.write_text("\n".join(header) + "\n" + "\n".join(f.read_text() for f in done))
+    print(f"wrote {args.out} from {len(done)} sections")
+
+
+def machine() -> str:
+    return (f"{platform.node()}, {platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, "
+            f"torch {torch.__version__}, Python {platform.python_version()}")
 
 
 if __name__ == "__main__":

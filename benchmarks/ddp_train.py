@@ -1,0 +1,120 @@
+"""The peer a user would pick instead: PyTorch DDP with its PowerSGD communication hook,
+on the same task as ``python -m accordion_hvd.train`` (benchmarks/e2e.py runs both).
+
+    torchrun --nnodes 2 --nproc_per_node 1 --node_rank K --master_addr node1 --master_port 29533 \\
+        benchmarks/ddp_train.py --model cnn-wide --rank 4 --epochs 10 --logdir runs/ddp
+
+Same data, sharding, model, seed, optimizer and schedule as our CLI (SGD with momentum 0.9,
+lr per rank times the world size, decays at --lr-milestones); Gloo backend. The hook is
+``torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook`` with error feedback and warm
+start, PowerSGD from step 2 (its earliest), ``min_compression_rate`` 2 as ours. Rank 0 writes
+``steps.csv`` and ``eval.csv`` in our CLI's format (``accordion_hvd.metrics``), floats sent
+counted by the hook's own rule (a matrix is compressed when (n + m) r * 2 < n m).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersgd
+from torch.nn.parallel import DistributedDataParallel
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from accordion_hvd import data, models  # noqa: E402
+from accordion_hvd.metrics import MetricsLogger  # noqa: E402
+
+START_ITER, MIN_RATE = 2, 2.0
+
+
+def parse_args():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", choices=("cnn", "cnn-wide"), default="cnn-wide")
+    p.add_argument("--rank", type=int, default=4, help="PowerSGD rank (0: no hook, plain DDP allreduce)")
+    p.add_argument("--epochs", type=int, default=10)
+    p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--lr", type=float, default=0.02, help="per rank, scaled by the world size")
+    p.add_argument("--lr-milestones", default="")
+    p.add_argument("--lr-gamma", type=float, default=0.1)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--logdir", type=Path, default=None)
+    return p.parse_args()
+
+
+def floats_per_step(model, rank: int, compressing: bool) -> int:
+    """What this rank sends per step under the hook's rule (or dense)."""
+    total = 0
+    for p in model.parameters():
+        if not compressing or p.dim() <= 1:
+            total += p.numel()
+            continue
+        n, m = p.shape[0], p.numel() // p.shape[0]
+        r = min(rank, n, m)
+        total += (n + m) * r if (n + m) * r * MIN_RATE < n * m else p.numel()
+    return total
+
+
+def main() -> None:
+    args = parse_args()
+    milestones = [int(m) for m in args.lr_milestones.split(",") if m]
+    dist.init_process_group("gloo")
+    rank, size = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(args.seed)
+    train, test = data.load_digits(seed=args.seed)
+    model = (models.SmallCNN if args.model == "cnn" else models.WideCNN)(channels=1)
+    # One bucket: with Gloo, the hook waits for its P allreduce inside a future callback, and two
+    # buckets in flight deadlock (both callbacks on Gloo's threads). 8.6 MB fits in one.
+    ddp = DistributedDataParallel(model, bucket_cap_mb=64)  # broadcasts rank 0's parameters
+    if args.rank > 0:
+        state = powersgd.PowerSGDState(process_group=None, matrix_approximation_rank=args.rank,
+                                       start_powerSGD_iter=START_ITER, min_compression_rate=MIN_RATE,
+                                       use_error_feedback=True, warm_start=True, random_seed=args.seed)
+        ddp.register_comm_hook(state, powersgd.powerSGD_hook)
+    opt = torch.optim.SGD(ddp.parameters(), lr=args.lr * size, momentum=0.9)
+    names = [n for n, _ in model.named_parameters()]
+    metrics = MetricsLogger(args.logdir, layers=names, overwrite=True) if rank == 0 and args.logdir else None
+    dense = sum(p.numel() for p in model.parameters())
+    sent = step = 0
+    start = time.perf_counter()
+    for epoch in range(args.epochs):
+        lr = args.lr * size * args.lr_gamma ** sum(epoch >= m for m in milestones)
+        for group in opt.param_groups:
+            group["lr"] = lr
+        for x, y in data.shard_batches(train, args.batch_size, rank, size, epoch, args.seed):
+            opt.zero_grad()
+            loss = F.cross_entropy(ddp(x), y)
+            loss.backward()
+            opt.step()
+            sent += floats_per_step(model, args.rank, args.rank > 0 and step >= START_ITER)
+            step += 1
+            if metrics is not None:
+                metrics.log_step(step, epoch=epoch + 1, loss=loss.item(), lr=lr, floats_sent=sent,
+                                 floats_dense=step * dense, levels={}, compress_s=math.nan, comm_s=math.nan,
+                                 wall_s=time.perf_counter() - start)
+        model.eval()
+        with torch.no_grad():
+            accuracy = (model(test.x).argmax(1) == test.y).double().mean().item()
+        model.train()
+        if metrics is not None:
+            metrics.log_eval(step, epoch=epoch + 1, accuracy=accuracy, wall_s=time.perf_counter() - start,
+                             floats_sent=sent)
+        if rank == 0:
+            print(f"epoch {epoch + 1} accuracy {accuracy:.4f} wall {time.perf_counter() - start:.1f} s", flush=True)
+    if rank == 0:
+        print(f"final test accuracy: {accuracy:.4f} ({size} ranks, {args.epochs} epochs, "
+              f"{time.perf_counter() - start:.1f} s)", flush=True)
+    if metrics is not None:
+        metrics.close()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "hvd0")
+    main()
