@@ -6,46 +6,37 @@ from torch import nn
 
 
 class SmallCNN(nn.Module):
-    """A small CNN for 8x8 single-channel images (digits): 2 conv layers, 2 linear layers.
+    """A small CNN for 8x8 images (digits): 2 conv layers (``widths`` channels), 2 linear
+    layers (``hidden`` units between them).
 
     Its 4-D conv weights and 2-D linear weights are what a compressor compresses; the
     biases go through the ordinary dense allreduce.
     """
 
-    def __init__(self, num_classes: int = 10, channels: int = 1) -> None:
+    def __init__(self, num_classes: int = 10, channels: int = 1, *, widths: tuple[int, int] = (16, 32),
+                 hidden: int = 64) -> None:
         super().__init__()
         self.features = nn.Sequential(
-            nn.Conv2d(channels, 16, 3, padding=1), nn.ReLU(),
-            nn.Conv2d(16, 32, 3, padding=1), nn.ReLU(),
+            nn.Conv2d(channels, widths[0], 3, padding=1), nn.ReLU(),
+            nn.Conv2d(widths[0], widths[1], 3, padding=1), nn.ReLU(),
             nn.MaxPool2d(2),
         )
         self.classifier = nn.Sequential(
-            nn.Flatten(), nn.Linear(32 * 4 * 4, 64), nn.ReLU(), nn.Linear(64, num_classes),
+            nn.Flatten(), nn.Linear(widths[1] * 4 * 4, hidden), nn.ReLU(), nn.Linear(hidden, num_classes),
         )
 
     def forward(self, x):
         return self.classifier(self.features(x))
 
 
-class WideCNN(nn.Module):
-    """SmallCNN's shape with a wide classifier, for 8x8 images (digits): 2.2 M parameters,
-    8.6 MB of float32 gradient per step, almost all in one 1024 x 2048 matrix. Cheap to
-    compute, expensive to send: the end-to-end benchmark's model, where the network decides
-    the step time (0.7 s for a dense allreduce over 100 Mbit/s, against ~20 ms of compute)."""
+class WideCNN(SmallCNN):
+    """SmallCNN with a wide classifier: 2.2 M parameters, 8.6 MB of float32 gradient per
+    step, almost all in one 1024 x 2048 matrix. Cheap to compute, expensive to send: the
+    end-to-end benchmark's model, where the network decides the step time (0.7 s for a dense
+    allreduce over 100 Mbit/s, against ~20 ms of compute)."""
 
     def __init__(self, num_classes: int = 10, channels: int = 1) -> None:
-        super().__init__()
-        self.features = nn.Sequential(
-            nn.Conv2d(channels, 32, 3, padding=1), nn.ReLU(),
-            nn.Conv2d(32, 64, 3, padding=1), nn.ReLU(),
-            nn.MaxPool2d(2),
-        )
-        self.classifier = nn.Sequential(
-            nn.Flatten(), nn.Linear(64 * 4 * 4, 2048), nn.ReLU(), nn.Linear(2048, num_classes),
-        )
-
-    def forward(self, x):
-        return self.classifier(self.features(x))
+        super().__init__(num_classes, channels, widths=(32, 64), hidden=2048)
 
 
 class _BasicBlock(nn.Module):
