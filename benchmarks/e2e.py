@@ -197,7 +197,10 @@ def main() -> None:
             rows = []
             with Cluster(nodes, rate=rate, prefix="acce2e-") as cluster, tempfile.TemporaryDirectory() as tmp:
                 for name in methods:
-                    row = run_method(cluster, name, Path(tmp) / name, args.timeout)
+                    try:
+                        row = run_method(cluster, name, Path(tmp) / name, args.timeout)
+                    except Exception as exc:  # a timeout, unreadable output: record it, go on
+                        row = {"method": name, "error": f"{type(exc).__name__}: {exc}"[-1500:]}
                     rows.append({**row, "rate": rate, "nodes": nodes})
                     print(f"{nodes} nodes, {rate}: {name}: " + (f"FAILED {row['error'][-300:]}" if "error" in row else
                           f"{row['step_s']:.3f} s/step, accuracy {row['final_accuracy']:.4f}, "
