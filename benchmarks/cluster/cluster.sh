@@ -294,13 +294,17 @@ cmd_run() {
     # waits. `timeout` makes the job its own process group, forwards TERM/INT to it, and
     # KILLs it KILL_GRACE seconds after a time-out or a forwarded signal. Processes that
     # escaped the group (Horovod starts workers with setsid) die in teardown.
-    (exec_in_node node1 timeout --kill-after="$KILL_GRACE" "$opt_timeout" "${opt_cmd[@]}") &
-    local job=$! status=0
+    # The traps are set before the job starts: a signal that arrives in between must not
+    # kill this shell with its default action (no teardown, no exit status of ours).
     # Always forward TERM: a background job of a non-interactive shell starts with SIGINT
     # ignored, so a forwarded INT would not stop horovodrun.
-    trap 'kill -TERM "$job" 2>/dev/null; status=143' TERM
-    trap 'kill -TERM "$job" 2>/dev/null; status=130' INT
-    trap 'kill -TERM "$job" 2>/dev/null; status=129' HUP
+    local job="" status=0
+    trap '[[ -n "$job" ]] && kill -TERM "$job" 2>/dev/null; status=143' TERM
+    trap '[[ -n "$job" ]] && kill -TERM "$job" 2>/dev/null; status=130' INT
+    trap '[[ -n "$job" ]] && kill -TERM "$job" 2>/dev/null; status=129' HUP
+    (exec_in_node node1 timeout --kill-after="$KILL_GRACE" "$opt_timeout" "${opt_cmd[@]}") &
+    job=$!
+    if ((status)); then kill -TERM "$job" 2>/dev/null; fi  # signalled before the job existed
     while kill -0 "$job" 2>/dev/null; do
         local rc=0
         wait "$job" || rc=$?

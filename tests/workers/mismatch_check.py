@@ -48,7 +48,9 @@ elif mode == "codec":
     codec = acc.PowerSGD(rank=2) if rank == 0 else acc.TopK(ratio=0.1)
 elif mode == "ratio":
     codec = acc.TopK(ratio=0.05 if rank == 0 else 0.1, critical_ratio=0.5)
-elif mode in ("layers", "eta", "policy", "interval"):
+elif mode == "layers":
+    codec = acc.PowerSGD(rank=2)
+elif mode in ("eta", "policy", "interval"):
     codec = acc.PowerSGD(rank=1, critical_rank=2)
 else:
     raise SystemExit(f"MODE must be rank, codec, ratio, eta, policy, interval or layers, got {mode!r}")
