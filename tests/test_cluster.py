@@ -310,8 +310,12 @@ def test_interrupted_run_leaves_nothing(sig, tmp_path):
     # pipe open and reading it to EOF would wait for the job.
     log = tmp_path / "run.log"
     with log.open("w") as log_file:
+        # SIGINT at its default disposition: a test runner started in the background (nohup,
+        # `cmd &`) has it ignored, children inherit that, and bash cannot trap a signal that
+        # was ignored when it started.
         run = subprocess.Popen([str(CLUSTER_SH), "run", "2", "--timeout", "60", "--", "sleep", "45"],
-                               stdout=log_file, stderr=subprocess.STDOUT, env=ENV, start_new_session=True)
+                               stdout=log_file, stderr=subprocess.STDOUT, env=ENV, start_new_session=True,
+                               preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         deadline = time.monotonic() + 20
         while not (Path(f"/run/netns/{PREFIX}node1").exists() and pids_in("node1")):
