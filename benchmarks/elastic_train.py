@@ -79,8 +79,7 @@ def main() -> None:
 
     @hvd.elastic.run
     def train(state):
-        if not state.sizes or state.sizes[-1] != hvd.size():
-            state.sizes = [*state.sizes, hvd.size()]
+        state.sizes = [*state.sizes, hvd.size()]  # one entry per (re)start of the world
         while state.epoch < args.epochs:
             lr = args.lr * hvd.size() * 0.1 ** sum(state.epoch >= m for m in milestones)
             for group in opt.param_groups:

@@ -177,7 +177,9 @@ def test_compressor_state_survives_a_dead_worker_and_a_joining_one(tmp_path):
     output = result.stdout + result.stderr
     assert result.returncode == 0, output
     assert "node2: worker exits in the backward pass of step 30" in output, output
-    final = re.search(r"final test accuracy: ([0-9.]+); world sizes \[2, 1, 2\]; steps \d+; ranks agree: True",
+    # The world restarts at size 1 and then 2 again, or straight at 2 when node3 is already
+    # listed by the time Horovod re-forms it.
+    final = re.search(r"final test accuracy: ([0-9.]+); world sizes \[2, (1, )?2\]; steps \d+; ranks agree: True",
                       output)
     assert final and float(final.group(1)) > 0.85, output
 

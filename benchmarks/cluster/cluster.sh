@@ -231,7 +231,8 @@ cluster_up() {
     check_delay "$delay"
     teardown
     # Any failure or interrupt from here on must not leave a half-built cluster.
-    trap 'teardown; exit 130' INT TERM
+    trap 'teardown; exit 130' INT
+    trap 'teardown; exit 143' TERM
     trap 'rc=$?; if ((rc)); then teardown; fi' EXIT
     create_switch
     if [[ "$delay" != 0 ]]; then require_netem; fi
@@ -242,7 +243,8 @@ cluster_up() {
     mkdir -p "$ACC_STATE_DIR"
     echo "$nodes $rate $delay" > "$ACC_STATE_DIR/config"
     for ((k = 1; k <= nodes; k++)); do echo "node$k:1"; done > "$ACC_STATE_DIR/hosts"
-    trap - INT TERM EXIT
+    # `run` goes straight on to its own traps: no moment without one.
+    if ((${ACC_RUNNING:-0})); then set_run_traps; else trap - INT TERM EXIT; fi
     echo "$PROG: up: node1..node$nodes (${ACC_PREFIX}node*), rate $rate, delay $delay, interface $ACC_IFACE"
 }
 
@@ -285,23 +287,27 @@ exec_in_node() {
     acc_in_node "$node" "$@"
 }
 
+# The traps of `run` once the cluster is up (job and status are cmd_run's globals).
+set_run_traps() {
+    trap 'teardown' EXIT
+    trap '[[ -n "$job" ]] && kill -TERM "$job" 2>/dev/null; status=143' TERM
+    trap '[[ -n "$job" ]] && kill -TERM "$job" 2>/dev/null; status=130' INT
+    trap '[[ -n "$job" ]] && kill -TERM "$job" 2>/dev/null; status=129' HUP
+}
+
 cmd_run() {
     parse_up_args 1 "$@"
     ((${#opt_cmd[@]})) || die "run: missing command after the node count"
+    ACC_RUNNING=1 job="" status=0
     cluster_up "$opt_nodes" "$opt_rate" "$opt_delay"
-    trap 'teardown' EXIT
     # The job runs in the background so that this shell can react to signals while it
     # waits. `timeout` makes the job its own process group, forwards TERM/INT to it, and
     # KILLs it KILL_GRACE seconds after a time-out or a forwarded signal. Processes that
     # escaped the group (Horovod starts workers with setsid) die in teardown.
-    # The traps are set before the job starts: a signal that arrives in between must not
-    # kill this shell with its default action (no teardown, no exit status of ours).
-    # Always forward TERM: a background job of a non-interactive shell starts with SIGINT
-    # ignored, so a forwarded INT would not stop horovodrun.
-    local job="" status=0
-    trap '[[ -n "$job" ]] && kill -TERM "$job" 2>/dev/null; status=143' TERM
-    trap '[[ -n "$job" ]] && kill -TERM "$job" 2>/dev/null; status=130' INT
-    trap '[[ -n "$job" ]] && kill -TERM "$job" 2>/dev/null; status=129' HUP
+    # set_run_traps (installed by cluster_up as it finishes) is in place before the job
+    # starts: a signal in between must not kill this shell untrapped. It always forwards
+    # TERM: a background job of a non-interactive shell starts with SIGINT ignored, so a
+    # forwarded INT would not stop horovodrun.
     (exec_in_node node1 timeout --kill-after="$KILL_GRACE" "$opt_timeout" "${opt_cmd[@]}") &
     job=$!
     if ((status)); then kill -TERM "$job" 2>/dev/null; fi  # signalled before the job existed
