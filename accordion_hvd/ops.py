@@ -11,7 +11,13 @@ import torch
 
 from . import _extension
 
-_extension.load()  # registers torch.ops.accordion.*
+_C = _extension.load()  # registers torch.ops.accordion.*
+
+
+def has_kernel(t: torch.Tensor) -> bool:
+    """Whether ``t``'s device has compiled kernels in this build (CPU always; CUDA when the
+    extension was built with them)."""
+    return t.device.type == "cpu" or (t.device.type == "cuda" and bool(_C.with_cuda))
 
 
 def _check_dense_pair(op: str, grad: torch.Tensor, residual: torch.Tensor) -> None:

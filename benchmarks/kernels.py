@@ -72,7 +72,7 @@ def _topk_case(ratio):
     def k_of(n):
         return max(1, math.ceil(ratio * n))
     return Case(
-        f"topk_ef {ratio:.0%}", _topk_inputs,
+        f"topk_ef {100 * ratio:g}%", _topk_inputs,
         ours=lambda g, r, _: acc.ops.topk_ef(g, r, k_of(g.numel())),
         torch_pipeline=lambda g, r, _: _torch_topk(g, r, k_of(g.numel())),
         # read grad and residual, write residual, write k values and indices
@@ -98,15 +98,17 @@ def _sparse_case(ratio, world=4):
         bytes_moved=lambda n, dt: n * _bytes(dt) + 8 * world * max(1, math.ceil(ratio * n)))
 
 
-CASES = [
-    # Half-precision gradient into a float32 residual, in place: residual += grad.
-    Case("ef_add_ (grad -> fp32 residual)", _ef_add_inputs,
-         ours=lambda g, r: acc.ops.ef_add_(g, r),
-         torch_pipeline=lambda g, r: r.add_(g),
-         bytes_moved=lambda n, dt: n * (_bytes(dt) + 4 + 4)),
-    _topk_case(0.01), _topk_case(0.10),
-    _sparse_case(0.01), _sparse_case(0.10),
-]
+EF_ADD = Case("ef_add_ (grad -> fp32 residual)", _ef_add_inputs,  # in place: residual += grad
+              ours=lambda g, r: acc.ops.ef_add_(g, r),
+              torch_pipeline=lambda g, r: r.add_(g),
+              bytes_moved=lambda n, dt: n * (_bytes(dt) + 4 + 4))
+CASES = {
+    "cpu": [EF_ADD, _topk_case(0.01), _topk_case(0.10), _sparse_case(0.01), _sparse_case(0.10)],
+    # The GPU issue's grid: ratios 0.1% to 25%.
+    "cuda": [EF_ADD] + [_topk_case(r) for r in (0.001, 0.01, 0.10, 0.25)]
+            + [_sparse_case(0.01), _sparse_case(0.10)],
+}
+DEFAULT_SIZES = {"cpu": "1e6,1e7", "cuda": "1e6,1e7,1e8"}
 
 
 def sync(device):
@@ -125,13 +127,35 @@ def time_fn(fn, pool, device, reps, restore=None):
     for i in range(reps):
         args = pool[i % len(pool)]
         sync(device)
-        t0 = time.perf_counter()
-        fn(*args)
-        sync(device)
-        times.append(time.perf_counter() - t0)
+        if device.type == "cuda":  # device time between two events: no host-sync overhead
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn(*args)
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / 1e3)
+        else:
+            t0 = time.perf_counter()
+            fn(*args)
+            times.append(time.perf_counter() - t0)
         if restore:  # untimed, and far from the next use of these buffers
             restore(*pool[(i + len(pool) // 2) % len(pool)])
     return statistics.median(times)
+
+
+def peak_extra_bytes(fn, args, device):
+    """Device memory an op allocates beyond its inputs at its peak (outputs and workspace
+    included); CUDA only (the caching allocator keeps the count)."""
+    if device.type != "cuda":
+        return None
+    sync(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    base = torch.cuda.memory_allocated(device)
+    result = fn(*args)
+    sync(device)
+    peak = torch.cuda.max_memory_allocated(device) - base
+    del result
+    return peak
 
 
 def copy_bandwidth(n_bytes, device, reps):
@@ -156,6 +180,11 @@ RESNET18 = ([(64, 3, 7, 7)] + [(64, 64, 3, 3)] * 4
             + [(1000, 512)])
 
 
+BERT_BASE = ([(30522, 768), (512, 768), (2, 768)]
+             + [(768, 768)] * 4 * 12 + [(3072, 768), (768, 3072)] * 12 + [(768, 768)])
+MODELS = {"ResNet-18": RESNET18, "BERT-base": BERT_BASE}
+
+
 def powersgd_step_ours(codec, states, grads):
     """The codec's real path, with averaging the identity (one rank)."""
     ps = [codec.start(s, g) for s, g in zip(states, grads)]
@@ -163,17 +192,30 @@ def powersgd_step_ours(codec, states, grads):
     return [codec.finish(s, q, g) for s, q, g in zip(states, qs, grads)]
 
 
-def powersgd_step_reference(layers):
+def powersgd_step_reference(layers, orthogonalize=reference.orthogonalize_):
     """Per layer, in plain torch, as one would write it from the paper."""
     out = []
     for grad, e, q in layers:
         m = grad.reshape(e.shape) + e
-        p = reference.orthogonalize_(m @ q)
+        p = orthogonalize(m @ q)
         q_new = m.t() @ p
         m_hat = p @ q_new.t()
         e.copy_(m - m_hat)
         out.append(m_hat.view(grad.shape))
     return out
+
+
+def _hook_orthogonalize(p):
+    """PyTorch's PowerSGD hook orthogonalizes each tensor's P as a batch of one (its default,
+    batch_tensors_with_same_shape=False): Gram-Schmidt in torch ops for rank <= 2, else QR."""
+    from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import _orthogonalize
+    _orthogonalize(p.unsqueeze(0), 1e-8)
+    return p
+
+
+def powersgd_step_hook(layers):
+    """The compression math of DDP's powerSGD_hook on the same tensors, allreduce left out."""
+    return powersgd_step_reference(layers, _hook_orthogonalize)
 
 
 def bench_powersgd(shapes, rank, reps, device):
@@ -187,7 +229,8 @@ def bench_powersgd(shapes, rank, reps, device):
         pool_ours.append((codec, states, grads))
         pool_ref.append(([(g.clone(), s.residual.clone(), s.q.clone()) for g, s in zip(grads, states)],))
     ours = time_fn(powersgd_step_ours, pool_ours, device, reps)
-    ref = time_fn(powersgd_step_reference, pool_ref, device, reps)
+    # On the GPU the peer is PyTorch's own hook; on the CPU the plain per-layer reference.
+    ref = time_fn(powersgd_step_hook if device.type == "cuda" else powersgd_step_reference, pool_ref, device, reps)
     params = sum(math.prod(s) for s in shapes)
     state_floats = sum(s.residual.numel() + s.q.numel() for s in pool_ours[0][1])
     return params, len(shapes), ours, ref, state_floats
@@ -205,10 +248,44 @@ def machine_name(device):
     return f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads"
 
 
+POWERSGD_FLOOR_BYTES_PER_PARAM = 28
+
+PSGD_NOTES = {
+    "cpu": ["", "*torch* is the same math layer by layer in plain torch. It allocates three "
+            "gradient-sized temporaries per layer, and its time depends on whether glibc serves them "
+            "from the heap or maps fresh pages (page faults) for each: about 18 ms (rank 1) in some "
+            "processes, 30 to 35 ms in others, run to run. `MALLOC_MMAP_THRESHOLD_=1000000000` pins it "
+            "to the fast case. Ours allocates nothing gradient-sized and takes the same time either "
+            "way. Read the fast-case ratio as the bar."],
+    "cuda": ["", "*torch* is the compression math of PyTorch's own `powerSGD_hook` on the same tensors "
+             "(its `_orthogonalize`: Gram-Schmidt in torch ops for rank <= 2, batched QR above; "
+             "epsilon 1e-8; one tensor per batch, its default), allreduce left out."],
+}
+
+MEMORY_NOTES = [
+    "", "## Extra memory per compressed layer", "",
+    "- Both codecs: the error-feedback buffer, one float32 tensor of the layer's size (the "
+    "only gradient-sized state).",
+    "- PowerSGD: Q (m x r floats) kept between steps, P (n x r) during a step; M = grad + e is "
+    "formed in the error-feedback buffer and M_hat written into the spent gradient, so a "
+    "float32 step allocates nothing gradient-sized (a 16-bit gradient needs one float32 "
+    "M_hat during `finish`).",
+    "- TopK on the CPU: per step, the k values and int32 indices sent (8k bytes) and, inside the "
+    "kernel, the candidates of one histogram bucket as (key, index) pairs: at most "
+    "8 (2k + 65,536) bytes, else the kernel scans instead of copying.",
+    "- TopK on CUDA: the 8k output bytes and a workspace of n/2 + 4,096 bytes of candidate keys, "
+    "about 40 KiB of histograms and partial sums, and CUB's scratch for the ordered compaction "
+    "(a few bytes per 1,000 entries); the table's *peak extra* column measures it.",
+    "- Decoding writes one dense float32 vector (plus its copy in the gradient's dtype when "
+    "that is 16-bit).",
+]
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    p.add_argument("--sizes", default="1e6,1e7", help="comma-separated element counts")
+    p.add_argument("--sizes", help="comma-separated element counts (default: 1e6,1e7 on cpu, "
+                   "1e6,1e7,1e8 on cuda)")
     p.add_argument("--dtypes", default="float16,float32")
     p.add_argument("--ops", default="", help="only cases whose name contains one of these (comma-separated)")
     p.add_argument("--reps", type=int, default=30)
@@ -217,10 +294,11 @@ def main(argv=None):
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         p.error("--device cuda: no CUDA GPU on this machine")
+    args.sizes = args.sizes or DEFAULT_SIZES[device.type]
     sizes = [int(float(s)) for s in args.sizes.split(",")]
     dtypes = [getattr(torch, d) for d in args.dtypes.split(",")]
     wanted = [w for w in args.ops.split(",") if w]
-    cases = [c for c in CASES if not wanted or any(w in c.name for w in wanted)]
+    cases = [c for c in CASES[device.type] if not wanted or any(w in c.name for w in wanted)]
 
     rows = []
     for case in cases:
@@ -230,24 +308,32 @@ def main(argv=None):
                 pool = [case.make(n, dtype, device) for _ in range(max(4, POOL_BYTES // one))]
                 ours = time_fn(case.ours, pool, device, args.reps, case.restore)
                 ref = time_fn(case.torch_pipeline, pool, device, args.reps, case.restore)
+                extra = peak_extra_bytes(case.ours, pool[0], device)
                 del pool
                 bandwidth = copy_bandwidth(n * 4, device, args.reps)
                 copy = 2 * n * 4 / bandwidth
                 floor = case.bytes_moved(n, dtype) / bandwidth
-                rows.append((case.name, n, str(dtype).removeprefix("torch."), ours, ref, copy, floor, bandwidth))
+                rows.append((case.name, n, str(dtype).removeprefix("torch."), ours, ref, copy, floor, bandwidth,
+                             extra))
                 print(f"{case.name:34s} n={n:>10,d} {rows[-1][2]:9s} ours {ours*1e3:8.3f} ms  "
                       f"torch {ref*1e3:8.3f} ms ({ref/ours:5.2f}x)  ours/copy {ours/copy:5.2f}  "
                       f"ours/floor {ours/floor:4.2f}", flush=True)
 
     psgd_rows = []
     if not wanted or any("powersgd" in w for w in wanted):
-        for rank in (1, 4):
-            params, layers, ours, ref, state = bench_powersgd(RESNET18, rank, args.reps, device)
-            psgd_rows.append((rank, params, layers, ours, ref, state))
-            print(f"powersgd ResNet-18 rank {rank}: ours {ours*1e3:.2f} ms, per-layer torch {ref*1e3:.2f} ms "
-                  f"({ref/ours:.2f}x)", flush=True)
+        models = MODELS if device.type == "cuda" else {"ResNet-18": RESNET18}
+        ranks = (1, 2, 4, 8) if device.type == "cuda" else (1, 4)
+        bandwidth = copy_bandwidth(64 << 20, device, args.reps)
+        for model, shapes in models.items():
+            for rank in ranks:
+                params, layers, ours, ref, state = bench_powersgd(shapes, rank, args.reps, device)
+                floor = POWERSGD_FLOOR_BYTES_PER_PARAM * params / bandwidth
+                psgd_rows.append((model, rank, params, layers, ours, ref, state, floor))
+                print(f"powersgd {model} rank {rank}: ours {ours*1e3:.3f} ms, torch {ref*1e3:.3f} ms "
+                      f"({ref/ours:.2f}x), ours/floor {ours/floor:.2f}", flush=True)
 
     name = machine_name(device)
+    cuda = device.type == "cuda"
     lines = [
         f"# Kernel benchmarks ({device.type})", "",
         f"Machine: {name}; torch {torch.__version__}. Command: "
@@ -255,50 +341,36 @@ def main(argv=None):
         f"--dtypes {args.dtypes} --reps {args.reps}`. Median of {args.reps} calls, inputs rotating "
         f"through at least {POOL_BYTES >> 20} MiB. *copy* = a plain copy of an n-entry float32 "
         f"tensor, measured in the same run; *floor* = bytes the op must move / that copy's "
-        f"bandwidth. On CPUs a copy also reads its destination before writing it "
-        f"(write-allocate), which an in-place op does not pay twice: ours/floor can dip below 1.", "",
+        f"bandwidth." + (" Device times between CUDA events; *peak extra* = the most device memory "
+                         "the op held beyond its inputs (outputs and workspace included)." if cuda else
+                         " On CPUs a copy also reads its destination before writing it (write-allocate), "
+                         "which an in-place op does not pay twice: ours/floor can dip below 1."), "",
         "| op | n | grad dtype | ours (ms) | torch (ms) | torch / ours | copy (ms) | ours / copy | "
-        "floor (ms) | ours / floor | copy GB/s |",
-        "| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "floor (ms) | ours / floor | copy GB/s |" + (" peak extra (MiB) |" if cuda else ""),
+        "| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |" + (" ---: |" if cuda else ""),
     ]
-    for op, n, dt, ours, ref, copy, floor, bw in rows:
+    for op, n, dt, ours, ref, copy, floor, bw, extra in rows:
         lines.append(f"| {op} | {n:.0e} | {dt} | {ours*1e3:.3f} | {ref*1e3:.3f} | {ref/ours:.2f}x | "
-                     f"{copy*1e3:.3f} | {ours/copy:.2f} | {floor*1e3:.3f} | {ours/floor:.2f} | {bw/1e9:.1f} |")
+                     f"{copy*1e3:.3f} | {ours/copy:.2f} | {floor*1e3:.3f} | {ours/floor:.2f} | {bw/1e9:.1f} |"
+                     + (f" {extra / 2**20:.1f} |" if cuda else ""))
     if psgd_rows:
-        lines += [
-            "", "## PowerSGD compression compute, all layers of ResNet-18", "",
-            "One step with averaging left out (one rank): error-feedback add, P = MQ, "
-            "orthogonalization, Q = M^T P, M_hat = PQ^T, e = M - M_hat. *ours* is the codec's own "
-            "path (`start`, `middle` with one batched Gram-Schmidt call for all layers, `finish` "
-            "writing M_hat into the spent gradient); *per-layer torch* is the same math layer by "
-            "layer in plain torch. Products go through BLAS in both.", "",
-            "The per-layer reference allocates three gradient-sized temporaries per layer, and its "
-            "time depends on whether glibc serves them from the heap or maps fresh pages (page "
-            "faults) for each: about 18 ms (rank 1) in some processes, 30 to 35 ms in others, "
-            "run to run. `MALLOC_MMAP_THRESHOLD_=1000000000` pins it to the fast case. Ours "
-            "allocates nothing gradient-sized and takes the same time either way; it is at its "
-            "memory-traffic floor (about 4.5 passes over the parameters: the add, the two "
-            "products reading M, M_hat written once, e updated once). Read the fast-case ratio as "
-            "the bar.", "",
-            "| rank | layers | parameters | ours (ms) | per-layer torch (ms) | torch / ours | state kept (floats) |",
-            "| ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
-        ]
-        for rank, params, layers, ours, ref, state in psgd_rows:
-            lines.append(f"| {rank} | {layers} | {params:,} | {ours*1e3:.2f} | {ref*1e3:.2f} | {ref/ours:.2f}x | "
+        lines += ["", "## PowerSGD compression compute, all layers of a model", "",
+                  "One step with averaging left out (one rank): error-feedback add, P = MQ, "
+                  "orthogonalization, Q = M^T P, M_hat = PQ^T, e = M - M_hat. *ours* is the codec's own "
+                  "path (`start`, `middle` with one batched Gram-Schmidt call for all layers, `finish` "
+                  "writing M_hat into the spent gradient). Products go through BLAS (cuBLAS on GPUs) in "
+                  "both. *floor* = 28 bytes per parameter / copy bandwidth: grad read, e read and written "
+                  "by the add (were it fused into the first product), e read by the second product, e "
+                  "read and written and M_hat written by the last step."]
+        lines += PSGD_NOTES[device.type]
+        lines += ["", "| model | rank | layers | parameters | ours (ms) | torch (ms) | torch / ours | floor (ms) | "
+                  "ours / floor | state kept (floats) |",
+                  "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+        for model, rank, params, layers, ours, ref, state, floor in psgd_rows:
+            lines.append(f"| {model} | {rank} | {layers} | {params:,} | {ours*1e3:.3f} | {ref*1e3:.3f} | "
+                         f"{ref/ours:.2f}x | {floor*1e3:.3f} | {ours/floor:.2f} | "
                          f"{state:,} (= parameters + {state - params:,}) |")
-    lines += [
-        "", "## Extra memory per compressed layer", "",
-        "- Both codecs: the error-feedback buffer, one float32 tensor of the layer's size (the "
-        "only gradient-sized state).",
-        "- PowerSGD: Q (m x r floats) kept between steps, P (n x r) during a step; M = grad + e is "
-        "formed in the error-feedback buffer and M_hat written into the spent gradient, so a "
-        "float32 step allocates nothing gradient-sized (a 16-bit gradient needs one float32 "
-        "M_hat during `finish`).",
-        "- TopK: per step, the k values and int32 indices sent (8k bytes) and, inside the "
-        "kernel, the candidates of one histogram bucket as (key, index) pairs: at most "
-        "8 (2k + 65,536) bytes, else the kernel scans instead of copying. Decoding writes "
-        "one dense float32 vector (plus its copy in the gradient's dtype when that is 16-bit).",
-    ]
+    lines += MEMORY_NOTES
     out = args.out or RESULTS / (f"kernels-{device.type}.md" if device.type == "cpu" else
                                  f"kernels-cuda-{name.replace(' ', '_')}.md")
     out.parent.mkdir(parents=True, exist_ok=True)

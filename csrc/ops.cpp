@@ -42,18 +42,28 @@ void ef_add_(const at::Tensor& grad, const at::Tensor& residual) {
   ef_add_out(grad, residual, out);
 }
 
-// The ops below have CPU kernels only so far; a CUDA tensor gets this message rather than
-// the dispatcher's "could not run ... with arguments from the 'CUDA' backend".
-void check_cpu(const at::Tensor& t, const char* op, const char* name) {
+// CPU, or CUDA in a build with the CUDA kernels; anything else gets this message rather than
+// the dispatcher's "could not run ... with arguments from the 'X' backend".
+void check_device(const at::Tensor& t, const char* op, const char* name) {
+#ifdef ACCORDION_WITH_CUDA
+  TORCH_CHECK(t.device().is_cpu() || t.device().is_cuda(), op, ": ", name, " is on ", t.device(),
+              "; this op has CPU and CUDA kernels");
+#else
   TORCH_CHECK(t.device().is_cpu(), op, ": ", name, " is on ", t.device(),
-              "; this op has only a CPU kernel in this version");
+              "; this build has only CPU kernels (rebuild with ACCORDION_CUDA=ON for CUDA)");
+#endif
+}
+
+void check_same_device(const at::Tensor& a, const at::Tensor& b, const char* op, const char* names) {
+  TORCH_CHECK(a.device() == b.device(), op, ": ", names, " must be on the same device, got ", a.device(), " and ",
+              b.device());
 }
 
 void check_contiguous_float(const at::Tensor& t, const char* op, const char* name) {
   TORCH_CHECK(t.layout() == at::kStrided, op, ": ", name, " must be a dense (strided) tensor, got ", t.layout());
   TORCH_CHECK(t.scalar_type() == at::kFloat, op, ": ", name, " must be float32, got ", t.scalar_type());
   TORCH_CHECK(t.is_contiguous(), op, ": ", name, " must be contiguous, got strides ", t.strides());
-  check_cpu(t, op, name);
+  check_device(t, op, name);
 }
 
 // Fused TopK with error feedback; residual <- (grad + residual) with the kept entries zeroed.
@@ -67,9 +77,16 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> topk_ef(const at::Ten
   TORCH_CHECK(k >= 0 && k <= n, op, ": k must be in [0, numel = ", n, "], got ", k);
   at::Tensor values = at::empty({k}, residual.options());
   at::Tensor indices = at::empty({k}, residual.options().dtype(at::kInt));
+  const auto scalar = residual.options().dtype(at::kDouble);
+#ifdef ACCORDION_WITH_CUDA
+  if (residual.is_cuda()) {  // the norms stay on the device: no synchronization
+    at::Tensor g_sq = at::empty({}, scalar), kept_sq = at::empty({}, scalar);
+    topk_ef_cuda(grad.contiguous(), residual, k, values, indices, g_sq, kept_sq);
+    return {values, indices, g_sq, kept_sq};
+  }
+#endif
   double g_sq = 0, kept_sq = 0;
   topk_ef_cpu(grad.contiguous(), residual, k, values, indices, g_sq, kept_sq);
-  const auto scalar = residual.options().dtype(at::kDouble);
   return {values, indices, at::scalar_tensor(g_sq, scalar), at::scalar_tensor(kept_sq, scalar)};
 }
 
@@ -80,13 +97,17 @@ at::Tensor sparse_average(const at::Tensor& values, const at::Tensor& indices, i
   check_contiguous_float(values, op, "values");
   TORCH_CHECK(indices.layout() == at::kStrided && indices.scalar_type() == at::kInt && indices.is_contiguous(),
               op, ": indices must be a contiguous int32 tensor, got ", indices.scalar_type());
-  check_cpu(indices, op, "indices");
+  check_device(indices, op, "indices");
+  check_same_device(values, indices, op, "values and indices");
   TORCH_CHECK(values.dim() == 1 && indices.dim() == 1 && values.numel() == indices.numel(), op,
               ": values and indices must be 1-d of the same length, got ", values.sizes(), " and ", indices.sizes());
   TORCH_CHECK(numel >= 0 && numel <= std::numeric_limits<int32_t>::max(), op,
               ": numel must be in [0, 2^31 - 1], got ", numel);
   TORCH_CHECK(world_size >= 1, op, ": world_size must be >= 1, got ", world_size);
   TORCH_CHECK(at::isFloatingType(dtype), op, ": dtype must be a floating-point type, got ", dtype);
+#ifdef ACCORDION_WITH_CUDA
+  if (values.is_cuda()) return sparse_average_cuda(values, indices, numel, world_size, dtype);
+#endif
   return sparse_average_cpu(values, indices, numel, world_size, dtype);
 }
 
@@ -103,9 +124,14 @@ void orthogonalize_(at::TensorList ps, double eps) {
     TORCH_CHECK(p.scalar_type() == at::kFloat || p.scalar_type() == at::kDouble, op, ": ps[", i,
                 "] must be float32 or float64, got ", p.scalar_type());
     TORCH_CHECK(p.is_contiguous(), op, ": ps[", i, "] must be contiguous, got strides ", p.strides());
-    check_cpu(p, op, "ps");
+    check_device(p, op, "ps");
+    TORCH_CHECK(p.device() == ps[0].device(), op, ": every matrix must be on one device, got ps[0] on ",
+                ps[0].device(), " and ps[", i, "] on ", p.device());
     if (p.numel() > 0) mats.push_back(p);
   }
+#ifdef ACCORDION_WITH_CUDA
+  if (!mats.empty() && mats[0].is_cuda()) return orthogonalize_cuda(mats, eps);
+#endif
   orthogonalize_cpu(mats, eps);
 }
 
@@ -118,6 +144,10 @@ at::Tensor error_update_(const at::Tensor& residual, const at::Tensor& approx, a
               residual.sizes(), " and ", approx.sizes());
   TORCH_CHECK(dtype == at::kFloat || dtype == at::kHalf || dtype == at::kBFloat16, op,
               ": dtype must be float32, float16 or bfloat16, got ", dtype);
+  check_same_device(residual, approx, op, "residual and approx");
+#ifdef ACCORDION_WITH_CUDA
+  if (residual.is_cuda()) return error_update_cuda(residual, approx, dtype);
+#endif
   return error_update_cpu(residual, approx, dtype);
 }
 
@@ -147,6 +177,10 @@ TORCH_LIBRARY_IMPL(accordion, CPU, m) {
 TORCH_LIBRARY_IMPL(accordion, CUDA, m) {
   m.impl("ef_add", &ef_add);
   m.impl("ef_add_", &ef_add_);
+  m.impl("topk_ef", &topk_ef);
+  m.impl("sparse_average", &sparse_average);
+  m.impl("orthogonalize_", &orthogonalize_);
+  m.impl("error_update_", &error_update_);
 }
 #endif
 

@@ -46,7 +46,14 @@ void orthogonalize_cpu(const std::vector<at::Tensor>& ps, double eps);
 at::Tensor error_update_cpu(const at::Tensor& residual, const at::Tensor& approx, at::ScalarType out_dtype);
 
 #ifdef ACCORDION_WITH_CUDA
+// The same five ops on CUDA (cuda/*_glue.cpp); g_sq and kept_sq are 0-d float64 device tensors.
 void ef_add_out_cuda(const at::Tensor& grad, const at::Tensor& residual, at::Tensor& out);
+void topk_ef_cuda(const at::Tensor& grad, const at::Tensor& residual, int64_t k, at::Tensor& values,
+                  at::Tensor& indices, at::Tensor& g_sq, at::Tensor& kept_sq);
+at::Tensor sparse_average_cuda(const at::Tensor& values, const at::Tensor& indices, int64_t numel,
+                               int64_t world_size, at::ScalarType out_dtype);
+void orthogonalize_cuda(const std::vector<at::Tensor>& ps, double eps);
+at::Tensor error_update_cuda(const at::Tensor& residual, const at::Tensor& approx, at::ScalarType out_dtype);
 #endif
 
 }  // namespace accordion

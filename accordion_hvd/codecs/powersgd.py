@@ -156,10 +156,10 @@ class PowerSGD:
         Q^T = P^T M (rank x m), to be averaged. (Q^T rather than Q: BLAS reads M in its own
         row-major order then, about 3x faster on CPUs than M^T P.)"""
         ps = [p.contiguous() for p in p_avgs]
-        on_kernel = [p.device.type == "cpu" and p.dtype in (torch.float32, torch.float64) for p in ps]
+        on_kernel = [p.dtype in (torch.float32, torch.float64) and ops.has_kernel(p) for p in ps]
         ops.orthogonalize_([p for p, k in zip(ps, on_kernel) if k], self.eps)
         for p, k in zip(ps, on_kernel):
-            if not k:  # e.g. CUDA tensors until the CUDA kernels land
+            if not k:  # e.g. CUDA tensors in a build without CUDA kernels
                 reference.orthogonalize_(p, self.eps)
         qs = []
         for state, p in zip(states, ps):
@@ -186,7 +186,7 @@ class PowerSGD:
             e.addmm_(p, qt_avg, alpha=-1)
             return grad
         m_hat = p @ qt_avg
-        if e.dtype == torch.float32 and e.device.type == "cpu":
+        if e.dtype == torch.float32 and ops.has_kernel(e):
             # 16-bit gradient: e -= M_hat and M_hat -> grad dtype in one pass.
             return ops.error_update_(e, m_hat, grad.dtype).view(state.shape)
         e.sub_(m_hat)

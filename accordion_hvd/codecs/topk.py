@@ -156,8 +156,9 @@ class TopK:
     def encode(self, state: TopKState, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns (values, int32 indices) to exchange; updates the error feedback.
 
-        The fused kernel (``accordion::topk_ef``) serves float32 residuals on the CPU; other
-        cases (float64 gradients, CUDA until its kernels land) use the plain-torch reference.
+        The fused kernel (``accordion::topk_ef``) serves float32 residuals on the CPU and, in a
+        build with CUDA kernels, on the GPU; other cases (float64 gradients) use the
+        plain-torch reference.
         """
         flat = grad.reshape(-1)
         if _kernel_ok(state.residual):
@@ -178,4 +179,4 @@ class TopK:
 
 
 def _kernel_ok(t: torch.Tensor) -> bool:
-    return t.device.type == "cpu" and t.dtype == torch.float32
+    return t.dtype == torch.float32 and ops.has_kernel(t)

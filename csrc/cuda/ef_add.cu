@@ -1,25 +1,12 @@
 // CUDA kernel of accordion::ef_add (see kernels.h). A grid-stride elementwise stream; the
 // arithmetic is done in float (double for float64), as torch's add does, so CPU, CUDA and
 // the plain-torch reference agree bit for bit.
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
-
-#include "kernels.h"
+#include "cuda/convert.cuh"
+#include "cuda/kernels.h"
 
 namespace accordion {
 namespace cuda {
 namespace {
-
-template <typename T> struct Math { using type = float; };
-template <> struct Math<double> { using type = double; };
-
-template <typename T> __device__ __forceinline__ typename Math<T>::type up(T x) { return static_cast<typename Math<T>::type>(x); }
-template <> __device__ __forceinline__ float up(__half x) { return __half2float(x); }
-template <> __device__ __forceinline__ float up(__nv_bfloat16 x) { return __bfloat162float(x); }
-
-template <typename T> __device__ __forceinline__ T down(typename Math<T>::type x) { return static_cast<T>(x); }
-template <> __device__ __forceinline__ __half down<__half>(float x) { return __float2half_rn(x); }
-template <> __device__ __forceinline__ __nv_bfloat16 down<__nv_bfloat16>(float x) { return __float2bfloat16_rn(x); }
 
 template <typename G, typename R>
 __global__ void ef_add_kernel(const G* __restrict__ grad, const R* residual, R* out, int64_t n) {
@@ -33,10 +20,7 @@ __global__ void ef_add_kernel(const G* __restrict__ grad, const R* residual, R* 
 template <typename G, typename R>
 cudaError_t launch(const void* grad, const void* residual, void* out, int64_t n, cudaStream_t stream) {
   constexpr int kThreads = 256;
-  // Enough blocks to fill any current GPU several times over; the loop covers the rest.
-  const int64_t blocks = (n + kThreads - 1) / kThreads;
-  const unsigned grid = static_cast<unsigned>(blocks < 65536 ? blocks : 65536);
-  ef_add_kernel<G, R><<<grid, kThreads, 0, stream>>>(
+  ef_add_kernel<G, R><<<grid_for(n, kThreads), kThreads, 0, stream>>>(
       static_cast<const G*>(grad), static_cast<const R*>(residual), static_cast<R*>(out), n);
   return cudaGetLastError();
 }

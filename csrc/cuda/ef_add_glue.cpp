@@ -1,25 +1,9 @@
 // Torch glue for the CUDA ef_add kernel: current stream, device guard, dtype mapping.
 // Built only when torch has CUDA (see CMakeLists.txt); the kernel itself is in ef_add.cu.
-#include <ATen/cuda/CUDAContext.h>
-#include <c10/cuda/CUDAGuard.h>
-
-#include "cuda/kernels.h"
+#include "cuda/glue.h"
 #include "ops.h"
 
 namespace accordion {
-namespace {
-
-cuda::DType to_kernel_dtype(at::ScalarType t) {
-  switch (t) {
-    case at::kFloat: return cuda::DType::kFloat32;
-    case at::kDouble: return cuda::DType::kFloat64;
-    case at::kHalf: return cuda::DType::kFloat16;
-    case at::kBFloat16: return cuda::DType::kBFloat16;
-    default: TORCH_CHECK(false, "accordion: unsupported dtype on CUDA: ", t);
-  }
-}
-
-}  // namespace
 
 void ef_add_out_cuda(const at::Tensor& grad, const at::Tensor& residual, at::Tensor& out) {
   const c10::cuda::CUDAGuard guard(residual.device());

@@ -6,6 +6,7 @@
 // current stream and maps dtypes lives in *_glue.cpp, built only when torch has CUDA.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 
 #include <cuda_runtime_api.h>
@@ -20,6 +21,49 @@ enum class DType : int { kFloat32, kFloat16, kBFloat16, kFloat64 };
 // 16-bit type with a float32 residual. out may alias residual. Asynchronous on `stream`.
 cudaError_t ef_add(const void* grad, DType grad_dtype, const void* residual, void* out,
                    DType residual_dtype, int64_t n, cudaStream_t stream);
+
+// --- TopK with error feedback (topk_ef.cu) ---------------------------------------------------
+// The same function as the CPU kernel (csrc/cpu/topk_ef.cpp): g = grad + residual is written
+// into `residual`; the k entries of largest |g| (ties: the lower index) are written to
+// `values`/`indices` in ascending index order and zeroed in `residual`; g_sq and kept_sq
+// (one double each, device memory) get the squared norms of g and of the kept part.
+// residual is float32; grad is float32, float16 or bfloat16. 0 <= k <= n <= 2^31 - 1.
+// Everything runs on `stream` with no host synchronization; `workspace` must hold
+// topk_ef_workspace_bytes(n, k) bytes (any contents) and stay alive until the work is done.
+size_t topk_ef_workspace_bytes(int64_t n, int64_t k);
+cudaError_t topk_ef(const void* grad, DType grad_dtype, float* residual, int64_t n, int64_t k,
+                    float* values, int32_t* indices, double* g_sq, double* kept_sq,
+                    void* workspace, size_t workspace_bytes, cudaStream_t stream);
+
+// --- TopK's decode (sparse_average.cu) ----------------------------------------------------
+// sum[indices[j]] += values[j] for the `count` gathered entries, taken as `segments` equal
+// segments (one per rank) added one after the other, so that an index sent by several ranks
+// is summed in rank order: the same bits on every rank, run after run. sum (numel float32)
+// must be zeroed by the caller. An index outside [0, numel) is skipped, and the smallest
+// such position j is written to *bad_position (which the caller sets to INT64_MAX first).
+cudaError_t sparse_scatter_add(const float* values, const int32_t* indices, int64_t count,
+                               int64_t segments, float* sum, int64_t numel,
+                               unsigned long long* bad_position, cudaStream_t stream);
+// out[i] = sum[i] / world_size in out_dtype (float32, float16 or bfloat16); out may alias sum.
+cudaError_t divide_convert(const float* sum, int64_t numel, int64_t world_size, void* out,
+                           DType out_dtype, cudaStream_t stream);
+
+// --- PowerSGD (powersgd.cu) ------------------------------------------------------------------
+struct MatrixRef {
+  void* data;     // contiguous, row-major
+  int64_t rows;   // n
+  int64_t cols;   // r
+};
+// Gram-Schmidt on the columns of every matrix, in place, all matrices in one launch (per
+// batch of kMaxMatricesPerLaunch): column i is divided by (its norm + eps), then removed
+// from the columns after it. Dot products and norms accumulate in double. dtype is float32
+// or float64 for all matrices.
+constexpr int kMaxMatricesPerLaunch = 200;
+cudaError_t orthogonalize(const MatrixRef* matrices, int count, DType dtype, double eps,
+                          cudaStream_t stream);
+// residual[i] -= approx[i] (float32) and out[i] = approx[i] in out_dtype, in one pass.
+cudaError_t error_update(float* residual, const float* approx, int64_t n, void* out,
+                         DType out_dtype, cudaStream_t stream);
 
 }  // namespace cuda
 }  // namespace accordion

@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# What a GPU machine checks, in one go (see README "CUDA kernels"): build with the CUDA kernels,
+# run the CUDA tests and the kernel unit tests, compute-sanitizer memcheck and racecheck, and
+# (with --bench) the kernel benchmark. Logs go to ${OUT:-build/gpu-check}. Uses the python3
+# that holds a CUDA torch; Horovod is not needed.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+out=${OUT:-build/gpu-check}
+mkdir -p "$out"
+py=${PYTHON:-python3}
+status=0
+step() { echo "== $1 ($(date +%T))"; }
+
+step "build"
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$out/gpu.txt"
+ACCORDION_CUDA=ON ACCORDION_CUDA_ARCHITECTURES=90 $py setup.py -q build_ext --inplace >"$out/build.log" 2>&1 \
+    || { tail -40 "$out/build.log"; exit 1; }
+$py -c "import accordion_hvd as a; print('with_cuda', a.with_cuda)"
+
+step "tests"
+PYTHONUNBUFFERED=1 timeout 300 $py -m pytest -q -p no:cacheprovider -x tests/test_cuda_kernels.py \
+    tests/test_ef_add.py tests/test_topk_ef.py tests/test_powersgd_ops.py 2>&1 | tee "$out/tests.log" | tail -25
+[ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+
+if [ "${SANITIZE:-1}" = 1 ]; then
+  for tool in memcheck racecheck; do
+    step "compute-sanitizer $tool"
+    timeout 240 compute-sanitizer --tool "$tool" --error-exitcode 3 $py scripts/cuda_sanitize.py \
+        >"$out/sanitize-$tool.log" 2>&1
+    rc=$?; tail -4 "$out/sanitize-$tool.log"; echo "$tool exit $rc"; [ $rc -eq 0 ] || status=1
+  done
+fi
+
+if [ "${1:-}" = "--bench" ]; then
+  step "benchmark"
+  PYTHONUNBUFFERED=1 timeout "${BENCH_TIMEOUT:-420}" $py benchmarks/kernels.py --device cuda \
+      --dtypes "${BENCH_DTYPES:-float32,float16}" --reps "${BENCH_REPS:-30}" ${BENCH_ARGS:-} 2>&1 | tee "$out/bench.log"
+  cp benchmarks/results/kernels-cuda-*.md "$out/" 2>/dev/null
+fi
+step "done, status $status"
+exit $status
