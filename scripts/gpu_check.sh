@@ -23,20 +23,20 @@ PYTHONUNBUFFERED=1 timeout 300 $py -m pytest -q -p no:cacheprovider tests/test_c
     tests/test_ef_add.py tests/test_topk_ef.py tests/test_powersgd_ops.py 2>&1 | tee "$out/tests.log" | tail -25
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 
-if [ "${SANITIZE:-1}" = 1 ]; then
-  for tool in memcheck racecheck; do
-    step "compute-sanitizer $tool"
-    timeout 240 compute-sanitizer --tool "$tool" --error-exitcode 3 $py scripts/cuda_sanitize.py \
-        >"$out/sanitize-$tool.log" 2>&1
-    rc=$?; tail -4 "$out/sanitize-$tool.log"; echo "$tool exit $rc"; [ $rc -eq 0 ] || status=1
-  done
-fi
-
 if [ "${1:-}" = "--bench" ]; then
   step "benchmark"
   PYTHONUNBUFFERED=1 timeout "${BENCH_TIMEOUT:-420}" $py benchmarks/kernels.py --device cuda \
       --dtypes "${BENCH_DTYPES:-float32,float16}" --reps "${BENCH_REPS:-30}" ${BENCH_ARGS:-} 2>&1 | tee "$out/bench.log"
   cp benchmarks/results/kernels-cuda-*.md "$out/" 2>/dev/null
 fi
+if [ "${SANITIZE:-1}" = 1 ]; then
+  for tool in memcheck racecheck; do
+    step "compute-sanitizer $tool"
+    timeout "${SAN_TIMEOUT:-240}" compute-sanitizer --tool "$tool" --error-exitcode 3 $py scripts/cuda_sanitize.py \
+        >"$out/sanitize-$tool.log" 2>&1
+    rc=$?; tail -4 "$out/sanitize-$tool.log"; echo "$tool exit $rc"; [ $rc -eq 0 ] || status=1
+  done
+fi
+
 step "done, status $status"
 exit $status
