@@ -29,6 +29,12 @@ if [ "${1:-}" = "--bench" ]; then
       --dtypes "${BENCH_DTYPES:-float32,float16}" --reps "${BENCH_REPS:-30}" ${BENCH_ARGS:-} 2>&1 | tee "$out/bench.log"
   cp benchmarks/results/kernels-cuda-*.md "$out/" 2>/dev/null
 fi
+if [ -n "${PROFILE:-}" ]; then  # e.g. PROFILE="--ratio 0.1": Nsight Compute's per-kernel times
+  step "ncu"
+  timeout 180 ncu --print-summary per-kernel --metrics gpu__time_duration.sum $py benchmarks/profile_topk.py \
+      $PROFILE >"$out/ncu.log" 2>&1
+  grep -E "^  [a-zA-Z_].*\(|gpu__time_duration" "$out/ncu.log" | paste - - | awk '{$1=$1};1' | cut -c1-160
+fi
 if [ "${SANITIZE:-1}" = 1 ]; then
   for tool in memcheck racecheck; do
     step "compute-sanitizer $tool"

@@ -29,7 +29,7 @@ at::Tensor sparse_average_cuda(const at::Tensor& values, const at::Tensor& indic
   const c10::cuda::CUDAGuard guard(values.device());
   const auto stream = at::cuda::getCurrentCUDAStream();
   at::Tensor sum = at::zeros({numel}, values.options());
-  at::Tensor bad = at::full({1}, std::numeric_limits<int64_t>::max(), values.options().dtype(at::kLong));
+  at::Tensor bad = at::full({1}, -1, values.options().dtype(at::kLong));  // all bits set: UINT64_MAX
   const int64_t count = values.numel();
   // One segment per rank when the entries split evenly (TopK: every rank sends k), so
   // overlapping indices add in rank order; else one segment.
@@ -40,9 +40,10 @@ at::Tensor sparse_average_cuda(const at::Tensor& values, const at::Tensor& indic
                                           stream));
   // A bad index from another rank must be an error, as on the CPU: this costs one
   // synchronization, which the decode (right after a blocking allgather) can afford.
-  const int64_t first_bad = bad.item<int64_t>();
-  TORCH_CHECK(first_bad == std::numeric_limits<int64_t>::max(), "accordion::sparse_average: indices[", first_bad,
-              "] = ", indices[first_bad].item<int32_t>(), " is outside [0, numel = ", numel, ")");
+  const uint64_t first_bad = static_cast<uint64_t>(bad.item<int64_t>());
+  TORCH_CHECK(first_bad == std::numeric_limits<uint64_t>::max(), "accordion::sparse_average: indices[",
+              first_bad >> 32, "] = ", static_cast<int32_t>(first_bad & 0xffffffffu), " is outside [0, numel = ",
+              numel, ")");
   const bool direct = out_dtype == at::kFloat || out_dtype == at::kHalf || out_dtype == at::kBFloat16;
   at::Tensor out = out_dtype == at::kFloat || !direct ? sum : at::empty({numel}, values.options().dtype(out_dtype));
   C10_CUDA_CHECK(cuda::divide_convert(sum.const_data_ptr<float>(), numel, world_size, out.mutable_data_ptr(),

@@ -39,8 +39,9 @@ cudaError_t topk_ef(const void* grad, DType grad_dtype, float* residual, int64_t
 // sum[indices[j]] += values[j] for the `count` gathered entries, taken as `segments` equal
 // segments (one per rank) added one after the other, so that an index sent by several ranks
 // is summed in rank order: the same bits on every rank, run after run. sum (numel float32)
-// must be zeroed by the caller. An index outside [0, numel) is skipped, and the smallest
-// such position j is written to *bad_position (which the caller sets to INT64_MAX first).
+// must be zeroed by the caller. An index outside [0, numel) is skipped, and for the smallest
+// such position j, (j << 32 | the index's 32 bits) is written to *bad_position (which the
+// caller sets to UINT64_MAX first).
 cudaError_t sparse_scatter_add(const float* values, const int32_t* indices, int64_t count,
                                int64_t segments, float* sum, int64_t numel,
                                unsigned long long* bad_position, cudaStream_t stream);

@@ -26,7 +26,7 @@ __global__ void scatter_add_kernel(const float* __restrict__ values, const int32
   for (int64_t j = begin + static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; j < end; j += stride) {
     const int32_t i = indices[j];
     if (i < 0 || i >= numel) {  // never write outside the output; the caller raises
-      atomicMin(bad_position, static_cast<unsigned long long>(j));
+      atomicMin(bad_position, (static_cast<unsigned long long>(j) << 32) | static_cast<uint32_t>(i));
       continue;
     }
     atomicAdd(&sum[i], values[j]);

@@ -4,38 +4,39 @@
 //
 // Selection is a radix select on the 31-bit key bits(g) & 0x7fffffff (for a non-negative
 // float the IEEE bits order like the value), in the spirit of AIR top-k: digits of 11, 11
-// and 9 bits, one histogram per digit, every decision made on the device.
+// and 9 bits, a histogram per digit, every decision made on the device. The tensor is cut
+// into one contiguous chunk per block, so that everything a block writes comes out in index
+// order and needs no global atomics.
 //
-//   1. ef_add_histogram  (one pass over the tensor)  g = grad + residual written back into
-//      the residual, sum of g^2 (per-block partials), histogram of the top 11 key bits.
-//   2. pick_bucket       (one block)  the bucket holding the k-th largest key.
-//   3. filter_level1     (one pass, reads g)  histogram of the next 11 bits inside that
-//      bucket; the bucket's keys are also copied to a candidate list when it is small
-//      (it usually is: a few % of n), so that
-//   4. filter_level2     runs over the candidates only (or over g when the bucket was too
-//      large for the list, e.g. a tensor of many equal values).
-//   5. pick_bucket x2    give the exact threshold key T and how many entries with key == T
-//      must be kept (ties).
-//   6. tie_count/tie_cut (only when fewer entries with key == T are kept than exist; exit at
-//      once otherwise)  the index of the last kept tie, found in index order, so that the
-//      lower index wins as in the reference.
-//   7. cub::DeviceSelect (one pass, reads g)  the kept indices, in ascending order: a
-//      single-pass ordered compaction with decoupled look-back.
-//   8. gather_zero       values = g[indices], g[indices] = 0, sum of kept^2 (partials).
-//   9. finish_norms      (one block)  both partial sums in a fixed order: g_sq and kept_sq
-//      are the same bits run after run (no floating-point atomics anywhere).
+//   sample       (one block)  the keys of 8Ki entries of g = grad + residual, spread over the
+//                tensor; the key L that a little more than k entries reach, with high
+//                probability (k/n of the sample plus four standard deviations).
+//   ef_capture   (the one full pass)  g = grad + residual written back into the residual,
+//                per-block sums of g^2, and every entry with key >= L copied as (value,
+//                index) into its block's slice of a candidate list, in index order.
+//   decide       (one block)  fast path if the candidates number at least k and no slice
+//                overflowed; otherwise every later kernel reads g itself instead (same
+//                code, the "source" switches), which is exact but makes four more passes.
+//   level_hist x3, pick_bucket x3   the histogram of each digit among the source's entries
+//                that match the digits found so far, and the bucket holding the k-th largest:
+//                at the end the exact threshold key T and how many entries equal to T to keep.
+//   count_kept, scan_blocks, write_kept   ordered compaction of the source: entries above T,
+//                and entries equal to T in index order until enough are kept (ties: the lower
+//                index wins); they give values and indices in ascending index order, zero the
+//                kept entries of the residual, and sum kept^2 per block.
+//   finish_norms (one block)  both partial sums in a fixed order: g_sq and kept_sq are the
+//                same bits run after run (no floating-point atomics anywhere).
 //
-// Memory traffic: the floor is reading grad and residual and writing residual once, plus
-// the 8k output bytes. This sequence adds two reads of g (filter_level1 and the selection)
-// and the scattered reads and zeroing writes of the kept entries. Workspace: the
-// histograms, per-block partials and CUB's scratch (O(1) in n apart from CUB's per-tile
-// state) plus the candidate list, n/8 + 1024 uint32 keys.
-#include <cooperative_groups.h>
-
+// Memory traffic on the fast path: grad and residual read once and residual written once
+// (the floor), plus about 8 bytes per candidate written and read four times (the candidates
+// number ~1.05k + a few standard deviations) and the scattered zeroing of the k kept entries.
+// Workspace: the candidate slices (8 bytes x (1.3 k/n + 1%) of n, + 2 KiB per block),
+// histograms and per-block counters (~40 KiB).
 #include <climits>
+#include <cmath>
 #include <type_traits>
-#include <cub/cub.cuh>
-#include <thrust/iterator/counting_iterator.h>
+#include <cub/block/block_reduce.cuh>
+#include <cub/block/block_scan.cuh>
 
 #include "cuda/convert.cuh"
 #include "cuda/kernels.h"
@@ -44,84 +45,84 @@ namespace accordion {
 namespace cuda {
 namespace {
 
-namespace cg = cooperative_groups;
-
 constexpr int kThreads = 256;
-constexpr int kMaxBlocks = 1024;   // fixed partial-sum count: the same rounding on any GPU
-constexpr int kBins = 2048;        // 11-bit digits (the last digit uses 512 of them)
+constexpr int kItems = 4;                     // entries per thread per tile (one 16-byte load)
+constexpr int kTile = kThreads * kItems;
+constexpr int kMaxBlocks = 1024;              // chunks: the same rounding on any GPU
+constexpr int kBins = 2048;                   // 11-bit digits (the last one uses 512)
 constexpr int kShift0 = 20, kShift1 = 9;
 constexpr int kPickThreads = 512, kPickItems = kBins / kPickThreads;
-constexpr int kTieChunks = 1024;   // tie search: per-chunk counts, then one chunk scanned
-constexpr int kTieThreads = 1024;
+constexpr int kSample = 8192, kSampleThreads = kPickThreads;  // find_bucket needs the whole block
 
 // Decisions passed from kernel to kernel through device memory.
 struct Control {
-  uint32_t prefix;          // key bits resolved so far
-  uint32_t use_candidates;  // level-2 input: the candidate list (1) or g (0)
-  uint32_t candidate_count;
-  uint32_t threshold;       // T: the k-th largest key
-  int64_t remaining;        // still to take inside the current bucket
-  int64_t bucket_count;     // entries in the current bucket
-  int64_t tie_count;        // entries with key == T (after the last level)
-  int32_t cut_index;        // entries with key == T are kept iff index <= cut_index
-  int32_t num_selected;     // written by the selection (== k)
+  uint32_t lower_key;   // L: entries with key >= L are candidates
+  uint32_t overflow;    // some block's slice was too small
+  uint32_t fast;        // 1: later kernels read the candidates, 0: g
+  uint32_t prefix;      // key bits resolved so far (at the end: T)
+  int64_t remaining;    // still to take inside the current bucket (at the end: ties to keep)
 };
 
 struct Workspace {
   Control* ctl;
-  uint32_t* hist;           // 3 levels x kBins
-  double* g_partial;        // kMaxBlocks
-  double* kept_partial;     // kMaxBlocks
-  uint32_t* tie_counts;     // kTieChunks
-  uint32_t* candidates;     // capacity entries
-  int64_t capacity;
-  void* cub_temp;
-  size_t cub_bytes;
+  uint32_t* hist;       // 3 levels x kBins
+  uint32_t* counts;     // candidates per block
+  uint32_t* above;      // per block: entries with key > T
+  uint32_t* ties;       // per block: entries with key == T
+  int64_t* offset;      // per block: first output position
+  int64_t* ties_kept;   // per block: how many of its ties are kept
+  double* g_partial;    // per block
+  double* kept_partial; // per block
+  float2* candidates;   // blocks x slice entries of (value, index as bits)
+  int64_t slice;
 };
 
 __device__ __forceinline__ uint32_t key_of(float v) { return __float_as_uint(v) & 0x7fffffffu; }
 
-// Keep the entries above T, and those equal to T up to the cut index.
-struct Keep {
-  const float* g;
-  const Control* ctl;
-  __device__ __forceinline__ bool operator()(int i) const {
-    const uint32_t key = key_of(g[i]), t = ctl->threshold;
-    return key > t || (key == t && i <= ctl->cut_index);
-  }
-};
+constexpr size_t align_up(size_t x) { return (x + 255) & ~size_t(255); }
 
-using Indices = thrust::counting_iterator<int>;
+int blocks_for(int64_t n) {
+  const int64_t tiles = (n + kTile - 1) / kTile;
+  return static_cast<int>(tiles < 1 ? 1 : (tiles < kMaxBlocks ? tiles : kMaxBlocks));
+}
+// Entries per chunk: a multiple of 4, so that every chunk starts 16-byte aligned.
+int64_t chunk_for(int64_t n, int blocks) { return ((n + blocks - 1) / blocks + 3) / 4 * 4; }
 
-size_t cub_select_bytes(int64_t n) {
-  size_t bytes = 0;
-  cub::DeviceSelect::If(nullptr, bytes, Indices(0), static_cast<int32_t*>(nullptr),
-                        static_cast<int32_t*>(nullptr), static_cast<int>(n), Keep{nullptr, nullptr});
-  return bytes;
+// Candidate slots per block: the expected share of candidates (k/n plus the sampling margin)
+// with room to spare. A slice that overflows only costs speed (the fallback), never results.
+int64_t slice_for(int64_t n, int64_t k, int blocks) {
+  const double p = n > 0 ? static_cast<double>(k) / n : 0.0;
+  const double share = std::fmin(1.0, 1.3 * p + 0.01);
+  return static_cast<int64_t>(share * chunk_for(n, blocks)) + 256;
 }
 
-constexpr size_t align_up(size_t x) { return (x + 255) & ~size_t(255); }
-int64_t candidate_capacity(int64_t n) { return n / 8 + 1024; }
+// Sample rank of L: k/n of the sample, plus four standard deviations and a little, so that
+// fewer than k entries reach L only with negligible probability (then: the fallback).
+int sample_target(int64_t n, int64_t k, int samples) {
+  const double mean = static_cast<double>(k) / n * samples;
+  const double t = std::ceil(mean + 4.0 * std::sqrt(mean * (1.0 - static_cast<double>(k) / n)) + 8.0);
+  return static_cast<int>(t < samples ? t : samples);
+}
 
-// The workspace is carved in this order; `layout(nullptr, ...)` gives the total size.
-size_t layout(char* base, int64_t n, Workspace* ws) {
+size_t layout(char* base, int64_t n, int64_t k, Workspace* ws) {
   size_t off = 0;
   auto take = [&](size_t bytes) { char* p = base ? base + off : nullptr; off += align_up(bytes); return p; };
+  const int blocks = blocks_for(n);
   Workspace w;
   w.ctl = reinterpret_cast<Control*>(take(sizeof(Control)));
   w.hist = reinterpret_cast<uint32_t*>(take(3 * kBins * sizeof(uint32_t)));
+  w.counts = reinterpret_cast<uint32_t*>(take(kMaxBlocks * sizeof(uint32_t)));
+  w.above = reinterpret_cast<uint32_t*>(take(kMaxBlocks * sizeof(uint32_t)));
+  w.ties = reinterpret_cast<uint32_t*>(take(kMaxBlocks * sizeof(uint32_t)));
+  w.offset = reinterpret_cast<int64_t*>(take(kMaxBlocks * sizeof(int64_t)));
+  w.ties_kept = reinterpret_cast<int64_t*>(take(kMaxBlocks * sizeof(int64_t)));
   w.g_partial = reinterpret_cast<double*>(take(kMaxBlocks * sizeof(double)));
   w.kept_partial = reinterpret_cast<double*>(take(kMaxBlocks * sizeof(double)));
-  w.tie_counts = reinterpret_cast<uint32_t*>(take(kTieChunks * sizeof(uint32_t)));
-  w.capacity = candidate_capacity(n);
-  w.candidates = reinterpret_cast<uint32_t*>(take(w.capacity * sizeof(uint32_t)));
-  w.cub_bytes = cub_select_bytes(n);
-  w.cub_temp = take(w.cub_bytes);
+  w.slice = slice_for(n, k, blocks);
+  w.candidates = reinterpret_cast<float2*>(take(static_cast<size_t>(blocks) * w.slice * sizeof(float2)));
   if (ws) *ws = w;
   return off;
 }
-
-// --- block-wide helpers ------------------------------------------------------------------
 
 template <int Threads>
 __device__ double block_sum(double v) {
@@ -130,83 +131,22 @@ __device__ double block_sum(double v) {
   return Reduce(temp).Sum(v);  // valid in thread 0
 }
 
-__device__ __forceinline__ void zero_shared_hist(uint32_t* sh) {
-  for (int b = threadIdx.x; b < kBins; b += blockDim.x) sh[b] = 0;
-  __syncthreads();
-}
+struct HistCount {  // a histogram in shared or global memory, read as int64 counts
+  const uint32_t* hist;
+  __device__ __forceinline__ int64_t operator()(int b) const { return hist[b]; }
+};
 
-__device__ __forceinline__ void flush_shared_hist(const uint32_t* sh, uint32_t* hist) {
-  __syncthreads();
-  for (int b = threadIdx.x; b < kBins; b += blockDim.x)
-    if (sh[b]) atomicAdd(&hist[b], sh[b]);
-}
-
-// --- 1. error-feedback add, squared norm and the first histogram, in one pass --------------
-
-template <typename G> struct Vec4;  // four gradient entries, one aligned load
-template <> struct Vec4<float> { using type = float4; };
-template <> struct Vec4<__half> { using type = uint2; };
-template <> struct Vec4<__nv_bfloat16> { using type = uint2; };
-
-template <typename G>
-__device__ __forceinline__ void unpack4(const typename Vec4<G>::type& v, float out[4]) {
-  if constexpr (std::is_same_v<G, float>) {
-    out[0] = v.x; out[1] = v.y; out[2] = v.z; out[3] = v.w;
-  } else {
-    const G* h = reinterpret_cast<const G*>(&v);
-#pragma unroll
-    for (int j = 0; j < 4; ++j) out[j] = up(h[j]);
-  }
-}
-
-template <typename G>
-__global__ void __launch_bounds__(kThreads) ef_add_histogram(const G* __restrict__ grad, float* __restrict__ g,
-                                                             int64_t n, bool vectorized, uint32_t* hist0,
-                                                             double* g_partial) {
-  __shared__ uint32_t sh[kBins];
-  zero_shared_hist(sh);
-  double sq = 0;
-  auto visit = [&](float v) {
-    sq += static_cast<double>(v) * v;
-    atomicAdd(&sh[key_of(v) >> kShift0], 1u);
-  };
-  const int64_t stride = static_cast<int64_t>(gridDim.x) * kThreads;
-  const int64_t start = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x;
-  const int64_t n4 = vectorized ? n / 4 : 0;
-  for (int64_t v = start; v < n4; v += stride) {
-    float gr[4];
-    unpack4<G>(reinterpret_cast<const typename Vec4<G>::type*>(grad)[v], gr);
-    float4 r = reinterpret_cast<const float4*>(g)[v];
-    r.x += gr[0]; r.y += gr[1]; r.z += gr[2]; r.w += gr[3];
-    reinterpret_cast<float4*>(g)[v] = r;
-    visit(r.x); visit(r.y); visit(r.z); visit(r.w);
-  }
-  for (int64_t i = n4 * 4 + start; i < n; i += stride) {
-    const float v = g[i] + up(grad[i]);
-    g[i] = v;
-    visit(v);
-  }
-  const double total = block_sum<kThreads>(sq);
-  if (threadIdx.x == 0) g_partial[blockIdx.x] = total;
-  flush_shared_hist(sh, hist0);
-}
-
-// --- 2. pick the bucket holding the k-th largest key ---------------------------------------
-
-// level 0 takes k from the argument; later levels continue from the control block. `bins`
-// is 2048 or 512; the new prefix is prefix << bits | bucket.
-__global__ void __launch_bounds__(kPickThreads) pick_bucket(const uint32_t* hist, int level, int bits,
-                                                            int64_t k, Control* ctl, int64_t capacity) {
+// In a sorted-from-the-top histogram `count(bin)` of `bins` bins, the bin holding the
+// `want`-th largest entry and how many lie above it. Block-wide (kPickThreads threads).
+__device__ void find_bucket(HistCount count, int bins, int64_t want, uint32_t* bucket, int64_t* above_out,
+                            int64_t* in_bucket) {
   using Scan = cub::BlockScan<int64_t, kPickThreads>;
   __shared__ typename Scan::TempStorage temp;
-  const int bins = 1 << bits;
-  const int64_t want = level == 0 ? k : ctl->remaining;
-  // Thread t holds bins from the top: bins - 1 - (t * kPickItems + j).
   int64_t counts[kPickItems], incl[kPickItems];
 #pragma unroll
-  for (int j = 0; j < kPickItems; ++j) {
+  for (int j = 0; j < kPickItems; ++j) {  // thread t holds bins from the top
     const int r = threadIdx.x * kPickItems + j;
-    counts[j] = r < bins ? hist[bins - 1 - r] : 0;
+    counts[j] = r < bins ? count(bins - 1 - r) : 0;
   }
   Scan(temp).InclusiveSum(counts, incl);
 #pragma unroll
@@ -214,149 +154,275 @@ __global__ void __launch_bounds__(kPickThreads) pick_bucket(const uint32_t* hist
     const int r = threadIdx.x * kPickItems + j;
     const int64_t above = incl[j] - counts[j];
     if (r < bins && counts[j] > 0 && above < want && incl[j] >= want) {
-      const uint32_t bucket = bins - 1 - r;
-      ctl->prefix = level == 0 ? bucket : (ctl->prefix << bits) | bucket;
-      ctl->remaining = want - above;
-      ctl->bucket_count = counts[j];
-      if (level == 0) ctl->use_candidates = counts[j] <= capacity;
-      if (level == 2) {
-        ctl->threshold = ctl->prefix;
-        ctl->tie_count = counts[j];
-        ctl->cut_index = INT_MAX;  // every tie kept, unless tie_cut finds otherwise
+      *bucket = bins - 1 - r;
+      *above_out = above;
+      *in_bucket = counts[j];
+    }
+  }
+}
+
+// --- sample: the candidate bound L ------------------------------------------------------------
+
+template <typename G>
+__global__ void __launch_bounds__(kSampleThreads) sample(const G* __restrict__ grad, const float* __restrict__ residual,
+                                                         int64_t n, int samples, int target, Control* ctl) {
+  __shared__ uint32_t keys[kSample];
+  __shared__ uint32_t hist[kBins];
+  __shared__ uint32_t bucket0, bucket1;
+  __shared__ int64_t above0, above1, in0, in1;
+  // Stratified: one entry from each of `samples` equal strata, at a hashed offset, so that
+  // the sample cannot alias with a layer's row structure.
+  for (int s = threadIdx.x; s < samples; s += kSampleThreads) {
+    const int64_t lo = n * s / samples, hi = n * (s + 1) / samples;
+    const uint32_t h = static_cast<uint32_t>(s) * 2654435761u;
+    const int64_t i = lo + (hi > lo ? static_cast<int64_t>(h % static_cast<uint32_t>(hi - lo)) : 0);
+    keys[s] = key_of(residual[i] + up(grad[i]));
+  }
+  for (int b = threadIdx.x; b < kBins; b += kSampleThreads) hist[b] = 0;
+  __syncthreads();
+  for (int s = threadIdx.x; s < samples; s += kSampleThreads) atomicAdd(&hist[keys[s] >> kShift0], 1u);
+  __syncthreads();
+  find_bucket(HistCount{hist}, kBins, target, &bucket0, &above0, &in0);
+  __syncthreads();
+  for (int b = threadIdx.x; b < kBins; b += kSampleThreads) hist[b] = 0;
+  __syncthreads();
+  for (int s = threadIdx.x; s < samples; s += kSampleThreads)
+    if ((keys[s] >> kShift0) == bucket0) atomicAdd(&hist[(keys[s] >> kShift1) & (kBins - 1)], 1u);
+  __syncthreads();
+  find_bucket(HistCount{hist}, kBins, target - above0, &bucket1, &above1, &in1);
+  __syncthreads();
+  if (threadIdx.x == 0) ctl->lower_key = (bucket0 << kShift0) | (bucket1 << kShift1);
+}
+
+// --- the one full pass: error feedback, norm, candidates ---------------------------------------
+
+template <typename G> struct Vec4;  // four gradient entries, one aligned load
+template <> struct Vec4<float> { using type = float4; };
+template <> struct Vec4<__half> { using type = uint2; };
+template <> struct Vec4<__nv_bfloat16> { using type = uint2; };
+
+template <typename G>
+__device__ __forceinline__ void load4(const G* grad, int64_t i, bool vectorized, int64_t n, float out[4]) {
+  if (vectorized && i + 3 < n) {
+    const typename Vec4<G>::type v = *reinterpret_cast<const typename Vec4<G>::type*>(grad + i);
+    if constexpr (std::is_same_v<G, float>) {
+      out[0] = v.x; out[1] = v.y; out[2] = v.z; out[3] = v.w;
+    } else {
+      const G* h = reinterpret_cast<const G*>(&v);
+#pragma unroll
+      for (int j = 0; j < 4; ++j) out[j] = up(h[j]);
+    }
+  } else {
+#pragma unroll
+    for (int j = 0; j < 4; ++j) out[j] = i + j < n ? up(grad[i + j]) : 0.0f;
+  }
+}
+
+template <typename G>
+__global__ void __launch_bounds__(kThreads) ef_capture(const G* __restrict__ grad, float* __restrict__ g, int64_t n,
+                                                       int64_t chunk, bool vectorized, bool capture, Control* ctl,
+                                                       float2* candidates,
+                                                       int64_t slice, uint32_t* counts, double* g_partial) {
+  using Scan = cub::BlockScan<int, kThreads>;
+  __shared__ typename Scan::TempStorage temp;
+  const uint32_t lower = ctl->lower_key;
+  const int64_t begin = blockIdx.x * chunk, end = begin + chunk < n ? begin + chunk : n;
+  float2* mine = candidates + blockIdx.x * slice;
+  int64_t written = 0;  // the same in every thread
+  double sq = 0;
+  for (int64_t base = begin; base < end; base += kTile) {  // uniform trip count in the block
+    const int64_t i = base + threadIdx.x * kItems;
+    float v[kItems], gr[kItems];
+    load4(grad, i, vectorized, end, gr);
+    if (vectorized && i + 3 < end) {
+      float4 r = *reinterpret_cast<const float4*>(g + i);
+      r.x += gr[0]; r.y += gr[1]; r.z += gr[2]; r.w += gr[3];
+      *reinterpret_cast<float4*>(g + i) = r;
+      v[0] = r.x; v[1] = r.y; v[2] = r.z; v[3] = r.w;
+    } else {
+#pragma unroll
+      for (int j = 0; j < kItems; ++j) {
+        v[j] = 0.0f;
+        if (i + j < end) g[i + j] = v[j] = g[i + j] + gr[j];
       }
     }
-  }
-}
-
-// --- 3, 4. histograms of the next digits inside the chosen bucket ---------------------------
-
-__global__ void __launch_bounds__(kThreads) filter_level1(const float* __restrict__ g, int64_t n, bool vectorized,
-                                                          Control* ctl, uint32_t* hist1, uint32_t* candidates,
-                                                          int64_t capacity) {
-  __shared__ uint32_t sh[kBins];
-  zero_shared_hist(sh);
-  const uint32_t prefix = ctl->prefix;
-  const bool listing = ctl->use_candidates;
-  auto visit = [&](float v) {
-    const uint32_t key = key_of(v);
-    if ((key >> kShift0) != prefix) return;
-    atomicAdd(&sh[(key >> kShift1) & (kBins - 1)], 1u);
-    if (listing) {  // one atomic per warp for the matching lanes
-      cg::coalesced_group lanes = cg::coalesced_threads();
-      uint32_t base = 0;
-      if (lanes.thread_rank() == 0) base = atomicAdd(&ctl->candidate_count, lanes.size());
-      base = lanes.shfl(base, 0) + lanes.thread_rank();
-      if (base < capacity) candidates[base] = key;
+    int hits = 0;
+#pragma unroll
+    for (int j = 0; j < kItems; ++j) {
+      const bool in = i + j < end;
+      sq += in ? static_cast<double>(v[j]) * v[j] : 0.0;
+      hits += capture && in && key_of(v[j]) >= lower;
     }
-  };
-  const int64_t stride = static_cast<int64_t>(gridDim.x) * kThreads;
-  const int64_t start = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x;
-  const int64_t n4 = vectorized ? n / 4 : 0;
-  for (int64_t v = start; v < n4; v += stride) {
-    const float4 r = reinterpret_cast<const float4*>(g)[v];
-    visit(r.x); visit(r.y); visit(r.z); visit(r.w);
+    int pos, total;
+    Scan(temp).ExclusiveSum(hits, pos, total);
+    __syncthreads();  // temp is reused next tile
+    if (written + total <= slice) {
+#pragma unroll
+      for (int j = 0; j < kItems; ++j)
+        if (capture && i + j < end && key_of(v[j]) >= lower)
+          mine[written + pos++] = make_float2(v[j], __int_as_float(static_cast<int>(i + j)));
+    }
+    written += total;
   }
-  for (int64_t i = n4 * 4 + start; i < n; i += stride) visit(g[i]);
-  flush_shared_hist(sh, hist1);
+  const double block_sq = block_sum<kThreads>(sq);
+  if (threadIdx.x == 0) {
+    g_partial[blockIdx.x] = block_sq;
+    counts[blockIdx.x] = static_cast<uint32_t>(written < slice ? written : slice);
+    if (written > slice) atomicOr(&ctl->overflow, 1u);
+  }
 }
 
-__global__ void __launch_bounds__(kThreads) filter_level2(const float* __restrict__ g, int64_t n,
-                                                          const uint32_t* candidates, const Control* ctl,
-                                                          uint32_t* hist2) {
+__global__ void __launch_bounds__(kMaxBlocks) decide(const uint32_t* counts, int blocks, int64_t k, Control* ctl) {
+  const int64_t c = threadIdx.x < blocks ? counts[threadIdx.x] : 0;
+  using Reduce = cub::BlockReduce<int64_t, kMaxBlocks>;
+  __shared__ typename Reduce::TempStorage temp;
+  const int64_t total = Reduce(temp).Sum(c);
+  if (threadIdx.x == 0) ctl->fast = !ctl->overflow && total >= k;
+}
+
+// The entries a block reads after `decide`: its candidate slice, or its chunk of g.
+struct Source {
+  const float* g;
+  int64_t n, chunk;
+  const float2* candidates;
+  int64_t slice;
+  const uint32_t* counts;
+
+  __device__ __forceinline__ int64_t size(bool fast) const {
+    if (fast) return counts[blockIdx.x];
+    const int64_t begin = blockIdx.x * chunk;
+    return begin >= n ? 0 : (begin + chunk < n ? chunk : n - begin);
+  }
+  __device__ __forceinline__ float2 at(bool fast, int64_t j) const {  // (value, index bits)
+    if (fast) return candidates[blockIdx.x * slice + j];
+    const int64_t i = blockIdx.x * chunk + j;
+    return make_float2(g[i], __int_as_float(static_cast<int>(i)));
+  }
+};
+
+// --- the digits of T ---------------------------------------------------------------------------
+
+__global__ void __launch_bounds__(kThreads) level_hist(Source src, int level, const Control* ctl, uint32_t* hist) {
   __shared__ uint32_t sh[kBins];
-  zero_shared_hist(sh);
-  const uint32_t prefix = ctl->prefix;  // top 22 bits
-  auto visit = [&](uint32_t key) {
-    if ((key >> kShift1) == prefix) atomicAdd(&sh[key & ((1u << kShift1) - 1)], 1u);
-  };
-  const int64_t stride = static_cast<int64_t>(gridDim.x) * kThreads;
-  const int64_t start = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x;
-  if (ctl->use_candidates) {
-    const int64_t count = ctl->candidate_count;
-    for (int64_t i = start; i < count; i += stride) visit(candidates[i]);
-  } else {
-    for (int64_t i = start; i < n; i += stride) visit(key_of(g[i]));
+  for (int b = threadIdx.x; b < kBins; b += kThreads) sh[b] = 0;
+  __syncthreads();
+  const bool fast = ctl->fast;
+  const uint32_t prefix = ctl->prefix;
+  const int64_t size = src.size(fast);
+  for (int64_t j = threadIdx.x; j < size; j += kThreads) {
+    const uint32_t key = key_of(src.at(fast, j).x);
+    if (level == 0) atomicAdd(&sh[key >> kShift0], 1u);
+    else if (level == 1 && (key >> kShift0) == prefix) atomicAdd(&sh[(key >> kShift1) & (kBins - 1)], 1u);
+    else if (level == 2 && (key >> kShift1) == prefix) atomicAdd(&sh[key & ((1u << kShift1) - 1)], 1u);
   }
-  flush_shared_hist(sh, hist2);
+  __syncthreads();
+  for (int b = threadIdx.x; b < kBins; b += kThreads)
+    if (sh[b]) atomicAdd(&hist[b], sh[b]);
 }
 
-// --- 6. ties at the threshold: the lower indices win ------------------------------------------
-
-__device__ __forceinline__ int64_t chunk_begin(int64_t n, int c) { return n * c / kTieChunks; }
-
-__device__ __forceinline__ bool ties_decide_nothing(const Control* ctl) {
-  return ctl->remaining == ctl->tie_count;  // every entry with key == T is kept
+__global__ void __launch_bounds__(kPickThreads) pick_bucket(const uint32_t* hist, int level, int bits, int64_t k,
+                                                            Control* ctl) {
+  __shared__ uint32_t bucket;
+  __shared__ int64_t above, in_bucket;
+  const int64_t want = level == 0 ? k : ctl->remaining;
+  find_bucket(HistCount{hist}, 1 << bits, want, &bucket, &above, &in_bucket);
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    ctl->prefix = level == 0 ? bucket : (ctl->prefix << bits) | bucket;
+    ctl->remaining = want - above;
+  }
 }
 
-__global__ void __launch_bounds__(kThreads) tie_count(const float* __restrict__ g, int64_t n, const Control* ctl,
-                                                      uint32_t* tie_counts) {
-  if (ties_decide_nothing(ctl)) return;
-  const uint32_t t = ctl->threshold;
-  uint32_t count = 0;
-  for (int64_t i = chunk_begin(n, blockIdx.x) + threadIdx.x, end = chunk_begin(n, blockIdx.x + 1); i < end;
-       i += kThreads)
-    count += key_of(g[i]) == t;
+// --- ordered compaction ----------------------------------------------------------------------------
+
+__global__ void __launch_bounds__(kThreads) count_kept(Source src, const Control* ctl, uint32_t* above, uint32_t* ties) {
+  const bool fast = ctl->fast;
+  const uint32_t t = ctl->prefix;
+  uint32_t a = 0, e = 0;
+  for (int64_t j = threadIdx.x, size = src.size(fast); j < size; j += kThreads) {
+    const uint32_t key = key_of(src.at(fast, j).x);
+    a += key > t;
+    e += key == t;
+  }
   using Reduce = cub::BlockReduce<uint32_t, kThreads>;
   __shared__ typename Reduce::TempStorage temp;
-  count = Reduce(temp).Sum(count);
-  if (threadIdx.x == 0) tie_counts[blockIdx.x] = count;
-}
-
-// One block: the chunk holding the remaining-th tie, then that chunk in index order.
-__global__ void __launch_bounds__(kTieThreads) tie_cut(const float* __restrict__ g, int64_t n, Control* ctl,
-                                                       const uint32_t* tie_counts) {
-  if (ties_decide_nothing(ctl)) return;
-  using Scan = cub::BlockScan<int64_t, kTieThreads>;
-  __shared__ typename Scan::TempStorage temp;
-  __shared__ int64_t chunk, want;
-  const int64_t need = ctl->remaining;  // >= 1 and < tie_count
-  static_assert(kTieChunks == kTieThreads, "one chunk count per thread");
-  const int64_t c = tie_counts[threadIdx.x];
-  int64_t incl;
-  Scan(temp).InclusiveSum(c, incl);
-  if (incl - c < need && incl >= need) {
-    chunk = threadIdx.x;
-    want = need - (incl - c);
-  }
+  a = Reduce(temp).Sum(a);
   __syncthreads();
-  const uint32_t t = ctl->threshold;
-  int64_t seen = 0;  // ties before the current tile, in this chunk
-  for (int64_t base = chunk_begin(n, chunk), end = chunk_begin(n, chunk + 1); base < end; base += kTieThreads) {
-    const int64_t i = base + threadIdx.x;
-    const int64_t tie = i < end && key_of(g[i]) == t;
-    int64_t rank, tile_total;
-    __syncthreads();  // temp is reused
-    Scan(temp).InclusiveSum(tie, rank, tile_total);
-    if (tie && seen + rank == want) ctl->cut_index = static_cast<int32_t>(i);
-    seen += tile_total;
-    if (seen >= want) break;  // uniform: tile_total is the same in every thread
+  e = Reduce(temp).Sum(e);
+  if (threadIdx.x == 0) {
+    above[blockIdx.x] = a;
+    ties[blockIdx.x] = e;
   }
 }
 
-// --- 8, 9. values, zeroing, kept norm, and the two norms -----------------------------------------
+// One block, one thread per chunk: where each chunk's kept entries go, and how many of its
+// ties are kept (the first `remaining` ties in index order over all chunks).
+__global__ void __launch_bounds__(kMaxBlocks) scan_blocks(const uint32_t* above, const uint32_t* ties, int blocks,
+                                                          const Control* ctl, int64_t* offset, int64_t* ties_kept) {
+  using Scan = cub::BlockScan<int64_t, kMaxBlocks>;
+  __shared__ typename Scan::TempStorage temp;
+  const int b = threadIdx.x;
+  const int64_t e = b < blocks ? ties[b] : 0;
+  int64_t ties_before;
+  Scan(temp).ExclusiveSum(e, ties_before);
+  const int64_t want = ctl->remaining;
+  const int64_t kept_ties = want - ties_before <= 0 ? 0 : (want - ties_before < e ? want - ties_before : e);
+  const int64_t kept = (b < blocks ? above[b] : 0) + kept_ties;
+  int64_t before;
+  __syncthreads();
+  Scan(temp).ExclusiveSum(kept, before);
+  if (b < blocks) {
+    offset[b] = before;
+    ties_kept[b] = kept_ties;
+  }
+}
 
-__global__ void __launch_bounds__(kThreads) gather_zero(float* __restrict__ g, const int32_t* __restrict__ indices,
-                                                        int64_t k, float* __restrict__ values, double* kept_partial) {
+__global__ void __launch_bounds__(kThreads) write_kept(Source src, const Control* ctl, const int64_t* offset,
+                                                       const int64_t* ties_kept, float* g, float* values,
+                                                       int32_t* indices, double* kept_partial) {
+  using Scan = cub::BlockScan<unsigned long long, kThreads>;
+  __shared__ typename Scan::TempStorage temp;
+  const bool fast = ctl->fast;
+  const uint32_t t = ctl->prefix;
+  const int64_t out0 = offset[blockIdx.x], tk = ties_kept[blockIdx.x];
+  uint64_t done = 0;  // (ties << 32 | above) before this tile, in this block
   double sq = 0;
-  const int64_t stride = static_cast<int64_t>(gridDim.x) * kThreads;
-  for (int64_t j = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x; j < k; j += stride) {
-    const int32_t i = indices[j];
-    const float v = g[i];
-    values[j] = v;
-    g[i] = 0.0f;
-    sq += static_cast<double>(v) * v;
+  const int64_t size = src.size(fast);
+  for (int64_t base = 0; base < size; base += kThreads) {  // uniform trip count
+    const int64_t j = base + threadIdx.x;
+    float2 e = make_float2(0.0f, 0.0f);
+    uint32_t key = 0;
+    if (j < size) {
+      e = src.at(fast, j);
+      key = key_of(e.x);
+    }
+    const bool is_above = j < size && key > t, is_tie = j < size && key == t;
+    const unsigned long long mine = (static_cast<unsigned long long>(is_tie) << 32) | is_above;
+    unsigned long long before, total;
+    Scan(temp).ExclusiveSum(mine, before, total);
+    __syncthreads();
+    before += done;
+    const int64_t above_before = before & 0xffffffffu, tie_rank = before >> 32;
+    if (is_above || (is_tie && tie_rank < tk)) {
+      const int64_t pos = out0 + above_before + (tie_rank < tk ? tie_rank : tk);
+      const int32_t i = __float_as_int(e.y);
+      values[pos] = e.x;
+      indices[pos] = i;
+      g[i] = 0.0f;
+      sq += static_cast<double>(e.x) * e.x;
+    }
+    done += total;
   }
-  const double total = block_sum<kThreads>(sq);
-  if (threadIdx.x == 0) kept_partial[blockIdx.x] = total;
+  const double block_sq = block_sum<kThreads>(sq);
+  if (threadIdx.x == 0) kept_partial[blockIdx.x] = block_sq;
 }
 
-__global__ void __launch_bounds__(kMaxBlocks) finish_norms(const double* g_partial, int g_blocks,
-                                                           const double* kept_partial, int kept_blocks,
-                                                           double* g_sq, double* kept_sq) {
-  const double a = threadIdx.x < g_blocks ? g_partial[threadIdx.x] : 0.0;
+__global__ void __launch_bounds__(kMaxBlocks) finish_norms(const double* g_partial, const double* kept_partial,
+                                                           int blocks, bool any_kept, double* g_sq, double* kept_sq) {
+  const double a = threadIdx.x < blocks ? g_partial[threadIdx.x] : 0.0;
   const double ga = block_sum<kMaxBlocks>(a);
   __syncthreads();
-  const double b = threadIdx.x < kept_blocks ? kept_partial[threadIdx.x] : 0.0;
+  const double b = any_kept && threadIdx.x < blocks ? kept_partial[threadIdx.x] : 0.0;
   const double kb = block_sum<kMaxBlocks>(b);
   if (threadIdx.x == 0) {
     *g_sq = ga;
@@ -367,52 +433,47 @@ __global__ void __launch_bounds__(kMaxBlocks) finish_norms(const double* g_parti
 template <typename G>
 cudaError_t run(const G* grad, float* g, int64_t n, int64_t k, float* values, int32_t* indices, double* g_sq,
                 double* kept_sq, const Workspace& ws, cudaStream_t stream) {
-  cudaError_t err;
-  auto check = [&] { return err = cudaGetLastError(); };
-  // Histograms, counters and control start at zero: one memset over the head of the workspace.
-  err = cudaMemsetAsync(ws.ctl, 0, reinterpret_cast<char*>(ws.g_partial) - reinterpret_cast<char*>(ws.ctl), stream);
+  // Control and histograms start at zero: one memset over the head of the workspace.
+  cudaError_t err = cudaMemsetAsync(ws.ctl, 0, reinterpret_cast<char*>(ws.counts) - reinterpret_cast<char*>(ws.ctl),
+                                    stream);
   if (err) return err;
-  const bool vec = reinterpret_cast<uintptr_t>(g) % 16 == 0 &&
-                   reinterpret_cast<uintptr_t>(grad) % (4 * sizeof(G)) == 0;
-  const unsigned blocks = grid_for((n + 3) / 4, kThreads, kMaxBlocks);
-  uint32_t* hist0 = ws.hist;
-  uint32_t* hist1 = ws.hist + kBins;
-  uint32_t* hist2 = ws.hist + 2 * kBins;
-
-  ef_add_histogram<G><<<blocks, kThreads, 0, stream>>>(grad, g, n, vec, hist0, ws.g_partial);
-  if (check()) return err;
-  unsigned kept_blocks = 0;
+  const int blocks = blocks_for(n);
+  const int64_t chunk = chunk_for(n, blocks);
+  const bool vec = reinterpret_cast<uintptr_t>(g) % 16 == 0 && reinterpret_cast<uintptr_t>(grad) % (4 * sizeof(G)) == 0;
+  const int samples = n < kSample ? static_cast<int>(n) : kSample;
+  if (k > 0)
+    sample<G><<<1, kSampleThreads, 0, stream>>>(grad, g, n, samples, sample_target(n, k, samples), ws.ctl);
+  ef_capture<G><<<blocks, kThreads, 0, stream>>>(grad, g, n, chunk, vec, k > 0, ws.ctl, ws.candidates, ws.slice,
+                                                 ws.counts, ws.g_partial);
+  if ((err = cudaGetLastError())) return err;
   if (k > 0) {
-    pick_bucket<<<1, kPickThreads, 0, stream>>>(hist0, 0, 11, k, ws.ctl, ws.capacity);
-    filter_level1<<<blocks, kThreads, 0, stream>>>(g, n, vec, ws.ctl, hist1, ws.candidates, ws.capacity);
-    pick_bucket<<<1, kPickThreads, 0, stream>>>(hist1, 1, 11, k, ws.ctl, ws.capacity);
-    filter_level2<<<blocks, kThreads, 0, stream>>>(g, n, ws.candidates, ws.ctl, hist2);
-    pick_bucket<<<1, kPickThreads, 0, stream>>>(hist2, 2, 9, k, ws.ctl, ws.capacity);
-    tie_count<<<kTieChunks, kThreads, 0, stream>>>(g, n, ws.ctl, ws.tie_counts);
-    tie_cut<<<1, kTieThreads, 0, stream>>>(g, n, ws.ctl, ws.tie_counts);
-    if (check()) return err;
-    size_t bytes = ws.cub_bytes;
-    err = cub::DeviceSelect::If(ws.cub_temp, bytes, Indices(0), indices, &ws.ctl->num_selected,
-                                static_cast<int>(n), Keep{g, ws.ctl}, stream);
-    if (err) return err;
-    kept_blocks = grid_for(k, kThreads, kMaxBlocks);
-    gather_zero<<<kept_blocks, kThreads, 0, stream>>>(g, indices, k, values, ws.kept_partial);
-    if (check()) return err;
+    const Source src{g, n, chunk, ws.candidates, ws.slice, ws.counts};
+    decide<<<1, kMaxBlocks, 0, stream>>>(ws.counts, blocks, k, ws.ctl);
+    const int bits[3] = {11, 11, 9};
+    for (int level = 0; level < 3; ++level) {
+      level_hist<<<blocks, kThreads, 0, stream>>>(src, level, ws.ctl, ws.hist + level * kBins);
+      pick_bucket<<<1, kPickThreads, 0, stream>>>(ws.hist + level * kBins, level, bits[level], k, ws.ctl);
+    }
+    count_kept<<<blocks, kThreads, 0, stream>>>(src, ws.ctl, ws.above, ws.ties);
+    scan_blocks<<<1, kMaxBlocks, 0, stream>>>(ws.above, ws.ties, blocks, ws.ctl, ws.offset, ws.ties_kept);
+    write_kept<<<blocks, kThreads, 0, stream>>>(src, ws.ctl, ws.offset, ws.ties_kept, g, values, indices,
+                                                ws.kept_partial);
+    if ((err = cudaGetLastError())) return err;
   }
-  finish_norms<<<1, kMaxBlocks, 0, stream>>>(ws.g_partial, blocks, ws.kept_partial, kept_blocks, g_sq, kept_sq);
+  finish_norms<<<1, kMaxBlocks, 0, stream>>>(ws.g_partial, ws.kept_partial, blocks, k > 0, g_sq, kept_sq);
   return cudaGetLastError();
 }
 
 }  // namespace
 
-size_t topk_ef_workspace_bytes(int64_t n, int64_t k) { return layout(nullptr, n, nullptr); }
+size_t topk_ef_workspace_bytes(int64_t n, int64_t k) { return layout(nullptr, n, k, nullptr); }
 
 cudaError_t topk_ef(const void* grad, DType grad_dtype, float* residual, int64_t n, int64_t k, float* values,
                     int32_t* indices, double* g_sq, double* kept_sq, void* workspace, size_t workspace_bytes,
                     cudaStream_t stream) {
   if (n < 0 || n > INT_MAX || k < 0 || k > n) return cudaErrorInvalidValue;
   Workspace ws;
-  if (layout(static_cast<char*>(workspace), n, &ws) > workspace_bytes) return cudaErrorInvalidValue;
+  if (layout(static_cast<char*>(workspace), n, k, &ws) > workspace_bytes) return cudaErrorInvalidValue;
   switch (grad_dtype) {
     case DType::kFloat32:
       return run(static_cast<const float*>(grad), residual, n, k, values, indices, g_sq, kept_sq, ws, stream);
