@@ -57,6 +57,7 @@ constexpr int kSample = 8192, kSampleThreads = kPickThreads;  // find_bucket nee
 // Decisions passed from kernel to kernel through device memory.
 struct Control {
   uint32_t lower_key;   // L: entries with key >= L are candidates
+  uint32_t upper_key;   // U: entries with key >= U are (almost surely) kept: zeroed in the pass
   uint32_t overflow;    // some block's slice was too small
   uint32_t fast;        // 1: later kernels read the candidates, 0: g
   uint32_t prefix;      // key bits resolved so far (at the end: T)
@@ -98,10 +99,11 @@ int64_t slice_for(int64_t n, int64_t k, int blocks) {
 
 // Sample rank of L: k/n of the sample, plus four standard deviations and a little, so that
 // fewer than k entries reach L only with negligible probability (then: the fallback).
-int sample_target(int64_t n, int64_t k, int samples) {
+// sign = -1: the rank of U instead, four standard deviations below (0: no U).
+int sample_target(int64_t n, int64_t k, int samples, int sign = 1) {
   const double mean = static_cast<double>(k) / n * samples;
-  const double t = std::ceil(mean + 4.0 * std::sqrt(mean * (1.0 - static_cast<double>(k) / n)) + 8.0);
-  return static_cast<int>(t < samples ? t : samples);
+  const double t = std::ceil(mean + sign * (4.0 * std::sqrt(mean * (1.0 - static_cast<double>(k) / n)) + 8.0));
+  return static_cast<int>(t < 0 ? 0 : (t < samples ? t : samples));
 }
 
 size_t layout(char* base, int64_t n, int64_t k, Workspace* ws) {
@@ -163,13 +165,35 @@ __device__ void find_bucket(HistCount count, int bins, int64_t want, uint32_t* b
 
 // --- sample: the candidate bound L ------------------------------------------------------------
 
-template <typename G>
-__global__ void __launch_bounds__(kSampleThreads) sample(const G* __restrict__ grad, const float* __restrict__ residual,
-                                                         int64_t n, int samples, int target, Control* ctl) {
-  __shared__ uint32_t keys[kSample];
-  __shared__ uint32_t hist[kBins];
+// The 22-bit bucket (top two digits) of the rank-th largest of the sample's keys.
+__device__ uint32_t sample_bucket(const uint32_t* keys, int samples, int64_t rank, uint32_t* hist) {
   __shared__ uint32_t bucket0, bucket1;
   __shared__ int64_t above0, above1, in0, in1;
+  for (int b = threadIdx.x; b < kBins; b += kSampleThreads) hist[b] = 0;
+  __syncthreads();
+  for (int s = threadIdx.x; s < samples; s += kSampleThreads) atomicAdd(&hist[keys[s] >> kShift0], 1u);
+  __syncthreads();
+  find_bucket(HistCount{hist}, kBins, rank, &bucket0, &above0, &in0);
+  __syncthreads();
+  for (int b = threadIdx.x; b < kBins; b += kSampleThreads) hist[b] = 0;
+  __syncthreads();
+  for (int s = threadIdx.x; s < samples; s += kSampleThreads)
+    if ((keys[s] >> kShift0) == bucket0) atomicAdd(&hist[(keys[s] >> kShift1) & (kBins - 1)], 1u);
+  __syncthreads();
+  find_bucket(HistCount{hist}, kBins, rank - above0, &bucket1, &above1, &in1);
+  __syncthreads();
+  return (bucket0 << (kShift0 - kShift1)) | bucket1;
+}
+
+// L: the start of the bucket holding the sample's `target`-th largest key (a little more
+// than k entries of g reach it); U: the start of the bucket above the one holding the
+// `target_low`-th (a little fewer than k reach it), or no key at all when target_low < 1.
+template <typename G>
+__global__ void __launch_bounds__(kSampleThreads) sample(const G* __restrict__ grad, const float* __restrict__ residual,
+                                                         int64_t n, int samples, int target, int target_low,
+                                                         Control* ctl) {
+  __shared__ uint32_t keys[kSample];
+  __shared__ uint32_t hist[kBins];
   // Stratified: one entry from each of `samples` equal strata, at a hashed offset, so that
   // the sample cannot alias with a layer's row structure.
   for (int s = threadIdx.x; s < samples; s += kSampleThreads) {
@@ -178,20 +202,14 @@ __global__ void __launch_bounds__(kSampleThreads) sample(const G* __restrict__ g
     const int64_t i = lo + (hi > lo ? static_cast<int64_t>(h % static_cast<uint32_t>(hi - lo)) : 0);
     keys[s] = key_of(residual[i] + up(grad[i]));
   }
-  for (int b = threadIdx.x; b < kBins; b += kSampleThreads) hist[b] = 0;
   __syncthreads();
-  for (int s = threadIdx.x; s < samples; s += kSampleThreads) atomicAdd(&hist[keys[s] >> kShift0], 1u);
-  __syncthreads();
-  find_bucket(HistCount{hist}, kBins, target, &bucket0, &above0, &in0);
-  __syncthreads();
-  for (int b = threadIdx.x; b < kBins; b += kSampleThreads) hist[b] = 0;
-  __syncthreads();
-  for (int s = threadIdx.x; s < samples; s += kSampleThreads)
-    if ((keys[s] >> kShift0) == bucket0) atomicAdd(&hist[(keys[s] >> kShift1) & (kBins - 1)], 1u);
-  __syncthreads();
-  find_bucket(HistCount{hist}, kBins, target - above0, &bucket1, &above1, &in1);
-  __syncthreads();
-  if (threadIdx.x == 0) ctl->lower_key = (bucket0 << kShift0) | (bucket1 << kShift1);
+  const uint32_t lower = sample_bucket(keys, samples, target, hist) << kShift1;
+  const uint32_t upper = target_low >= 1 ? (sample_bucket(keys, samples, target_low, hist) + 1) << kShift1
+                                         : 0xffffffffu;  // above every key (keys < 2^31)
+  if (threadIdx.x == 0) {
+    ctl->lower_key = lower;
+    ctl->upper_key = upper;
+  }
 }
 
 // --- the one full pass: error feedback, norm, candidates ---------------------------------------
@@ -225,26 +243,23 @@ __global__ void __launch_bounds__(kThreads) ef_capture(const G* __restrict__ gra
                                                        int64_t slice, uint32_t* counts, double* g_partial) {
   using Scan = cub::BlockScan<int, kThreads>;
   __shared__ typename Scan::TempStorage temp;
-  const uint32_t lower = ctl->lower_key;
+  const uint32_t lower = ctl->lower_key, upper = ctl->upper_key;
   const int64_t begin = blockIdx.x * chunk, end = begin + chunk < n ? begin + chunk : n;
   float2* mine = candidates + blockIdx.x * slice;
-  int64_t written = 0;  // the same in every thread
+  int64_t recorded = 0;  // the same in every thread
+  bool overflow = false;
   double sq = 0;
   for (int64_t base = begin; base < end; base += kTile) {  // uniform trip count in the block
     const int64_t i = base + threadIdx.x * kItems;
+    const bool whole = vectorized && i + 3 < end;
     float v[kItems], gr[kItems];
     load4(grad, i, vectorized, end, gr);
-    if (vectorized && i + 3 < end) {
-      float4 r = *reinterpret_cast<const float4*>(g + i);
-      r.x += gr[0]; r.y += gr[1]; r.z += gr[2]; r.w += gr[3];
-      *reinterpret_cast<float4*>(g + i) = r;
-      v[0] = r.x; v[1] = r.y; v[2] = r.z; v[3] = r.w;
+    if (whole) {
+      const float4 r = *reinterpret_cast<const float4*>(g + i);
+      v[0] = r.x + gr[0]; v[1] = r.y + gr[1]; v[2] = r.z + gr[2]; v[3] = r.w + gr[3];
     } else {
 #pragma unroll
-      for (int j = 0; j < kItems; ++j) {
-        v[j] = 0.0f;
-        if (i + j < end) g[i + j] = v[j] = g[i + j] + gr[j];
-      }
+      for (int j = 0; j < kItems; ++j) v[j] = i + j < end ? g[i + j] + gr[j] : 0.0f;
     }
     int hits = 0;
 #pragma unroll
@@ -256,19 +271,32 @@ __global__ void __launch_bounds__(kThreads) ef_capture(const G* __restrict__ gra
     int pos, total;
     Scan(temp).ExclusiveSum(hits, pos, total);
     __syncthreads();  // temp is reused next tile
-    if (written + total <= slice) {
+    // A tile's candidates are recorded whole or not at all; only recorded entries may be
+    // zeroed here (the fallback restores them from their records).
+    const bool record = capture && recorded + total <= slice;
+    float out[kItems];
+#pragma unroll
+    for (int j = 0; j < kItems; ++j) {
+      const uint32_t key = key_of(v[j]);
+      out[j] = record && key >= upper ? 0.0f : v[j];
+      if (record && i + j < end && key >= lower)
+        mine[recorded + pos++] = make_float2(v[j], __int_as_float(static_cast<int>(i + j)));
+    }
+    if (whole) {
+      *reinterpret_cast<float4*>(g + i) = make_float4(out[0], out[1], out[2], out[3]);
+    } else {
 #pragma unroll
       for (int j = 0; j < kItems; ++j)
-        if (capture && i + j < end && key_of(v[j]) >= lower)
-          mine[written + pos++] = make_float2(v[j], __int_as_float(static_cast<int>(i + j)));
+        if (i + j < end) g[i + j] = out[j];
     }
-    written += total;
+    if (record) recorded += total;
+    else overflow |= capture && total > 0;
   }
   const double block_sq = block_sum<kThreads>(sq);
   if (threadIdx.x == 0) {
     g_partial[blockIdx.x] = block_sq;
-    counts[blockIdx.x] = static_cast<uint32_t>(written < slice ? written : slice);
-    if (written > slice) atomicOr(&ctl->overflow, 1u);
+    counts[blockIdx.x] = static_cast<uint32_t>(recorded);
+    if (overflow) atomicOr(&ctl->overflow, 1u);
   }
 }
 
@@ -278,6 +306,19 @@ __global__ void __launch_bounds__(kMaxBlocks) decide(const uint32_t* counts, int
   __shared__ typename Reduce::TempStorage temp;
   const int64_t total = Reduce(temp).Sum(c);
   if (threadIdx.x == 0) ctl->fast = !ctl->overflow && total >= k;
+}
+
+// Fallback only: puts back the entries ef_capture zeroed (key >= U, all of them recorded), so
+// that g is whole again for the passes that read it.
+__global__ void __launch_bounds__(kThreads) restore(float* g, const float2* candidates, int64_t slice,
+                                                    const uint32_t* counts, const Control* ctl) {
+  if (ctl->fast) return;
+  const uint32_t upper = ctl->upper_key;
+  const float2* mine = candidates + blockIdx.x * slice;
+  for (int64_t j = threadIdx.x, count = counts[blockIdx.x]; j < count; j += kThreads) {
+    const float2 e = mine[j];
+    if (key_of(e.x) >= upper) g[__float_as_int(e.y)] = e.x;
+  }
 }
 
 // The entries a block reads after `decide`: its candidate slice, or its chunk of g.
@@ -383,7 +424,7 @@ __global__ void __launch_bounds__(kThreads) write_kept(Source src, const Control
   using Scan = cub::BlockScan<unsigned long long, kThreads>;
   __shared__ typename Scan::TempStorage temp;
   const bool fast = ctl->fast;
-  const uint32_t t = ctl->prefix;
+  const uint32_t t = ctl->prefix, upper = ctl->upper_key;
   const int64_t out0 = offset[blockIdx.x], tk = ties_kept[blockIdx.x];
   uint64_t done = 0;  // (ties << 32 | above) before this tile, in this block
   double sq = 0;
@@ -403,14 +444,18 @@ __global__ void __launch_bounds__(kThreads) write_kept(Source src, const Control
     __syncthreads();
     before += done;
     const int64_t above_before = before & 0xffffffffu, tie_rank = before >> 32;
-    if (is_above || (is_tie && tie_rank < tk)) {
+    const bool kept = is_above || (is_tie && tie_rank < tk);
+    const int32_t i = __float_as_int(e.y);
+    if (kept) {
       const int64_t pos = out0 + above_before + (tie_rank < tk ? tie_rank : tk);
-      const int32_t i = __float_as_int(e.y);
       values[pos] = e.x;
       indices[pos] = i;
-      g[i] = 0.0f;
       sq += static_cast<double>(e.x) * e.x;
     }
+    // The fast path's g already has the entries >= U zeroed (ef_capture): zero the kept ones
+    // below U, and put back the few >= U that were not kept. The fallback's g is whole.
+    if (kept && (!fast || key < upper)) g[i] = 0.0f;
+    if (fast && j < size && !kept && key >= upper) g[i] = e.x;
     done += total;
   }
   const double block_sq = block_sum<kThreads>(sq);
@@ -442,13 +487,15 @@ cudaError_t run(const G* grad, float* g, int64_t n, int64_t k, float* values, in
   const bool vec = reinterpret_cast<uintptr_t>(g) % 16 == 0 && reinterpret_cast<uintptr_t>(grad) % (4 * sizeof(G)) == 0;
   const int samples = n < kSample ? static_cast<int>(n) : kSample;
   if (k > 0)
-    sample<G><<<1, kSampleThreads, 0, stream>>>(grad, g, n, samples, sample_target(n, k, samples), ws.ctl);
+    sample<G><<<1, kSampleThreads, 0, stream>>>(grad, g, n, samples, sample_target(n, k, samples),
+                                                sample_target(n, k, samples, -1), ws.ctl);
   ef_capture<G><<<blocks, kThreads, 0, stream>>>(grad, g, n, chunk, vec, k > 0, ws.ctl, ws.candidates, ws.slice,
                                                  ws.counts, ws.g_partial);
   if ((err = cudaGetLastError())) return err;
   if (k > 0) {
     const Source src{g, n, chunk, ws.candidates, ws.slice, ws.counts};
     decide<<<1, kMaxBlocks, 0, stream>>>(ws.counts, blocks, k, ws.ctl);
+    restore<<<blocks, kThreads, 0, stream>>>(g, ws.candidates, ws.slice, ws.counts, ws.ctl);
     const int bits[3] = {11, 11, 9};
     for (int level = 0; level < 3; ++level) {
       level_hist<<<blocks, kThreads, 0, stream>>>(src, level, ws.ctl, ws.hist + level * kBins);
