@@ -48,7 +48,6 @@ namespace {
 constexpr int kThreads = 256;
 constexpr int kItems = 4;                     // entries per thread per tile (one 16-byte load)
 constexpr int kTile = kThreads * kItems;
-constexpr int kStripes = 4;                   // tiles loaded together in the full pass
 constexpr int kMaxBlocks = 1024;              // chunks: the same rounding on any GPU
 constexpr int kBins = 2048;                   // 11-bit digits (the last one uses 512)
 constexpr int kShift0 = 20, kShift1 = 9;
@@ -250,57 +249,48 @@ __global__ void __launch_bounds__(kThreads) ef_capture(const G* __restrict__ gra
   int64_t recorded = 0;  // the same in every thread
   bool overflow = false;
   double sq = 0;
-  // kStripes tiles at a time: all their loads are issued before the first is needed, then
-  // each tile is scanned and written in index order.
-  for (int64_t base = begin; base < end; base += kStripes * kTile) {  // uniform trip count
-    float v[kStripes][kItems];
+  for (int64_t base = begin; base < end; base += kTile) {  // uniform trip count in the block
+    const int64_t i = base + threadIdx.x * kItems;
+    const bool whole = vectorized && i + 3 < end;
+    float v[kItems], gr[kItems];
+    load4(grad, i, vectorized, end, gr);
+    if (whole) {
+      const float4 r = *reinterpret_cast<const float4*>(g + i);
+      v[0] = r.x + gr[0]; v[1] = r.y + gr[1]; v[2] = r.z + gr[2]; v[3] = r.w + gr[3];
+    } else {
 #pragma unroll
-    for (int s = 0; s < kStripes; ++s) {
-      const int64_t i = base + s * kTile + threadIdx.x * kItems;
-      float gr[kItems];
-      load4(grad, i, vectorized, end, gr);
-      if (vectorized && i + 3 < end) {
-        const float4 r = *reinterpret_cast<const float4*>(g + i);
-        v[s][0] = r.x + gr[0]; v[s][1] = r.y + gr[1]; v[s][2] = r.z + gr[2]; v[s][3] = r.w + gr[3];
-      } else {
-#pragma unroll
-        for (int j = 0; j < kItems; ++j) v[s][j] = i + j < end ? g[i + j] + gr[j] : 0.0f;
-      }
+      for (int j = 0; j < kItems; ++j) v[j] = i + j < end ? g[i + j] + gr[j] : 0.0f;
     }
+    int hits = 0;
 #pragma unroll
-    for (int s = 0; s < kStripes; ++s) {
-      const int64_t i = base + s * kTile + threadIdx.x * kItems;
-      int hits = 0;
-#pragma unroll
-      for (int j = 0; j < kItems; ++j) {
-        const bool in = i + j < end;
-        sq += in ? static_cast<double>(v[s][j]) * v[s][j] : 0.0;
-        hits += capture && in && key_of(v[s][j]) >= lower;
-      }
-      int pos, total;
-      Scan(temp).ExclusiveSum(hits, pos, total);
-      __syncthreads();  // temp is reused next tile
-      // A tile's candidates are recorded whole or not at all; only recorded entries may be
-      // zeroed here (the fallback restores them from their records).
-      const bool record = capture && recorded + total <= slice;
-      float out[kItems];
-#pragma unroll
-      for (int j = 0; j < kItems; ++j) {
-        const uint32_t key = key_of(v[s][j]);
-        out[j] = record && key >= upper ? 0.0f : v[s][j];
-        if (record && i + j < end && key >= lower)
-          mine[recorded + pos++] = make_float2(v[s][j], __int_as_float(static_cast<int>(i + j)));
-      }
-      if (vectorized && i + 3 < end) {
-        *reinterpret_cast<float4*>(g + i) = make_float4(out[0], out[1], out[2], out[3]);
-      } else {
-#pragma unroll
-        for (int j = 0; j < kItems; ++j)
-          if (i + j < end) g[i + j] = out[j];
-      }
-      if (record) recorded += total;
-      else overflow |= capture && total > 0;
+    for (int j = 0; j < kItems; ++j) {
+      const bool in = i + j < end;
+      sq += in ? static_cast<double>(v[j]) * v[j] : 0.0;
+      hits += capture && in && key_of(v[j]) >= lower;
     }
+    int pos, total;
+    Scan(temp).ExclusiveSum(hits, pos, total);
+    __syncthreads();  // temp is reused next tile
+    // A tile's candidates are recorded whole or not at all; only recorded entries may be
+    // zeroed here (the fallback restores them from their records).
+    const bool record = capture && recorded + total <= slice;
+    float out[kItems];
+#pragma unroll
+    for (int j = 0; j < kItems; ++j) {
+      const uint32_t key = key_of(v[j]);
+      out[j] = record && key >= upper ? 0.0f : v[j];
+      if (record && i + j < end && key >= lower)
+        mine[recorded + pos++] = make_float2(v[j], __int_as_float(static_cast<int>(i + j)));
+    }
+    if (whole) {
+      *reinterpret_cast<float4*>(g + i) = make_float4(out[0], out[1], out[2], out[3]);
+    } else {
+#pragma unroll
+      for (int j = 0; j < kItems; ++j)
+        if (i + j < end) g[i + j] = out[j];
+    }
+    if (record) recorded += total;
+    else overflow |= capture && total > 0;
   }
   const double block_sq = block_sum<kThreads>(sq);
   if (threadIdx.x == 0) {
