@@ -12,11 +12,6 @@ export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 status=0
 step() { echo "== $1 ($(date +%T))"; }
 
-# Compile with the system g++, whose libstdc++ is the one the process loads at run time.
-# Seen on the lent H100 image: CMake picked /opt/gcc/bin/g++ (newer headers) there, and the
-# extension then crashed in std::ostream code the moment it formatted any error message.
-[ -z "${CXX:-}" ] && [ -x /usr/bin/g++ ] && export CXX=/usr/bin/g++
-
 step "build"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$out/gpu.txt"
 ACCORDION_CUDA=ON ACCORDION_CUDA_ARCHITECTURES=90 $py setup.py -q build_ext --inplace >"$out/build.log" 2>&1 \
