@@ -7,6 +7,8 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include "cuda/kernels.h"
+
 namespace accordion {
 namespace cuda {
 
@@ -26,6 +28,19 @@ template <> __device__ __forceinline__ __nv_bfloat16 down<__nv_bfloat16>(float x
 inline unsigned grid_for(int64_t n, int threads, int64_t cap = 65536) {
   const int64_t blocks = (n + threads - 1) / threads;
   return static_cast<unsigned>(blocks < 1 ? 1 : (blocks < cap ? blocks : cap));
+}
+
+// Calls launch(out) with `out` as a pointer to the storage type of `dtype` (float32, float16
+// or bfloat16), then returns the launch's error.
+template <typename Launch>
+cudaError_t with_out_type(DType dtype, void* out, Launch launch) {
+  switch (dtype) {
+    case DType::kFloat32: launch(static_cast<float*>(out)); break;
+    case DType::kFloat16: launch(static_cast<__half*>(out)); break;
+    case DType::kBFloat16: launch(static_cast<__nv_bfloat16*>(out)); break;
+    default: return cudaErrorInvalidValue;
+  }
+  return cudaGetLastError();
 }
 
 }  // namespace cuda

@@ -109,20 +109,9 @@ cudaError_t error_update(float* residual, const float* approx, int64_t n, void* 
                          cudaStream_t stream) {
   if (n <= 0) return cudaSuccess;
   const unsigned grid = grid_for(n, kThreads);
-  switch (out_dtype) {
-    case DType::kFloat32:
-      error_update_kernel<<<grid, kThreads, 0, stream>>>(residual, approx, n, static_cast<float*>(out));
-      break;
-    case DType::kFloat16:
-      error_update_kernel<<<grid, kThreads, 0, stream>>>(residual, approx, n, static_cast<__half*>(out));
-      break;
-    case DType::kBFloat16:
-      error_update_kernel<<<grid, kThreads, 0, stream>>>(residual, approx, n, static_cast<__nv_bfloat16*>(out));
-      break;
-    default:
-      return cudaErrorInvalidValue;
-  }
-  return cudaGetLastError();
+  return with_out_type(out_dtype, out, [&](auto* typed) {
+    error_update_kernel<<<grid, kThreads, 0, stream>>>(residual, approx, n, typed);
+  });
 }
 
 }  // namespace cuda

@@ -60,20 +60,9 @@ cudaError_t divide_convert(const float* sum, int64_t numel, int64_t world_size, 
   if (numel <= 0) return cudaSuccess;
   const unsigned grid = grid_for(numel, kThreads);
   const float world = static_cast<float>(world_size);
-  switch (out_dtype) {
-    case DType::kFloat32:
-      divide_convert_kernel<<<grid, kThreads, 0, stream>>>(sum, numel, world, static_cast<float*>(out));
-      break;
-    case DType::kFloat16:
-      divide_convert_kernel<<<grid, kThreads, 0, stream>>>(sum, numel, world, static_cast<__half*>(out));
-      break;
-    case DType::kBFloat16:
-      divide_convert_kernel<<<grid, kThreads, 0, stream>>>(sum, numel, world, static_cast<__nv_bfloat16*>(out));
-      break;
-    default:
-      return cudaErrorInvalidValue;
-  }
-  return cudaGetLastError();
+  return with_out_type(out_dtype, out, [&](auto* typed) {
+    divide_convert_kernel<<<grid, kThreads, 0, stream>>>(sum, numel, world, typed);
+  });
 }
 
 }  // namespace cuda
