@@ -273,9 +273,9 @@ MEMORY_NOTES = [
     "- TopK on the CPU: per step, the k values and int32 indices sent (8k bytes) and, inside the "
     "kernel, the candidates of one histogram bucket as (key, index) pairs: at most "
     "8 (2k + 65,536) bytes, else the kernel scans instead of copying.",
-    "- TopK on CUDA: the 8k output bytes and a workspace of n/2 + 4,096 bytes of candidate keys, "
-    "about 40 KiB of histograms and partial sums, and CUB's scratch for the ordered compaction "
-    "(a few bytes per 1,000 entries); the table's *peak extra* column measures it.",
+    "- TopK on CUDA: the 8k output bytes and a workspace: the candidate slices, 8 bytes x "
+    "(1.3 k/n + 1%) of n + 2 KiB per block, and about 40 KiB of histograms and per-block "
+    "counters; the table's *peak extra* column measures it.",
     "- Decoding writes one dense float32 vector (plus its copy in the gradient's dtype when "
     "that is 16-bit).",
 ]
