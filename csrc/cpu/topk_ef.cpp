@@ -77,24 +77,47 @@ struct Chunks {
   int64_t end(int64_t c) const { return (c + 1) * n / count; }
 };
 
-// The r-th largest of `keys` for each r in `ranks` (1 <= r <= size): the top digits from one
-// histogram, then nth_element within the bucket of each.
+// The r-th largest of `keys` for each r in `ranks` (1 <= r <= size): the leading digit of
+// each from one histogram, then nth_element among the keys that share it. Branch-free
+// throughout: the histogram is kept four times over (neighbouring keys often share a bucket,
+// and one copy would make each increment wait for the last), and every key is written into
+// each bucket's list, whose end only advances on a match.
 template <size_t N>
 std::array<uint32_t, N> largest_keys(const std::vector<uint32_t>& keys, std::array<int64_t, N> ranks) {
-  uint32_t hist[1u << kTopBits] = {};
-  for (uint32_t key : keys) ++hist[key >> kTopShift];
-  std::array<uint32_t, N> found;
-  std::vector<uint32_t> bucket;
+  constexpr uint32_t kBins = 1u << kTopBits;
+  const size_t size = keys.size();
+  std::vector<uint32_t> hist(4 * kBins, 0);
+  size_t i = 0;
+  for (; i + 4 <= size; i += 4) {
+    for (uint32_t j = 0; j < 4; ++j) ++hist[j * kBins + (keys[i + j] >> kTopShift)];
+  }
+  for (; i < size; ++i) ++hist[keys[i] >> kTopShift];
+  for (uint32_t d = 0; d < kBins; ++d) hist[d] += hist[kBins + d] + hist[2 * kBins + d] + hist[3 * kBins + d];
+
+  std::array<uint32_t, N> top, found;
   for (size_t j = 0; j < N; ++j) {
-    int64_t r = ranks[j];
-    uint32_t top = 1u << kTopBits;
-    while (top-- > 0 && hist[top] < r) r -= hist[top];
-    bucket.clear();
-    for (uint32_t key : keys) {
-      if ((key >> kTopShift) == top) bucket.push_back(key);
+    uint32_t t = kBins;
+    while (t-- > 0 && hist[t] < ranks[j]) ranks[j] -= hist[t];
+    top[j] = t;
+  }
+  // Bucket j's list needs room for its keys plus the one slot written past them.
+  std::array<size_t, N> start, filled{};
+  size_t room = 0;
+  for (size_t j = 0; j < N; ++j) {
+    start[j] = room;
+    room += hist[top[j]] + 1;
+  }
+  std::vector<uint32_t> bucket(room);
+  for (uint32_t key : keys) {
+    for (size_t j = 0; j < N; ++j) {
+      bucket[start[j] + filled[j]] = key;
+      filled[j] += (key >> kTopShift) == top[j];
     }
-    std::nth_element(bucket.begin(), bucket.begin() + (r - 1), bucket.end(), std::greater<uint32_t>());
-    found[j] = bucket[r - 1];
+  }
+  for (size_t j = 0; j < N; ++j) {
+    uint32_t* b = bucket.data() + start[j];
+    std::nth_element(b, b + (ranks[j] - 1), b + filled[j], std::greater<uint32_t>());
+    found[j] = b[ranks[j] - 1];
   }
   return found;
 }
