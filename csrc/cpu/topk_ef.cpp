@@ -68,6 +68,7 @@ constexpr int64_t kMinChunk = 1 << 16;    // smallest piece of work one thread t
 constexpr int64_t kMaxChunks = 64;
 constexpr int64_t kSampleRuns = 128, kSampleRun = 128;  // 16Ki sampled entries
 constexpr int64_t kCandidateSlack = 1 << 16;
+constexpr int64_t kSerialSelect = 1 << 15;  // entries: below this one thread finds the cut
 
 // The tensor is cut into `count` contiguous chunks, independent of the thread count;
 // per-chunk counts give every chunk its output offset.
@@ -251,17 +252,19 @@ struct Cut {
 // in [lowest, highest]. Only the bits below the leading ones those two share are resolved,
 // a digit histogram at a time, each narrowed to the bucket the previous one chose; the last
 // digit is counted per chunk, together with the keys above the prefix, so the per-chunk
-// counts follow without another walk. Each walk is parallel over chunks; integer counts
-// merge in any order.
+// counts follow without another walk. Each walk is parallel over chunks (integer counts
+// merge in any order), unless `serial`: for a few thousand entries, waking the other
+// threads costs more than the walks.
 template <typename ForEach>
 Cut find_cut(int64_t chunks, const ForEach& for_each, int64_t k, uint32_t lowest = 0,
-             uint32_t highest = 0x7fffffffu) {
+             uint32_t highest = 0x7fffffffu, bool serial = false) {
+  const int64_t grain = serial ? chunks : 1;
   // Histogram of (key >> shift) & (bins - 1) over keys with key >> (shift + bits) == prefix.
   auto histogram = [&](int shift, int bits, uint32_t prefix) {
     const uint32_t bins = 1u << bits;
     std::vector<int64_t> hist(bins, 0);
     std::mutex merge;
-    at::parallel_for(0, chunks, 1, [&](int64_t c0, int64_t c1) {
+    at::parallel_for(0, chunks, grain, [&](int64_t c0, int64_t c1) {
       std::vector<int64_t> local(bins, 0);
       for (int64_t c = c0; c < c1; ++c) {
         for_each(c, [&](uint32_t key, int64_t, float) {
@@ -292,7 +295,7 @@ Cut find_cut(int64_t chunks, const ForEach& for_each, int64_t k, uint32_t lowest
   result.above.assign(chunks, 0);
   result.equal.assign(chunks, 0);
   std::vector<int64_t> low(chunks * low_bins, 0);
-  at::parallel_for(0, chunks, 1, [&](int64_t c0, int64_t c1) {
+  at::parallel_for(0, chunks, grain, [&](int64_t c0, int64_t c1) {
     for (int64_t c = c0; c < c1; ++c) {
       int64_t* h = low.data() + c * low_bins;
       int64_t over = 0;
@@ -390,7 +393,9 @@ void select_candidates(const std::vector<Records>& cands, int64_t k, uint32_t lo
     return;
   }
   const uint32_t highest = sure == kNoKey ? 0x7fffffffu : static_cast<uint32_t>(sure) - 1;
-  Cut cut = find_cut(chunks, each_record(band), k - sure_total, lowest, highest);
+  int64_t band_total = 0;
+  for (const Records& b : band) band_total += b.size;
+  Cut cut = find_cut(chunks, each_record(band), k - sure_total, lowest, highest, band_total < kSerialSelect);
   for (int64_t c = 0; c < chunks; ++c) cut.above[c] += sure_count[c];  // all above T < sure
   band.clear();
   const auto walk = [&](int64_t c, EntryWriter& writer) {
