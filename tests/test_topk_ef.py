@@ -94,6 +94,23 @@ def test_entries_zeroed_early_but_not_kept_are_restored():
     assert torch.equal(indices.long(), spike.sort().values[:k])
 
 
+@pytest.mark.parametrize("copies", [3, 300, 30_000])
+def test_ties_at_the_threshold_on_the_fast_path(copies):
+    # Well-spread magnitudes (so the sample separates k entries and the kernel takes its
+    # candidate path) with `copies` entries, scattered over every chunk, set to exactly
+    # the k-th largest magnitude, both signs: the kept ones must be the lowest indices,
+    # also where the writing walk decides eight records at a time.
+    n, k = 1 << 20, 50_000
+    gen = torch.Generator().manual_seed(copies)
+    grad, residual = torch.randn(n, generator=gen), 0.01 * torch.randn(n, generator=gen)
+    threshold = (grad + residual).abs().kthvalue(n - k + 1).values.item()
+    where = torch.randperm(n, generator=gen)[:copies]
+    grad[where] = threshold * torch.where(torch.rand(copies, generator=gen) < 0.5, -1.0, 1.0)
+    residual[where] = 0.0
+    values, _ = assert_same_selection(grad, residual, k)
+    assert (values.abs() == threshold).sum() >= 1, "no tie at the threshold was kept"
+
+
 def test_tie_rule_by_hand():
     grad = torch.tensor([1.0, -3.0, 3.0, 2.0, -3.0, 0.5])
     v, i, _, _ = acc.ops.topk_ef(grad, torch.zeros(6), 2)

@@ -8,24 +8,27 @@
 // Selection is an exact radix select on the bits of |g|, never a sort. For a non-negative
 // float the IEEE bit pattern, read as an unsigned integer, orders exactly like the value,
 // so the key of an entry is bits(g) & 0x7fffffff and everything is integer counting. The
-// 31 key bits are resolved as digits of 12, 11 and 8 bits: a histogram per digit, the
-// bucket holding the k-th largest key, then the next digit within that bucket.
+// key bits are resolved a digit at a time (a full key as 12, 11 and 8 bits): a histogram
+// per digit, the bucket holding the k-th largest key, then the next digit within it.
 //
-// Fast path, one pass over the tensor. A sample of 16Ki entries of g gives two keys: L,
+// Fast path, one pass over the tensor. A sample of 16Ki entries of g gives three keys: L,
 // which with overwhelming probability a little more than k entries reach (about 1.05k plus
-// four standard deviations of the sample), and U, which a little fewer than k reach (one
-// standard deviation below k). The single pass (topk_pass1.h; AVX-512 where the CPU has it)
-// does the error-feedback add, the squared norm, lists the entries with key >= L as
-// candidates (a vectorized compare; everything else is never looked at again), and zeroes
-// in g the entries with key >= U, which are almost all kept, while the block is still in
-// registers. The candidate records carry key, sign and index, so
-// the radix select on them (O(k) work) writes values and indices without reading g, and
-// only the kept entries below U are zeroed afterwards: at a 10% ratio, a separate zeroing
-// walk would touch every cache line of g a second time. Should U turn out to be above the
-// threshold, the entries zeroed but not kept are written back from their records.
+// four standard deviations of the sample); U, which a little fewer than k reach (one
+// standard deviation below k); and S, which fewer than k reach all but surely (three below).
+// The single pass (topk_pass1.h; AVX-512 where the CPU has it) does the error-feedback add,
+// the squared norm, lists the entries with key >= L as candidates (a vectorized compare;
+// everything else is never looked at again), and zeroes in g the entries with key >= U,
+// which are almost all kept, while the block is still in registers. The candidate records
+// carry key, sign and index, so the select writes values and indices without reading g.
+// The threshold is looked for only in the band [L, S) of the candidates (about a sixth of
+// them, and keys that share their leading bits: often two digits instead of three); those
+// at or above S are simply kept. The writing walk (topk_write.h) zeroes the kept entries
+// below U: at a 10% ratio, a separate zeroing walk would touch every cache line of g a
+// second time. Should U turn out to be above the threshold, the entries zeroed but not kept
+// are written back from their records.
 // Fallback: if the sample misled (fewer than k candidates, or more than 3k + 64Ki), or the
 // tensor is small or k > n/4, g is restored from the records and the same select runs over
-// all of g in a few more passes.
+// all of g in a few more passes; if S was reached by k or more, over all candidates.
 // Either way the result is exact, the same on every thread count, and no O(n) temporary is
 // allocated (candidates are O(k)). Outputs are in ascending index order.
 #include <ATen/Dispatch.h>
