@@ -271,8 +271,9 @@ MEMORY_NOTES = [
     "float32 step allocates nothing gradient-sized (a 16-bit gradient needs one float32 "
     "M_hat during `finish`).",
     "- TopK on the CPU: per step, the k values and int32 indices sent (8k bytes) and, inside the "
-    "kernel, the candidates of one histogram bucket as (key, index) pairs: at most "
-    "8 (2k + 65,536) bytes, else the kernel scans instead of copying.",
+    "kernel, an 8-byte record (key, sign, index) per candidate, about 1.15 k of them and never "
+    "more than 3k + 65,536 (past that the kernel scans g instead), plus room for a copy of the "
+    "band around the threshold: at most 16 (3k + 65,536) bytes.",
     "- TopK on CUDA: the 8k output bytes and a workspace: the candidate slices, 8 bytes x "
     "(1.3 k/n + 1%) of n + 2 KiB per block, and about 40 KiB of histograms and per-block "
     "counters; the table's *peak extra* column measures it.",
