@@ -141,6 +141,7 @@ class AccordionCompressor:
         self._fault = False                      # some rank's was not (the same on every rank)
         self._undo: list = []                    # put a layer's gradient back into e, if skipped
         self._settle: list = []                  # finish a layer's error feedback, if not
+        self._lr_gather = None                   # every rank's learning rates, in flight
 
     @classmethod
     def default_instance(cls) -> "AccordionCompressor":
@@ -290,6 +291,7 @@ class AccordionCompressor:
             started = time.perf_counter()
             qs = self.codec.middle(states, p_avgs)
             self.seconds["compress"] += time.perf_counter() - started
+            self._gather_learning_rates()
             q_avg = self._wait(self.channel.allreduce_mean_async(qs, name=f"acc.Q.{len(names)}"))
             started = time.perf_counter()
             for n, s, q in zip(names, states, q_avg):
@@ -388,11 +390,23 @@ class AccordionCompressor:
             for settle in self._settle:
                 settle()
         self.step_skipped = self._fault
+        lr_gather = self._lr_gather
         self._new_step()
         self.steps += 1
         lrs = self._learning_rates()
-        changed = self.controller.end_step(self.control, sorted(self._layers), lrs)
+        gathered = None if lr_gather is None else self._wait(lr_gather).view(self.channel.size, -1).numpy()
+        changed = self.controller.end_step(self.control, sorted(self._layers), lrs, gathered=gathered)
         self._apply_levels(changed)
+
+    def _gather_learning_rates(self) -> None:
+        """Start gathering every rank's learning rates for the controller's per-step check,
+        right before the step's last exchange: Horovod negotiates both in the same cycle, so
+        the check costs no round of its own (else it is one control collective at the end of
+        the step, as in steps without an exchange)."""
+        lrs = self._learning_rates() if self.policy.reacts_to_lr else None
+        if lrs is not None:
+            self._lr_gather = self.channel.allgather_async(torch.tensor(lrs, dtype=torch.float64),
+                                                           name=f"acc.lrs.{len(lrs)}")
 
     def _learning_rates(self) -> list[float] | None:
         if self._reported_lrs is not None:
@@ -458,6 +472,7 @@ class AccordionCompressor:
             values, indices = pending[n][0]
             parts += [values.reshape(-1).view(torch.uint8), indices.view(torch.uint8)]
         packed = torch.cat(parts)
+        self._gather_learning_rates()
         gathered = self._wait(self.channel.allgather_async(packed, name=f"acc.topk.{len(names)}"))
         started = time.perf_counter()
         size = self.channel.size

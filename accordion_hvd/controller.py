@@ -79,12 +79,15 @@ class RegimeController:
             norm = float(torch.linalg.vector_norm(grad, dtype=torch.float64))
             self._sq[layer] = self._sq.get(layer, 0.0) + weight * norm ** 2
 
-    def end_step(self, control: Any, layers: list[str], lrs: list[float] | None) -> dict[str, str] | None:
+    def end_step(self, control: Any, layers: list[str], lrs: list[float] | None,
+                 gathered: np.ndarray | None = None) -> dict[str, str] | None:
         """At the end of every optimizer step (all ranks, same step). ``lrs``: this rank's
-        learning rates (one per param group), or None when unknown (then on every rank).
+        learning rates (one per param group), or None when unknown (then on every rank);
+        ``gathered``: every rank's (ranks x groups), when they travelled with the step's
+        exchange (then on every rank), else they are reduced here.
         Returns the levels to use from the next step when any changes, else None."""
         self._window_steps += 1
-        lr_down = lrs is not None and self.policy.reacts_to_lr and self._lr_decreased(control, lrs)
+        lr_down = lrs is not None and self.policy.reacts_to_lr and self._lr_decreased(control, lrs, gathered)
         decided = None
         if self.interval is not None and self._window_steps >= self.interval:
             decided = self._end_window(control, layers)
@@ -112,12 +115,15 @@ class RegimeController:
         self.levels.update(decided)
         return changed or None
 
-    def _lr_decreased(self, control: Any, lrs: list[float]) -> bool:
-        """Agree on the learning rates (min and max over ranks, one small collective) and
-        say whether any went down since the last step."""
-        local = np.asarray([float(x) for x in lrs], dtype=np.float64)
-        reduced = control.allreduce(np.concatenate([local, -local]), name=f"acc.lr.{len(lrs)}", op="min")
-        low, high = reduced[:len(lrs)], -reduced[len(lrs):]
+    def _lr_decreased(self, control: Any, lrs: list[float], gathered: np.ndarray | None) -> bool:
+        """Agree on the learning rates (min and max over ranks: from ``gathered``, else one
+        small collective) and say whether any went down since the last step."""
+        if gathered is not None:
+            low, high = gathered.min(axis=0), gathered.max(axis=0)
+        else:
+            local = np.asarray([float(x) for x in lrs], dtype=np.float64)
+            reduced = control.allreduce(np.concatenate([local, -local]), name=f"acc.lr.{len(lrs)}", op="min")
+            low, high = reduced[:len(lrs)], -reduced[len(lrs):]
         if not np.array_equal(low, high):
             raise RuntimeError(f"AccordionCompressor: ranks use different learning rates (per param group, "
                                f"min {low.tolist()} vs max {high.tolist()} over ranks); the regime controller "
