@@ -305,6 +305,33 @@ def test_delay_is_emulated_or_refused():
     assert "netem" in qdiscs and "delay 2ms" in qdiscs and "tbf" in qdiscs, qdiscs
 
 
+def test_python_handle_tears_down_on_sigterm():
+    """A benchmark stopped with SIGTERM (kill, a job timeout) inside `with Cluster(...)`
+    leaves the block through its teardown, as after an exception."""
+    script = textwrap.dedent(f"""
+        import sys, time
+        sys.path.insert(0, {str(CLUSTER_DIR)!r})
+        from cluster import Cluster
+        with Cluster(2, prefix={PREFIX!r}):
+            print("up", flush=True)
+            time.sleep(60)
+        """)
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True, env=ENV)
+    try:
+        assert proc.stdout.readline().strip() == "up"
+        assert leftovers() != []
+        proc.terminate()
+        proc.wait(timeout=90)
+        left = leftovers()  # before the clean-up below
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        cluster_sh("down")
+    assert proc.returncode == 128 + signal.SIGTERM
+    assert left == []
+
+
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT, signal.SIGKILL], ids=lambda s: s.name)
 def test_interrupted_run_leaves_nothing(sig, tmp_path):
     """TERM/INT: `run` tears down itself. KILL (a crash): namespaces and the job survive,

@@ -7,7 +7,8 @@
         print(result.stdout)
 
 Entering brings the nodes up (removing leftovers of an earlier run with the same prefix);
-leaving tears them down, also after an exception. Every command runs with a timeout, in its
+leaving tears them down, also after an exception or a SIGTERM (which, inside the block and
+in the main thread, raises SystemExit(143) so that the block is left the ordinary way). Every command runs with a timeout, in its
 own process group, which is killed on expiry. Needs root, like cluster.sh.
 """
 
@@ -17,6 +18,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 from pathlib import Path
 from typing import Mapping, Sequence
 
@@ -83,11 +85,28 @@ class Cluster:
             raise RuntimeError(f"cluster.sh down failed ({result.returncode}): {result.stderr.strip()}")
 
     def __enter__(self) -> "Cluster":
-        self.up()
+        # Python's default SIGTERM ends the process without leaving `with` blocks: the
+        # namespaces would outlive a benchmark that was killed or timed out.
+        self._sigterm_before = None
+        if threading.current_thread() is threading.main_thread():
+            self._sigterm_before = signal.signal(signal.SIGTERM, _exit_on_sigterm)
+        try:
+            self.up()
+        except BaseException:
+            self._restore_sigterm()
+            raise
         return self
 
     def __exit__(self, *exc_info) -> None:
-        self.down()
+        try:
+            self.down()
+        finally:
+            self._restore_sigterm()
+
+    def _restore_sigterm(self) -> None:
+        if self._sigterm_before is not None:
+            signal.signal(signal.SIGTERM, self._sigterm_before)
+            self._sigterm_before = None
 
     # -- running things
 
@@ -142,3 +161,7 @@ class Cluster:
             cmd.append(f"--mpi-args={MPI_ARGS}")
         cmd += [*extra, self.python, *args]
         return self.exec(cmd, timeout=timeout, env=env)
+
+
+def _exit_on_sigterm(signum, frame) -> None:
+    raise SystemExit(128 + signum)
