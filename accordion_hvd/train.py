@@ -240,6 +240,9 @@ def main(argv=None) -> float:
     log.info("training %s (%s parameters) on %s, %d ranks, compression %s, %d train / %d test samples",
              args.model, f"{sum(p.numel() for p in model.parameters()):,}", args.dataset, hvd.size(),
              compression, len(train.y), len(test.y))
+    if hvd.size() == 1 and args.codec != "none":
+        log.warning("1 rank: Horovod's DistributedOptimizer exchanges nothing and never calls the "
+                    "compressor, so --codec %s has no effect (launch 2 or more ranks)", args.codec)
 
     micro_per_epoch = (len(train.y) // hvd.size()) // args.batch_size
     metrics = _metrics_logger(args, model, compression) if rank0 and args.logdir else None
@@ -297,8 +300,11 @@ def main(argv=None) -> float:
               f"{time.perf_counter() - start:.1f} s)", flush=True)
         if isinstance(compression, AccordionCompressor):
             stats = compression.stats()
-            print(f"floats sent by rank 0: {stats['floats_sent']:,} of {stats['floats_dense']:,} "
-                  f"({stats['floats_dense'] / stats['floats_sent']:.1f}x less than dense)", flush=True)
+            if stats["floats_sent"]:
+                print(f"floats sent by rank 0: {stats['floats_sent']:,} of {stats['floats_dense']:,} "
+                      f"({stats['floats_dense'] / stats['floats_sent']:.1f}x less than dense)", flush=True)
+            else:
+                print("floats sent by rank 0: none (nothing was exchanged)", flush=True)
     if metrics is not None:
         metrics.close()
         from .plots import plot_run

@@ -97,3 +97,13 @@ def test_gravac_policy_trains_and_records_its_choices(tmp_path):
     assert int(rows[-1]["floats_sent"]) < int(rows[-1]["floats_dense"]) / 2
     accuracy = float(out.split("final test accuracy: ")[1].split()[0])
     assert accuracy > 0.9, out
+
+
+def test_one_rank_trains_and_says_nothing_was_compressed(tmp_path):
+    # Horovod's DistributedOptimizer registers no hooks on a single rank: the compressor is
+    # never called. The run must still finish and say so, not divide by zero sent floats.
+    out = run_module("accordion_hvd.train", *ACCORDION, "--epochs", "1", "--logdir", str(tmp_path), np=1,
+                     backend="gloo")
+    assert "has no effect" in out and "floats sent by rank 0: none" in out, out
+    with open(tmp_path / "steps.csv") as f:
+        assert int(list(csv.DictReader(f))[-1]["floats_sent"]) == 0
