@@ -8,8 +8,9 @@
 
 Entering brings the nodes up (removing leftovers of an earlier run with the same prefix);
 leaving tears them down, also after an exception or a SIGTERM (which, inside the block and
-in the main thread, raises SystemExit(143) so that the block is left the ordinary way). Every command runs with a timeout, in its
-own process group, which is killed on expiry. Needs root, like cluster.sh.
+in the main thread, raises SystemExit(143) so that the block is left the ordinary way).
+Every command runs with a timeout, in its own process group, which is killed on expiry.
+Needs root, like cluster.sh.
 """
 
 from __future__ import annotations
