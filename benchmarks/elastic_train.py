@@ -7,12 +7,14 @@ benchmarks/reliability.py on the emulated cluster (benchmarks/cluster/).
 
 The compressor's state is in ``hvd.elastic.TorchState`` (``import accordion_hvd.elastic``),
 committed every ``--commit-every`` steps and at each epoch's end. With ``--die-on HOST`` the
-worker on HOST exits in the middle of step ``--die-at``'s backward pass (from a gradient
-hook, so its compressed exchanges are in flight on the other ranks): Horovod blacklists the
-host, the survivors restore the last commit and go on in a smaller world; a host added to
-the discovery file later joins and gets the state by ``sync``. Rank 0 prints one line per
-epoch (world size, test accuracy) and at the end the final accuracy, the world sizes seen,
-and whether every rank ended with the same parameters and the same shared compressor state.
+worker on HOST is killed (SIGKILL, as the OOM killer or a lost machine would end it: no
+cleanup, no goodbye to the other ranks) in the middle of step ``--die-at``'s backward pass
+(from a gradient hook, so its compressed exchanges are in flight on the other ranks):
+Horovod blacklists the host, the survivors restore the last commit and go on in a smaller
+world; a host added to the discovery file later joins and gets the state by ``sync``.
+Rank 0 prints one line per epoch (world size, test accuracy) and at the end the final
+accuracy, the world sizes seen, and whether every rank ended with the same parameters and
+the same shared compressor state.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import os
+import signal
 import socket
 import sys
 import time
@@ -45,8 +48,8 @@ def parse_args():
     p.add_argument("--step-seconds", type=float, default=0.0,
                    help="sleep this long after each step (gives a joining worker time to start; no effect on the math)")
     p.add_argument("--commit-every", type=int, default=5, help="optimizer steps between state.commit()")
-    p.add_argument("--die-on", default="", help="hostname whose worker exits mid-step (once)")
-    p.add_argument("--die-at", type=int, default=100, help="global optimizer step at which it exits")
+    p.add_argument("--die-on", default="", help="hostname whose worker is killed mid-step (once)")
+    p.add_argument("--die-at", type=int, default=100, help="global optimizer step at which it is killed")
     p.add_argument("--died-file", type=Path, default=None, help="the dying worker creates this file first "
                                                                 "(lets a driver add a host afterwards)")
     return p.parse_args()
@@ -69,10 +72,10 @@ def main() -> None:
 
     def maybe_die(grad):
         if die["armed"] and state.step == args.die_at:
-            print(f"{host}: worker exits in the backward pass of step {state.step}", flush=True)
+            print(f"{host}: worker killed (SIGKILL) in the backward pass of step {state.step}", flush=True)
             if args.died_file is not None:
                 args.died_file.touch()
-            os._exit(1)
+            os.kill(os.getpid(), signal.SIGKILL)
         return grad
 
     model.features[0].weight.register_hook(maybe_die)

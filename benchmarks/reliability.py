@@ -11,7 +11,7 @@ Parts (each under real horovodrun, 2 ranks; the elastic part on the emulated clu
   resume      checkpoint after epoch 2, resumed in a fresh job, against the uninterrupted
               run 66 steps later: bit-identical or not
   soak        5,000 steps with frequent level switches: RSS and open fds, floats_sent
-  elastic     Horovod Elastic on the emulated cluster: a worker dies mid-step, later a new
+  elastic     Horovod Elastic on the emulated cluster: a worker is killed mid-step, later a new
               host joins; accuracy against an undisturbed elastic run (needs root and ip/tc)
 Each part writes its section to benchmarks/results/reliability/<part>.md (with the machine and
 its command), so a part can be rerun alone; benchmarks/results/reliability.md is assembled
@@ -178,8 +178,8 @@ def part_elastic(epochs: int, seeds: int) -> list[str]:
              "`horovodrun --gloo --min-np 1 --max-np 2 --host-discovery-script benchmarks/cluster/discover_hosts.sh` "
              f"over node1 and node2, `{' '.join(script)} --seed S` (digits, PowerSGD Accordion 1 <-> 4, lr 0.02 "
              "per rank times the world size of the moment, state in `hvd.elastic.TorchState` committed every 5 "
-             "steps and at each epoch's end). The worker on node2 exits in the middle of step 60's backward "
-             "pass (its compressed exchanges in flight on the other rank); in the third run node3 is added to "
+             "steps and at each epoch's end). The worker on node2 is killed (SIGKILL) in the middle of step 60's "
+             "backward pass (its compressed exchanges in flight on the other rank); in the third run node3 is added to "
              "the discovery file a second after node2's worker is gone. `ranks agree`: parameters, levels, "
              "PowerSGD's Q and the counters are the same on every rank at the end (by digest).", "",
              "| run | seed | final accuracy | world sizes | steps | ranks agree | seconds |",

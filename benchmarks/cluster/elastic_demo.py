@@ -5,7 +5,7 @@
         --host-discovery-script benchmarks/cluster/discover_hosts.sh \\
         python benchmarks/cluster/elastic_demo.py --steps 30 --die-on node2 --die-at 10
 
-The worker on host --die-on exits with status 1 at step --die-at (first attempt only).
+The worker on host --die-on is killed (SIGKILL) at step --die-at (first attempt only).
 Horovod blacklists that host; the remaining workers restore the last `state.commit()`
 and finish. Rank 0 prints one line per step with the world size, then 'done'.
 """
@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import socket
 import time
 
@@ -24,7 +25,7 @@ import horovod.torch as hvd
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=30)
-    parser.add_argument("--die-on", default="", help="hostname whose worker exits mid-run")
+    parser.add_argument("--die-on", default="", help="hostname whose worker is killed mid-run")
     parser.add_argument("--die-at", type=int, default=10)
     parser.add_argument("--step-seconds", type=float, default=0.2)
     args = parser.parse_args()
@@ -39,8 +40,8 @@ def main() -> None:
     def train(state: hvd.elastic.TorchState) -> None:
         while state.step < args.steps:
             if socket.gethostname() == args.die_on and state.step == args.die_at:
-                print(f"{socket.gethostname()}: exiting at step {state.step}", flush=True)
-                os._exit(1)
+                print(f"{socket.gethostname()}: killed (SIGKILL) at step {state.step}", flush=True)
+                os.kill(os.getpid(), signal.SIGKILL)
             opt.zero_grad()
             model(torch.randn(8, 4)).pow(2).mean().backward()
             opt.step()
