@@ -17,6 +17,15 @@ def test_data_parallel_stack(backend, np):
         assert f"rank {rank}: OK ({backend}, size {np})" in out, out
 
 
+@pytest.mark.parametrize("backend", ["gloo", "mpi"])
+def test_optimizer_waits_for_a_late_rank_without_spinning(backend):
+    """Horovod's synchronize busy-waits; with accordion_hvd's polite wait installed, a rank
+    waiting a second for a late one uses a small fraction of that second in CPU time."""
+    out = run_worker("polite_wait_check.py", np=2, backend=backend)
+    for rank in range(2):
+        assert f"rank {rank}: OK" in out, out
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("codec", ["none", "fp16", "powersgd", "topk"])
 def test_training_cli_learns_digits(codec):

@@ -81,10 +81,17 @@ def wait_for(done: Callable[[], bool], name: str, rank: int, size: int, timeout:
     ``collective_timeout_error``. Every wait on a collective goes through here, never through a
     blocking wait (``hvd.synchronize``, ``MPI_Wait``), which would hang forever on a collective
     that another rank never submits."""
-    deadline = time.monotonic() + timeout
+    if not poll_until(done, time.monotonic() + timeout):
+        raise collective_timeout_error(name, rank, size, timeout)
+
+
+def poll_until(done: Callable[[], bool], deadline: float = math.inf) -> bool:
+    """Call ``done()`` with growing sleeps between calls (the CPU stays free for others) until
+    it returns True, or until ``time.monotonic()`` passes ``deadline``; returns which."""
     pause = _FIRST_PAUSE
     while not done():
         if time.monotonic() >= deadline:
-            raise collective_timeout_error(name, rank, size, timeout)
+            return False
         time.sleep(pause)
         pause = min(2 * pause, _MAX_PAUSE)
+    return True
