@@ -36,6 +36,7 @@ RESULTS = REPO / "benchmarks" / "results"
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks" / "cluster"))
 from accordion_hvd.plots import plot_curves  # noqa: E402
+from machine import cpu_model  # noqa: E402
 
 MODEL_PARAMS = 2_138_506
 COMMON = ["--model", "cnn-wide", "--epochs", "10", "--lr-milestones", "7", "--seed", "0", "--no-progress"]
@@ -212,7 +213,7 @@ def main() -> None:
             all_rows += rows
     write_csv(all_rows, args.out.with_suffix(".csv"), args.target)
     header = ["# End to end on the emulated cluster", "",
-              f"Machine: {platform.node()}, {platform.processor() or platform.machine()}, 2 cores shared by all "
+              f"Machine: {platform.node()}, {cpu_model()}, 2 cores shared by all "
               f"nodes (one worker per node, 1 thread each). Task: digits, model `cnn-wide` ({MODEL_PARAMS:,} "
               f"parameters, {4 * MODEL_PARAMS / 1e6:.1f} MB of float32 gradient per step), `{' '.join(COMMON)}`, "
               f"batch 32 per rank. Target accuracy {100 * args.target:.0f}%. Command: `.venv/bin/python "

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import platform
 import statistics
 import time
 from dataclasses import dataclass
@@ -28,6 +27,7 @@ import torch
 
 import accordion_hvd as acc
 from accordion_hvd import reference
+from machine import cpu_model
 
 RESULTS = Path(__file__).resolve().parent / "results"
 POOL_BYTES = 512 << 20  # rotate through at least this much memory (> any L2/LLC here)
@@ -239,13 +239,7 @@ def bench_powersgd(shapes, rank, reps, device):
 def machine_name(device):
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                return f"{line.split(':', 1)[1].strip()}, {torch.get_num_threads()} threads"
-    except OSError:
-        pass
-    return f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads"
+    return f"{cpu_model()}, {torch.get_num_threads()} threads"
 
 
 POWERSGD_FLOOR_BYTES_PER_PARAM = 28

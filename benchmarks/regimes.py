@@ -18,12 +18,13 @@ from __future__ import annotations
 import argparse
 import csv
 import os
-import platform
 import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+from machine import cpu_model
 
 REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "benchmarks" / "results"
@@ -89,16 +90,6 @@ def main(argv=None) -> None:
     write_report(args, common, seeds, results, out_dir)
 
 
-def _cpu_model() -> str:
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 def write_report(args, common, seeds, results, out_dir: Path) -> None:
     from accordion_hvd.plots import compare_runs
 
@@ -145,7 +136,7 @@ def write_report(args, common, seeds, results, out_dir: Path) -> None:
         writer = csv.DictWriter(f, fieldnames=list(rows[0]) if rows else ["label"])
         writer.writeheader()
         writer.writerows(rows)
-    machine = f"{_cpu_model()}, {os.cpu_count()} cores"
+    machine = f"{cpu_model()}, {os.cpu_count()} cores"
     text = [f"# Accordion vs static compression ({args.dataset}, {args.epochs} epochs, {args.np} ranks)", "",
             f"Machine: {machine}. Command: `.venv/bin/python benchmarks/regimes.py "
             f"{' '.join(sys.argv[1:])}`; every run: `horovodrun -np {args.np} --gloo python -m "

@@ -38,6 +38,7 @@ RESULTS = REPO / "benchmarks" / "results"
 sys.path.insert(0, str(REPO / "tests"))
 sys.path.insert(0, str(REPO / "benchmarks" / "cluster"))
 from launch import horovodrun  # noqa: E402
+from machine import cpu_model  # noqa: E402
 
 PY = f"{Path(sys.executable).relative_to(REPO) if Path(sys.executable).is_relative_to(REPO) else sys.executable}"
 FAULTS = ["50@1", "150@0", "250@1"]
@@ -264,7 +265,7 @@ def main() -> None:
 
 
 def machine() -> str:
-    return (f"{platform.node()}, {platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, "
+    return (f"{platform.node()}, {cpu_model()}, {torch.get_num_threads()} threads, "
             f"torch {torch.__version__}, Python {platform.python_version()}")
 
 

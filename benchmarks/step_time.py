@@ -28,6 +28,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import e2e  # noqa: E402  (the task, the methods and how to run them)
+from machine import cpu_model  # noqa: E402
 
 PAIRS = [("powersgd-static-r4", "ddp-powersgd-r4"), ("powersgd-static-r1", "ddp-powersgd-r1"),
          ("powersgd-accordion", "ddp-powersgd-r4")]
@@ -72,7 +73,7 @@ def main() -> None:
         writer.writeheader()
         writer.writerows(rows)
     header = ["# Time per step against DDP's PowerSGD hook", "",
-              f"Machine: {platform.node()}, {platform.processor() or platform.machine()}, 2 cores shared by all "
+              f"Machine: {platform.node()}, {cpu_model()}, 2 cores shared by all "
               f"nodes (one worker per node, 1 thread each). Task as in e2e.md (digits, `cnn-wide`, "
               f"{e2e.MODEL_PARAMS:,} parameters), `{' '.join(e2e.COMMON)}`. {args.rounds} rounds; in each, "
               "every method ran once, back to back. Command: `.venv/bin/python benchmarks/step_time.py "
