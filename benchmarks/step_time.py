@@ -31,7 +31,7 @@ import e2e  # noqa: E402  (the task, the methods and how to run them)
 from machine import cpu_model  # noqa: E402
 
 PAIRS = [("powersgd-static-r4", "ddp-powersgd-r4"), ("powersgd-static-r1", "ddp-powersgd-r1"),
-         ("powersgd-accordion", "ddp-powersgd-r4")]
+         ("powersgd-accordion", "ddp-powersgd-r4"), ("powersgd-static-r4-spin", "ddp-powersgd-r4")]
 
 
 def main() -> None:
@@ -77,7 +77,8 @@ def main() -> None:
               f"nodes (one worker per node, 1 thread each). Task as in e2e.md (digits, `cnn-wide`, "
               f"{e2e.MODEL_PARAMS:,} parameters), `{' '.join(e2e.COMMON)}`. {args.rounds} rounds; in each, "
               "every method ran once, back to back. Command: `.venv/bin/python benchmarks/step_time.py "
-              f"--rates {args.rates} --nodes {args.nodes} --rounds {args.rounds} --epochs {args.epochs}`.", "",
+              f"--rates {args.rates} --nodes {args.nodes} --rounds {args.rounds} --epochs {args.epochs} "
+              f"--out {args.out.resolve().relative_to(e2e.REPO)}`.", "",
               "*DDP / ours* > 1 means our step is the faster one; it is computed within each round.", ""]
     args.out.write_text("\n".join(header + sections) + "\n")
     print(f"wrote {args.out}")
