@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import os
 import platform
 import statistics
 import sys
@@ -78,7 +79,7 @@ def main() -> None:
               f"{e2e.MODEL_PARAMS:,} parameters), `{' '.join(e2e.COMMON)}`. {args.rounds} rounds; in each, "
               "every method ran once, back to back. Command: `.venv/bin/python benchmarks/step_time.py "
               f"--rates {args.rates} --nodes {args.nodes} --rounds {args.rounds} --epochs {args.epochs} "
-              f"--out {args.out.resolve().relative_to(e2e.REPO)}`.", "",
+              f"--out {os.path.relpath(args.out, e2e.REPO)}`.", "",
               "*DDP / ours* > 1 means our step is the faster one; it is computed within each round.", ""]
     args.out.write_text("\n".join(header + sections) + "\n")
     print(f"wrote {args.out}")
