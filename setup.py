@@ -25,12 +25,12 @@ from setuptools.command.build_ext import build_ext
 ROOT = Path(__file__).resolve().parent
 
 
-def _load_source_hash():
-    # Load accordion_hvd/_source_hash.py by path: importing the package needs the extension.
-    spec = importlib.util.spec_from_file_location("_source_hash", ROOT / "accordion_hvd" / "_source_hash.py")
+def _load_helper(name: str):
+    # Load accordion_hvd/<name>.py by path: importing the package needs the extension.
+    spec = importlib.util.spec_from_file_location(name, ROOT / "accordion_hvd" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    return module.source_hash
+    return module
 
 
 def _tool(name: str) -> str | None:
@@ -63,6 +63,8 @@ class CMakeBuild(build_ext):
         cxx = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
         if not cxx or not shutil.which(cxx):
             sys.exit("error: no C++ compiler found (looked for $CXX, c++, g++): install g++")
+        cxx = shutil.which(cxx)
+        cuda_host = shutil.which(os.environ.get("CUDAHOSTCXX") or cxx) or cxx
         cmake, ninja = _tool("cmake"), _tool("ninja")
         if not cmake or not ninja:
             sys.exit("error: building accordion_hvd needs cmake and ninja: pip install cmake ninja")
@@ -76,7 +78,10 @@ class CMakeBuild(build_ext):
         configure = [
             cmake, "-S", str(ROOT), "-B", str(build_dir), "-G", "Ninja",
             f"-DCMAKE_MAKE_PROGRAM={ninja}",
-            f"-DCMAKE_CXX_COMPILER={shutil.which(cxx)}",
+            f"-DCMAKE_CXX_COMPILER={cxx}",
+            # The CUDA files' host code is compiled by the same compiler unless the user asks
+            # otherwise (CUDAHOSTCXX): one C++ toolchain for every object in _C.
+            f"-DCMAKE_CUDA_HOST_COMPILER={cuda_host}",
             f"-DCMAKE_BUILD_TYPE={build_type}",
             f"-DCMAKE_PREFIX_PATH={torch.utils.cmake_prefix_path};{pybind11.get_cmake_dir()}",
             f"-DPython_EXECUTABLE={sys.executable}",
@@ -84,12 +89,25 @@ class CMakeBuild(build_ext):
             f"-DACCORDION_CUDA_ARCHITECTURES={os.environ.get('ACCORDION_CUDA_ARCHITECTURES', '80;90')}",
             f"-DACCORDION_TORCH_HAS_CUDA={'ON' if torch.version.cuda else 'OFF'}",
             f"-DACCORDION_TORCH_VERSION={torch.__version__}",
-            f"-DACCORDION_SOURCE_HASH={_load_source_hash()(ROOT)}",
+            f"-DACCORDION_SOURCE_HASH={_load_helper('_source_hash').source_hash(ROOT)}",
             f"-DACCORDION_OUTPUT_DIR={out_dir}",
         ]
         jobs = os.environ.get("ACCORDION_BUILD_JOBS", str(os.cpu_count() or 1))
         self._run("configure", configure, build_dir)
         self._run("build", [cmake, "--build", str(build_dir), "--parallel", jobs], build_dir)
+        self._check_errors_raise(out_dir, cxx, cuda_host)
+
+    @staticmethod
+    def _check_errors_raise(out_dir: Path, cxx: str, cuda_host: str) -> None:
+        """Refuse a build whose C++ errors crash the process (accordion_hvd/_build_check.py)."""
+        library = max(out_dir.glob("_C*.so"), key=lambda p: p.stat().st_mtime)
+        why = _load_helper("_build_check").errors_raise(str(library))
+        if why:
+            library.unlink()  # an import then says "not built" instead of crashing later
+            sys.exit(f"error: the built accordion_hvd._C cannot raise an error: {why}. It was compiled by "
+                     f"{cxx} (CUDA host code: {cuda_host}). Seen with a compiler wrapper set in CXX and "
+                     f"CUDAHOSTCXX; rebuild with the system compiler, e.g. CXX=/usr/bin/g++ "
+                     f"CUDAHOSTCXX=/usr/bin/g++ (make build)")
 
     def _run(self, step: str, cmd: list[str], build_dir: Path) -> None:
         log = build_dir / f"{step}.log"

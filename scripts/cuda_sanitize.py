@@ -41,6 +41,11 @@ def main():
         assert torch.equal(acc.ops.sparse_average(values, indices, 2_000, 3, dtype),
                            acc.ops.sparse_average(values.cuda(), indices.cuda(), 2_000, 3, dtype).cpu())
         print(f"ok sparse_average {dtype}", flush=True)
+    try:
+        acc.ops.sparse_average(values.cuda(), torch.full_like(indices, 5_000).cuda(), 2_000, 3)
+        raise AssertionError("a bad index was accepted")
+    except RuntimeError:
+        print("ok sparse_average refuses a bad index", flush=True)
 
     ps = [torch.randn(n, r, device="cuda") for n, r in ((1, 1), (300, 4), (1_000, 8), (700, 12))]
     acc.ops.orthogonalize_(ps)

@@ -12,6 +12,14 @@ export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 status=0
 step() { echo "== $1 ($(date +%T))"; }
 
+# Compile with the system g++, for the C++ and the CUDA host code alike. The lent GPU image
+# sets CXX and CUDAHOSTCXX to a wrapper, /opt/gcc/bin/g++; an extension built by it crashes
+# (SIGSEGV) at the first error it raises (accordion_hvd/_build_check.py, which setup.py runs
+# after every build, refuses such a build). ACCORDION_KEEP_CXX=1 keeps the environment's.
+if [ -z "${ACCORDION_KEEP_CXX:-}" ] && [ -x /usr/bin/g++ ]; then
+  export CXX=/usr/bin/g++ CUDAHOSTCXX=/usr/bin/g++
+fi
+
 step "build"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$out/gpu.txt"
 ACCORDION_CUDA=ON ACCORDION_CUDA_ARCHITECTURES=90 $py setup.py -q build_ext --inplace >"$out/build.log" 2>&1 \

@@ -78,3 +78,22 @@ def test_source_hash_covers_kernels_and_cmake(tmp_path):
     kernel.write_text("b")
     assert source_hash(tmp_path) != first
     assert source_hash(tmp_path / "nowhere") is None
+
+
+# The build's own check (setup.py runs it after every build): an error raised in _C's C++ must
+# reach Python as an exception. accordion_hvd/_build_check.py says where a build failed it.
+def test_this_build_raises_its_errors():
+    from accordion_hvd import _build_check
+
+    assert _build_check.errors_raise(accordion_hvd._C.__file__) is None
+
+
+def test_build_check_names_a_crash_and_a_wrong_answer():
+    from accordion_hvd import _build_check
+
+    library = accordion_hvd._C.__file__
+    crash = "import os, signal; os.kill(os.getpid(), signal.SIGSEGV)"
+    assert _build_check.errors_raise(library, probe=crash) == \
+        "the process was killed by SIGSEGV while raising an error"
+    silent = "import sys, torch; torch.ops.load_library(sys.argv[1]); sys.exit('accepted k > n')"
+    assert _build_check.errors_raise(library, probe=silent) == "accepted k > n"
