@@ -37,6 +37,7 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks" / "cluster"))
 from accordion_hvd.plots import plot_curves  # noqa: E402
 from machine import cpu_model  # noqa: E402
+from report import kept_analysis  # noqa: E402
 
 MODEL_PARAMS = 2_138_506
 COMMON = ["--model", "cnn-wide", "--epochs", "10", "--lr-milestones", "7", "--seed", "0", "--no-progress"]
@@ -226,18 +227,6 @@ def main() -> None:
               f"benchmarks/e2e.py --rates {args.rates} --nodes {args.nodes}`.", ""]
     args.out.write_text("\n".join(header + sections + kept_analysis(args.out)) + "\n")
     print(f"wrote {args.out}")
-
-
-ANALYSIS = "## What these numbers say"
-
-
-def kept_analysis(path: Path) -> list[str]:
-    """The hand-written analysis at the end of an earlier results file, kept across reruns
-    (from its heading on) so that a rerun does not silently drop it; reread it against the
-    new numbers."""
-    old = path.read_text().splitlines() if path.exists() else []
-    starts = [i for i, line in enumerate(old) if line.startswith(ANALYSIS)]
-    return old[starts[0]:] if starts else []
 
 
 def write_csv(rows: list[dict], path: Path, target: float) -> None:

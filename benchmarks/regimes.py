@@ -25,6 +25,7 @@ import time
 from pathlib import Path
 
 from machine import cpu_model
+from report import kept_analysis
 
 REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "benchmarks" / "results"
@@ -147,8 +148,11 @@ def write_report(args, common, seeds, results, out_dir: Path) -> None:
             "| run | test accuracy | floats sent | less than dense | critical | time (s) |",
             "| --- | --- | ---: | ---: | ---: | ---: |", *table, "", *verdicts, "",
             f"Per-run CSVs, TensorBoard events and plots (incl. the regime timeline `regimes.png`): "
-            f"`{out_dir.relative_to(REPO)}/runs/`; comparison figures: `compare-powersgd/`, `compare-topk/`."]
-    (out_dir.parent / f"{out_dir.name}.md").write_text("\n".join(text) + "\n")
+            f"`{out_dir.relative_to(REPO)}/runs/` (git ignores `runs/`: what is committed of it is each run's "
+            f"`eval.csv` and each Accordion run's `regimes.png`); comparison figures: `compare-powersgd/`, "
+            f"`compare-topk/`."]
+    out_md = out_dir.parent / f"{out_dir.name}.md"
+    out_md.write_text("\n".join(text + kept_analysis(out_md)) + "\n")
     print("\n".join(text))
 
 

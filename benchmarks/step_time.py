@@ -30,6 +30,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import e2e  # noqa: E402  (the task, the methods and how to run them)
 from machine import cpu_model  # noqa: E402
+from report import kept_analysis  # noqa: E402
 
 PAIRS = [("powersgd-static-r4", "ddp-powersgd-r4"), ("powersgd-static-r1", "ddp-powersgd-r1"),
          ("powersgd-accordion", "ddp-powersgd-r4"), ("powersgd-static-r4-spin", "ddp-powersgd-r4")]
@@ -81,7 +82,7 @@ def main() -> None:
               f"--rates {args.rates} --nodes {args.nodes} --rounds {args.rounds} --epochs {args.epochs} "
               f"--out {os.path.relpath(args.out, e2e.REPO)}`.", "",
               "*DDP / ours* > 1 means our step is the faster one; it is computed within each round.", ""]
-    args.out.write_text("\n".join(header + sections) + "\n")
+    args.out.write_text("\n".join(header + sections + kept_analysis(args.out)) + "\n")
     print(f"wrote {args.out}")
 
 
