@@ -4,7 +4,10 @@
 # Why we build it ourselves: 0.28.1 (2023) is Horovod's last release, and its sdist compiles
 # the torch bindings with C++14, which torch 2.x headers reject. Upstream fixed this on
 # master (PR #3998) but never released it. The fix is two lines: C++14 -> C++17 in the
-# top-level CMakeLists.txt and in horovod/torch/CMakeLists.txt. Nothing else is patched.
+# top-level CMakeLists.txt and in horovod/torch/CMakeLists.txt. With gcc 13 (Ubuntu 24.04,
+# the usual GPU box) two of its headers also fail, because they use std::string and
+# std::logic_error without including <string> and <stdexcept> (older libstdc++ headers pulled
+# them in on the way): the script adds those two includes to both. Nothing else is patched.
 #
 # The wheel is cached under $ACCORDION_CACHE (default ~/.cache/accordion-hvd), keyed by the
 # Horovod version, Python, torch version and GPU flavour, so a second set-up (or a new venv
@@ -25,6 +28,10 @@ read -r TORCH_VER TORCH_CUDA PYTAG <<<"$("$PY" -c 'import sys, torch; print(torc
 export HOROVOD_WITH_PYTORCH=1 HOROVOD_WITHOUT_TENSORFLOW=1 HOROVOD_WITHOUT_MXNET=1
 export HOROVOD_WITH_GLOO=1 HOROVOD_WITH_MPI=1
 export MAKEFLAGS=${MAKEFLAGS:--j$(nproc)}   # Horovod defaults to -j8, too many on 2 cores
+# CMake 4 (pip's cmake, or the GPU image's) refuses the cmake_minimum_required(VERSION 2.8)
+# of the Gloo copy inside the sdist ("Compatibility with CMake < 3.5 has been removed");
+# this lets it configure. CMake 3 ignores the variable.
+export CMAKE_POLICY_VERSION_MINIMUM=${CMAKE_POLICY_VERSION_MINIMUM:-3.5}
 
 FLAVOUR=cpu
 if [ "$TORCH_CUDA" != cpu ] && [ "${ACCORDION_HOROVOD_NCCL:-auto}" != off ]; then
@@ -59,11 +66,14 @@ if [ -z "$wheel" ]; then
         "$PY" -m pip download --no-deps --no-binary :all: "horovod==$VERSION" -d "$work"
     tar -xzf "$work/horovod-$VERSION.tar.gz" -C "$work"
     src="$work/horovod-$VERSION"
-    # The whole patch: compile with C++17 (see the header of this file).
+    # The patch (see the header of this file), 1: compile with C++17.
     sed -i 's/set(CMAKE_CXX_STANDARD 14)/set(CMAKE_CXX_STANDARD 17)/' \
         "$src/CMakeLists.txt" "$src/horovod/torch/CMakeLists.txt"
     grep -q 'CMAKE_CXX_STANDARD 17' "$src/horovod/torch/CMakeLists.txt" \
         || die "the Horovod $VERSION sdist no longer has the line this script patches"
+    # 2: the includes gcc 13 needs; harmless for older compilers.
+    sed -i '0,/^#include/s//#include <stdexcept>\n#include <string>\n#include/' \
+        "$src/horovod/common/group_table.h" "$src/horovod/common/common.h"
     run_logged horovod-build "building Horovod $VERSION" \
         "$PY" -m pip wheel --no-build-isolation --no-deps -w "$work/dist" "$src"
     mkdir -p "$WHEEL_DIR"

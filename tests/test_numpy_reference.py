@@ -24,6 +24,7 @@ STEPS = "6"
 def _run(mode, backend, np, env=None):
     out = run_worker("numpy_reference_check.py", mode, STEPS, np=np, backend=backend, env=env)
     assert out.count(f": OK {mode} ") == np, out
+    return out
 
 
 @pytest.mark.parametrize("backend,np", WORLDS)
@@ -41,3 +42,20 @@ def test_matches_numpy_reference(mode, backend, np):
 @pytest.mark.parametrize("backend,np", [("gloo", 2), ("mpi", 2), ("gloo", 3), ("mpi", 3)])
 def test_topk_full_ratio_is_horovods_dense_average_bit_for_bit(backend, np):
     _run("topk-full", backend, np, env={"HOROVOD_FUSION_THRESHOLD": "0"})
+
+
+# The same checks with parameters and gradients on the GPU: the CUDA kernels inside the real
+# Horovod data path (2 ranks sharing one GPU; Horovod stages CUDA tensors through the host
+# when it has no GPU operations of its own). On a GPU machine with Horovod built.
+@pytest.mark.cuda
+@pytest.mark.parametrize("mode", ["powersgd", "topk", "topk-full"])
+def test_matches_numpy_reference_on_the_gpu(mode):
+    import torch
+
+    import accordion_hvd
+
+    if not (torch.cuda.is_available() and accordion_hvd.with_cuda):
+        pytest.skip("needs a CUDA GPU and accordion_hvd built with its CUDA kernels")
+    out = _run(mode, "gloo", 2, env={"ACCORDION_TEST_DEVICE": "cuda", "HOROVOD_FUSION_THRESHOLD": "0"})
+    print(out)  # the ranks' reports, for the GPU log (pytest -rA)
+    assert out.count(" on cuda, size 2") == 2, out  # both ranks really trained on the GPU

@@ -37,10 +37,15 @@ Modes (argv[1]):
 After every step: parameters (and applied updates) against the reference, and parameters
 bit-identical on all ranks. Catches wrong averaging (sum vs mean), missing or wrong error
 feedback, no warm start of Q, wrong orthogonalization, wrong tie-breaking, wrong k.
+With $ACCORDION_TEST_DEVICE=cuda the parameters and gradients live on the GPU, so the
+compressor runs the CUDA kernels inside the real Horovod data path; the reference and every
+comparison stay on the host. Nothing else changes: the same tolerances, TopK still bit for bit.
+
 Usage: numpy_reference_check.py MODE STEPS
 """
 
 import math
+import os
 import sys
 
 import horovod.torch as hvd
@@ -51,6 +56,7 @@ import accordion_hvd as acc
 from worker_util import checker
 
 mode, steps = sys.argv[1], int(sys.argv[2])
+device = torch.device(os.environ.get("ACCORDION_TEST_DEVICE", "cpu"))
 hvd.init()
 rank, size = hvd.rank(), hvd.size()
 check = checker(rank)
@@ -86,7 +92,7 @@ class Model(torch.nn.Module):
             setattr(self, n, torch.nn.Parameter(torch.from_numpy(rs.standard_normal(s).astype(np.float32))))
 
 
-model = Model()
+model = Model().to(device)
 compression = acc.AccordionCompressor(codec)
 opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=1.0, momentum=0.0),
                                named_parameters=model.named_parameters(), compression=compression)
@@ -108,7 +114,7 @@ def topk_keep(g: np.ndarray, k: int) -> np.ndarray:
     return np.sort(np.argsort(-np.abs(g), kind="stable")[:k])
 
 
-ref_w = {n: p.detach().double().numpy().copy() for n, p in params.items()}
+ref_w = {n: p.detach().cpu().double().numpy().copy() for n, p in params.items()}
 # Error feedback e[r, name] of every rank: a matrix for PowerSGD, a flat vector for TopK.
 ref_e = {(r, n): np.zeros((SHAPES[n][0], math.prod(SHAPES[n][1:])) if mode == "powersgd" else math.prod(SHAPES[n]))
          for r in range(size) for n in COMPRESSED}
@@ -154,14 +160,14 @@ worst = 0.0
 for t in range(steps):
     mine = grads(rank, t)
     opt.zero_grad()
-    loss = sum((params[n] * torch.from_numpy(mine[n])).sum() for n in SHAPES)
+    loss = sum((params[n] * torch.from_numpy(mine[n]).to(device)).sum() for n in SHAPES)
     loss.backward()
     opt.step()
-    applied = {n: p.grad.detach().clone() for n, p in params.items()}  # Horovod set_()s the decompressed grad
+    applied = {n: p.grad.detach().cpu() for n, p in params.items()}  # Horovod set_()s the decompressed grad
     expected = reference_step(t)
     for n, p in params.items():
         ref_w[n] = ref_w[n] - expected[n]
-        got_w, got_u = p.detach().double().numpy(), applied[n].double().numpy()
+        got_w, got_u = p.detach().cpu().double().numpy(), applied[n].double().numpy()
         err_w = np.abs(got_w - ref_w[n]).max()
         err_u = np.abs(got_u - expected[n]).max()
         worst = max(worst, err_w, err_u)
@@ -175,11 +181,12 @@ for t in range(steps):
                   f"({int((applied[n].numpy() != expected[n].astype(np.float32)).sum())} entries differ)")
     if mode == "topk-full":
         for n in SHAPES:
-            dense = hvd.allreduce(torch.from_numpy(mine[n]), op=hvd.Average, name=f"check.dense.{n}.{t}")
+            dense = hvd.allreduce(torch.from_numpy(mine[n]).to(device), op=hvd.Average,
+                                  name=f"check.dense.{n}.{t}").cpu()
             check(torch.equal(applied[n], dense),
                   f"step {t} {n}: TopK(ratio=1.0) differs from hvd.allreduce(op=Average) in "
                   f"{int((applied[n] != dense).sum())} entries, by up to {(applied[n] - dense).abs().max().item():.3g}")
-    flat = torch.cat([p.detach().reshape(-1) for p in params.values()])
+    flat = torch.cat([p.detach().cpu().reshape(-1) for p in params.values()])
     everyone = hvd.allgather(flat.unsqueeze(0), name=f"check.params.{t}")
     check(all(torch.equal(everyone[0], everyone[r]) for r in range(size)), f"step {t}: parameters differ across ranks")
 
@@ -190,4 +197,4 @@ for n in SHAPES:
 if mode == "topk":
     check(all(straddling_ties.values()), f"no tie straddled the k-th place in some layer: {straddling_ties}")
 ties = f", ties straddling the k-th place {straddling_ties}" if mode == "topk" else ""
-print(f"rank {rank}: OK {mode} {codec!r} size {size}, {steps} steps, max |error| {worst:.2e}{ties}", flush=True)
+print(f"rank {rank}: OK {mode} {codec!r} on {device.type}, size {size}, {steps} steps, max |error| {worst:.2e}{ties}", flush=True)
