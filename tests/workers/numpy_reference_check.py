@@ -163,7 +163,7 @@ for t in range(steps):
     loss = sum((params[n] * torch.from_numpy(mine[n]).to(device)).sum() for n in SHAPES)
     loss.backward()
     opt.step()
-    applied = {n: p.grad.detach().cpu() for n, p in params.items()}  # Horovod set_()s the decompressed grad
+    applied = {n: p.grad.detach().to("cpu", copy=True) for n, p in params.items()}  # Horovod set_()s the decompressed grad
     expected = reference_step(t)
     for n, p in params.items():
         ref_w[n] = ref_w[n] - expected[n]
