@@ -70,13 +70,15 @@ def main(argv=None) -> None:
     p.add_argument("--np", type=int, default=2)
     p.add_argument("--extra", default="--lr-milestones 10", help="more CLI arguments, one string")
     p.add_argument("--only", default="", help="run labels containing this text only")
+    p.add_argument("--name", default=None,
+                   help="results name under benchmarks/results/ (default regimes-DATASET-EPOCHSep)")
     p.add_argument("--timeout", type=float, default=1800)
     args = p.parse_args(argv)
     seeds = [int(s) for s in args.seeds.split(",")]
     common = ["--dataset", args.dataset, "--epochs", str(args.epochs), *args.extra.split()]
     if args.model:
         common += ["--model", args.model]
-    out_dir = RESULTS / f"regimes-{args.dataset}-{args.epochs}ep"
+    out_dir = RESULTS / (args.name or f"regimes-{args.dataset}-{args.epochs}ep")
     results: dict[str, list[dict]] = {}
     for label, run_args in RUNS.items():
         if args.only and args.only not in label:
