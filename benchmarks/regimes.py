@@ -151,8 +151,8 @@ def write_report(args, common, seeds, results, out_dir: Path) -> None:
             "| --- | --- | ---: | ---: | ---: | ---: |", *table, "", *verdicts, "",
             f"Per-run CSVs, TensorBoard events and plots (incl. the regime timeline `regimes.png`): "
             f"`{out_dir.relative_to(REPO)}/runs/` (git ignores `runs/`: what is committed of it is each run's "
-            f"`eval.csv` and each Accordion run's `regimes.png`); comparison figures: `compare-powersgd/`, "
-            f"`compare-topk/`."]
+            f"`eval.csv` and each Accordion run's `regimes.png`); comparison figures: "
+            + ", ".join(f"`{d.name}/`" for d in sorted(out_dir.glob("compare-*"))) + "."]
     out_md = out_dir.parent / f"{out_dir.name}.md"
     out_md.write_text("\n".join(text + kept_analysis(out_md)) + "\n")
     print("\n".join(text))
