@@ -8,6 +8,10 @@ chosen gradient compression. Rank 0 shows a progress bar, logs each epoch's test
 CSV and TensorBoard events and, at the end, PNG plots (accuracy vs floats sent and vs time,
 and the per-layer regime timeline). ``--checkpoint`` saves every epoch (one file per rank:
 error feedback is per rank), ``--resume`` continues such a run exactly.
+
+``--device auto`` (the default) trains on the GPU when torch sees one, each rank on the GPU
+of its local rank (modulo the GPUs there are), as Horovod's examples do; the compressor's
+state lives with the gradients, on that GPU.
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ CODECS = ("none", "fp16", "powersgd", "topk")
 POLICIES = ("accordion", "static", "gravac")
 DATASETS = ("digits", "synthetic", "cifar10")
 MODELS = ("cnn", "cnn-wide", "resnet18")
+DEVICES = ("auto", "cpu", "cuda")
 
 
 def make_codec(args):
@@ -84,6 +89,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--data-dir", type=Path, default=None, help="where cifar10 is (never downloaded)")
     p.add_argument("--model", choices=MODELS, default=None, help="default: cnn, resnet18 for cifar10; cnn-wide: 2.2 M parameters, for "
                                                               "bandwidth-bound runs")
+    p.add_argument("--device", choices=DEVICES, default="auto",
+                   help="where to train: cuda if torch sees a GPU (auto), or the one named")
     p.add_argument("--epochs", type=int, default=15)
     p.add_argument("--batch-size", type=int, default=32, help="per-rank batch size")
     p.add_argument("--lr", type=float, default=0.02,
@@ -117,6 +124,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.dataset == "cifar10" and args.data_dir is None:
         p.error("--dataset cifar10 needs --data-dir (it is never downloaded)")
     args.model = args.model or ("resnet18" if args.dataset == "cifar10" else "cnn")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        p.error(f"--device cuda: torch {torch.__version__} sees no GPU (use --device cpu or auto)")
     try:
         make_codec(args)
         if args.codec in ("powersgd", "topk"):
@@ -134,6 +143,16 @@ def _fault(text: str) -> tuple[int, int]:
     if step < 1 or rank < 0:
         raise argparse.ArgumentTypeError(f"STEP must be >= 1 and RANK >= 0, got {text!r}")
     return step, rank
+
+
+def pick_device(choice: str) -> torch.device:
+    """The GPU of this rank's local rank (shared round-robin when there are fewer GPUs
+    than ranks on a host), or the CPU."""
+    if choice == "cpu" or (choice == "auto" and not torch.cuda.is_available()):
+        return torch.device("cpu")
+    device = torch.device("cuda", hvd.local_rank() % torch.cuda.device_count())
+    torch.cuda.set_device(device)
+    return device
 
 
 def load_data(args):
@@ -163,7 +182,7 @@ def evaluate(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
     model.eval()
     mine = slice(hvd.rank(), None, hvd.size())
     correct = sum((model(xb).argmax(1) == yb).sum() for xb, yb in zip(x[mine].split(512), y[mine].split(512)))
-    handle = hvd.allreduce_async(torch.stack([torch.as_tensor(correct).double(),
+    handle = hvd.allreduce_async(torch.stack([torch.as_tensor(correct).double().cpu(),
                                               torch.tensor(float(len(y[mine])), dtype=torch.float64)]),
                                  op=hvd.Sum, name="eval.accuracy")
     totals = polite_synchronize(handle)  # ranks still scoring keep the CPU
@@ -187,10 +206,11 @@ def save_checkpoint(path: Path, epoch: int, step: int, model, opt, compression, 
     tmp.replace(target)  # never a half-written checkpoint
 
 
-def read_checkpoint(path: Path, source: Path) -> dict:
-    """One rank's checkpoint file, or SystemExit naming the file and what is wrong with it."""
+def read_checkpoint(path: Path, source: Path, device: torch.device | None = None) -> dict:
+    """One rank's checkpoint file, its tensors on ``device`` (a run saved on a GPU resumes
+    on the CPU and back), or SystemExit naming the file and what is wrong with it."""
     try:
-        state = torch.load(source, weights_only=False)
+        state = torch.load(source, map_location=device, weights_only=False)
         if not isinstance(state, dict) or not {"epoch", "step", "world_size", "model", "optimizer"} <= set(state):
             raise ValueError("not a checkpoint written by --checkpoint")
     except Exception as exc:  # truncated, corrupted, or another program's file
@@ -198,11 +218,11 @@ def read_checkpoint(path: Path, source: Path) -> dict:
     return state
 
 
-def load_checkpoint(path: Path, model, opt, compression, batch) -> tuple[int, int]:
+def load_checkpoint(path: Path, model, opt, compression, batch, device: torch.device) -> tuple[int, int]:
     source = checkpoint_path(path, hvd.rank())
     if not source.is_file():
         raise SystemExit(f"--resume {path}: {source} not found (one file per rank; same world size needed)")
-    state = read_checkpoint(path, source)
+    state = read_checkpoint(path, source, device)
     if state["world_size"] != hvd.size():
         raise SystemExit(f"--resume {path}: saved by {state['world_size']} ranks, this run has {hvd.size()}")
     model.load_state_dict(state["model"])
@@ -226,9 +246,10 @@ def main(argv=None) -> float:
     logging.basicConfig(level=logging.INFO if rank0 else logging.WARNING,
                         format="%(asctime)s %(name)s: %(message)s")
     install_polite_wait()  # every codec alike, the uncompressed baselines included
+    device = pick_device(args.device)
     torch.manual_seed(args.seed)
-    train, test = load_data(args)
-    model = make_model(args, train)
+    train, test = (data.Split(split.x.to(device), split.y.to(device)) for split in load_data(args))
+    model = make_model(args, train).to(device)  # initialized on the CPU: the same weights on any device
     base_lr = args.lr * hvd.size()
     opt = torch.optim.SGD(model.parameters(), lr=base_lr, momentum=0.9)
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
@@ -240,11 +261,11 @@ def main(argv=None) -> float:
              if args.batch_mode else None)
     start_epoch, step = 0, 0
     if args.resume is not None:
-        start_epoch, step = load_checkpoint(args.resume, model, opt, compression, batch)
+        start_epoch, step = load_checkpoint(args.resume, model, opt, compression, batch, device)
         log.info("resumed from %s at epoch %d, step %d", args.resume, start_epoch, step)
-    log.info("training %s (%s parameters) on %s, %d ranks, compression %s, %d train / %d test samples",
+    log.info("training %s (%s parameters) on %s, %d ranks on %s, compression %s, %d train / %d test samples",
              args.model, f"{sum(p.numel() for p in model.parameters()):,}", args.dataset, hvd.size(),
-             compression, len(train.y), len(test.y))
+             device.type, compression, len(train.y), len(test.y))
     if hvd.size() == 1 and args.codec != "none":
         log.warning("1 rank: Horovod's DistributedOptimizer exchanges nothing and never calls the "
                     "compressor, so --codec %s has no effect (launch 2 or more ranks)", args.codec)

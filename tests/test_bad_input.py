@@ -224,6 +224,13 @@ def cli_zero_epochs():
     return cli_refused(["--epochs", "0"], "--epochs")
 
 
+@case
+def cli_cuda_without_a_gpu():
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    return cli_refused(["--device", "cuda"], "--device cuda", "no GPU")
+
+
 # --- gradients the compressor is given -----------------------------------------------------
 def passes_through(make_tensor, codec=None) -> str:
     comp = compressor(codec)

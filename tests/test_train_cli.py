@@ -15,7 +15,7 @@ ACCORDION = ["--codec", "powersgd", "--rank", "1", "--critical-rank", "4", "--lr
 def test_records_metrics_and_plots(tmp_path):
     out = run_module("accordion_hvd.train", *ACCORDION, "--epochs", "4", "--logdir", str(tmp_path), np=2,
                      backend="gloo")
-    assert "final test accuracy" in out
+    assert "final test accuracy" in out and "2 ranks on cpu" in out  # --device auto, no GPU here
     with open(tmp_path / "steps.csv") as f:
         rows = list(csv.DictReader(f))
     steps_per_epoch = (1438 // 2) // 32
@@ -107,3 +107,25 @@ def test_one_rank_trains_and_says_nothing_was_compressed(tmp_path):
     assert "has no effect" in out and "floats sent by rank 0: none" in out, out
     with open(tmp_path / "steps.csv") as f:
         assert int(list(csv.DictReader(f))[-1]["floats_sent"]) == 0
+
+
+# On a GPU machine with Horovod built: the CLI trains on the GPU by default (2 ranks sharing
+# it), and its checkpoint resumes on the CPU (tensors follow --device, not where they were saved).
+@pytest.mark.cuda
+def test_trains_on_the_gpu_and_resumes_on_the_cpu(tmp_path):
+    import accordion_hvd
+
+    if not (torch.cuda.is_available() and accordion_hvd.with_cuda):
+        pytest.skip("needs a CUDA GPU and accordion_hvd built with its CUDA kernels")
+    topk = ["--codec", "topk", "--ratio", "0.1", "--critical-ratio", "0.6", "--no-progress"]
+    gpu = run_module("accordion_hvd.train", *topk, "--epochs", "2", "--checkpoint", str(tmp_path / "ckpt"),
+                     "--logdir", str(tmp_path / "gpu"), np=2, backend="gloo")
+    print(gpu)  # for the GPU log (pytest -rA)
+    assert "2 ranks on cuda" in gpu
+    saved = torch.load(tmp_path / "ckpt.rank1", weights_only=False)
+    assert all(layer["residual"].is_cuda for layer in saved["compression"]["layers"].values())
+    cpu = run_module("accordion_hvd.train", *topk, "--epochs", "3", "--resume", str(tmp_path / "ckpt"),
+                     "--device", "cpu", np=2, backend="gloo")
+    assert "resumed from" in cpu and "2 ranks on cpu" in cpu
+    accuracy = float(cpu.split("final test accuracy: ")[1].split()[0])
+    assert accuracy > 0.5, cpu  # chance is 0.1; the same run on the CPU alone reaches 0.69
