@@ -45,6 +45,7 @@ import hashlib
 import json
 import logging
 import math
+import os
 import sys
 import time
 import weakref
@@ -55,6 +56,7 @@ import torch
 from .codecs import PowerSGD, TopK
 from .codecs._common import positive_number, residual_dtype
 from .controller import RegimeController
+from .exchange import Round1, bytes_of, split_bytes
 from .policies import GraVAC, make_policy
 from .policies.gravac import CANDIDATE, DENSE
 
@@ -62,6 +64,7 @@ from .policies.gravac import CANDIDATE, DENSE
 _DENSE, _POWERSGD, _TOPK = "dense", "powersgd", "topk"
 _CONFIG_BYTES = 1024  # the settings' canonical JSON, zero-padded: one fixed-size allgather
 _STATE_FORMAT = "accordion_hvd.AccordionCompressor/1"
+DATA_PLANE_ENV = "ACCORDION_DATA_PLANE"
 
 log = logging.getLogger("accordion_hvd.compressor")
 
@@ -124,7 +127,9 @@ class AccordionCompressor:
         self.seconds = {"compress": 0.0, "comm": 0.0}  # cumulative: codec math, waiting on collectives
         self._kind = _POWERSGD if isinstance(codec, PowerSGD) else _TOPK
         self._layers: dict[str, Any] = {}            # name -> codec state
-        self._pending: dict[str, Any] = {}           # this step: name -> exchange in flight
+        self._pending: dict[str, Any] = {}           # this step: name -> what the exchange needs back
+        self._round1: Round1 | None = None           # round 1 by buckets (accordion_hvd/exchange.py)
+        self._device_type = "cpu"                    # of the first compressed gradient: picks the data plane
         self._results: dict[str, torch.Tensor] = {}  # this step: name -> decompressed gradient
         self._sent: dict[str, int] = {}              # cumulative floats sent, per layer
         self._dense: dict[str, int] = {}             # cumulative floats a dense allreduce sends
@@ -154,10 +159,27 @@ class AccordionCompressor:
 
     @property
     def channel(self):
+        """The data plane: what the compressor was given, else our own Gloo group over
+        Horovod's ranks for CPU gradients (no negotiation cycle: comm/gloo.py) and Horovod's
+        collectives for GPU ones; $ACCORDION_DATA_PLANE ("gloo" or "horovod") overrides."""
         if self._channel is None:
-            from .comm.horovod import HorovodChannel
-            self._channel = HorovodChannel()
+            choice = os.environ.get(DATA_PLANE_ENV, "auto").strip().lower() or "auto"
+            if choice not in ("auto", "gloo", "horovod"):
+                raise ValueError(f"{DATA_PLANE_ENV} must be 'auto', 'gloo' or 'horovod', got {choice!r}")
+            if choice == "gloo" or (choice == "auto" and self._device_type == "cpu"):
+                from .comm.gloo import GlooChannel
+                self._channel = GlooChannel()
+            else:
+                from .comm.horovod import HorovodChannel
+                self._channel = HorovodChannel()
         return self._channel
+
+    @property
+    def round1(self) -> Round1:
+        if self._round1 is None:
+            kind, prefix = ("allreduce", "acc.P") if self._kind == _POWERSGD else ("allgather", "acc.topk")
+            self._round1 = Round1(self.channel, kind, prefix)
+        return self._round1
 
     @property
     def control(self):
@@ -210,6 +232,8 @@ class AccordionCompressor:
         if tensor.device.type not in ("cpu", "cuda"):
             raise ValueError(f"AccordionCompressor: the gradient of {name!r} is on device {tensor.device}; "
                              f"expected a CPU or CUDA tensor")
+        if not self._config_checked:
+            self._device_type = tensor.device.type
         self._check_config_once()
         if name in self._in_step:
             raise RuntimeError(f"AccordionCompressor: {name!r} compressed twice in one step")
@@ -236,6 +260,7 @@ class AccordionCompressor:
             self.codec.set_level(state, f"{self.policy.min_factor:g}x")
         if self._kind == _TOPK and self.codec.sends_dense(state):
             self._sent[name] = self._sent.get(name, 0) + dense_floats
+            self.round1.ready(name, None, tensor)  # nothing in round 1 this step
             if finite:
                 out = self.codec.flush_dense(state, tensor)
                 self._settle.append(lambda s=state, dtype=tensor.dtype: self.codec.settle_dense(s, dtype))
@@ -245,11 +270,13 @@ class AccordionCompressor:
             return out, (_DENSE, name)
         if self._kind == _POWERSGD:
             p = self.codec.start(state, tensor) if finite else self.codec.poisoned(state)
-            handle = self.channel.allreduce_mean_async([p], name=f"acc.P.{name}")
-            self._pending[name] = (handle, tensor)
+            self._pending[name] = (None, tensor)
+            self.round1.ready(name, [p], tensor)  # starts its bucket's P allreduce once the bucket is full
         else:
             encoded = self.codec.encode(state, tensor) if finite else self.codec.poisoned(state)
             self._pending[name] = (encoded, tensor)
+            if not isinstance(self.policy, GraVAC):  # GraVAC decides what to send once all are encoded
+                self.round1.ready(name, bytes_of(*encoded), tensor)
         self._sent[name] = self._sent.get(name, 0) + self.codec.floats_sent(state)
         self.seconds["compress"] += time.perf_counter() - started
         return tensor.new_empty(0), (self._kind, name)
@@ -284,7 +311,7 @@ class AccordionCompressor:
         pending, self._pending = self._pending, {}
         states = [self._layers[n] for n in names]
         if self._kind == _POWERSGD:
-            p_avgs = [self._wait(pending[n][0])[0] for n in names]
+            p_avgs = [avg[0] for avg in self._round1_results(names)]
             if not all(_all_finite(p) for p in p_avgs):  # a rank sent NaN: skip the Q round
                 self._skip_exchange(names, states, pending)
                 return
@@ -389,6 +416,8 @@ class AccordionCompressor:
         else:
             for settle in self._settle:
                 settle()
+        if self._round1 is not None and self._round1.active:  # layers at a dense level only
+            self._round1.results()
         self.step_skipped = self._fault
         lr_gather = self._lr_gather
         self._new_step()
@@ -443,6 +472,8 @@ class AccordionCompressor:
         steps next, as ``accordion_hvd.elastic`` does."""
         self._in_step.clear()
         self._pending.clear()
+        if self._round1 is not None:
+            self._round1.begin_step()
         self._results.clear()
         self._new_step()
 
@@ -451,8 +482,10 @@ class AccordionCompressor:
         control plane for the new ranks, and compare every rank's settings again at the next
         compress (a worker that joined has not been checked yet)."""
         self._config_checked = False
+        self._round1 = None  # the layout is agreed again by the new world
         if not self._control_given:
             self._control = None
+            self._channel = None
         forget = getattr(self._channel, "forget_handles", None)
         if forget is not None:
             forget()
@@ -462,28 +495,31 @@ class AccordionCompressor:
             raise RuntimeError(f"AccordionCompressor: {what} must be called between optimizer steps "
                                f"(layers still in flight: {sorted(self._in_step)[:3]})")
 
+    def _round1_results(self, names: list[str], then=None) -> list:
+        """Wait for round 1 of the step (the buckets launched during backward, and the rest);
+        each layer's result, in the order of ``names``. ``then`` is called once every bucket
+        is issued, before the waits (a collective issued there keeps its place in the order)."""
+        started = time.perf_counter()
+        try:
+            results = self.round1.results(then)
+        finally:
+            self.seconds["comm"] += time.perf_counter() - started
+        return [results[n] for n in names]
+
     def _exchange_topk(self, names, states, pending) -> None:
-        if isinstance(self.policy, GraVAC) and self._gravac_step(names, states, pending):
-            return
-        # One allgather: every layer's values and int32 indices as bytes, in name order. Every
-        # rank sends the same layout (k is a function of the level, equal on all ranks).
-        parts = []
-        for n in names:
-            values, indices = pending[n][0]
-            parts += [values.reshape(-1).view(torch.uint8), indices.view(torch.uint8)]
-        packed = torch.cat(parts)
-        self._gather_learning_rates()
-        gathered = self._wait(self.channel.allgather_async(packed, name=f"acc.topk.{len(names)}"))
+        if isinstance(self.policy, GraVAC):
+            done = self._gravac_step(names, states, pending)
+            for n in names:  # what the choice left to send (nothing, if dense or skipped)
+                self.round1.ready(n, None if done else bytes_of(*pending[n][0]), pending[n][1])
+            if done:
+                self.round1.results()  # issues nothing; the first step agrees on the layout
+                return
+        # Round 1 is the whole exchange: one allgather per bucket of every layer's values and
+        # int32 indices as bytes (k is a function of the level, equal on all ranks).
+        rows = self._round1_results(names, then=self._gather_learning_rates)
         started = time.perf_counter()
         size = self.channel.size
-        per_rank = gathered.view(size, packed.numel())
-        offset, gathered_layers = 0, []
-        for n, s in zip(names, states):
-            v_bytes = s.k * s.residual.element_size()
-            values = per_rank[:, offset:offset + v_bytes].contiguous().view(s.residual.dtype).reshape(-1)
-            indices = per_rank[:, offset + v_bytes:offset + v_bytes + 4 * s.k].contiguous().view(torch.int32).reshape(-1)
-            offset += v_bytes + 4 * s.k
-            gathered_layers.append((values, indices))
+        gathered_layers = [split_bytes(row, s.residual.dtype, s.k) for row, s in zip(rows, states)]
         if not all(_all_finite(values) for values, _ in gathered_layers):  # a rank sent NaN
             self._skip_exchange(names, states, pending)
             return

@@ -1,89 +1,86 @@
-"""Time per step against PyTorch DDP's PowerSGD hook, repeated and interleaved.
+"""Time per training step against PyTorch DDP (its PowerSGD hook, fp16 and fp32 dense) and
+the compute floor, on the emulated cluster, repeated in interleaved rounds.
 
-    .venv/bin/python benchmarks/step_time.py                     # 4 nodes, 100 Mbit/s and 1 Gbit/s, 5 rounds
-    .venv/bin/python benchmarks/step_time.py --nodes 2 --rates 100mbit --rounds 3
+    .venv/bin/python benchmarks/step_time.py                                  # the full grid
+    .venv/bin/python benchmarks/step_time.py --models resnet18 --nodes 2 --rates 100mbit --rounds 2 \\
+        --methods floor,ddp-r1,ours-r1 --out /tmp/st.md
 
-benchmarks/e2e.py runs every method once; on this shared 2-core machine one run's median
-step time moves by 10% from run to run, as much as the differences it is asked to show.
-This benchmark answers one question of the end-to-end issue, "is our step at least as fast
-as DDP's PowerSGD hook at the same rank?", with enough repeats to read it: each round runs
-every method once, back to back on the same emulated cluster (same task as e2e.py, fewer
-epochs: only the step time matters), and the ratio DDP / ours is taken within each round,
-so slow phases of the machine hit both sides of a ratio alike. Reported: each method's
-median step time over the rounds with its range, and the median and range of the per-round
-ratios.
+Every method runs benchmarks/step_worker.py: the same model, synthetic batches, optimizer and
+loop, one worker per emulated node, one thread per worker; ours and Horovod's under
+``horovodrun --gloo``, DDP under ``torchrun`` (Gloo, default buckets), the floor as one copy
+per node at the same time with no communication at all. In each round every method runs once,
+back to back, so that slow phases of this shared machine hit all methods alike; ratios are
+taken within a round. Reported per setting: each method's median step (steps 4-12) over the
+rounds with its range, its time over the floor, and the per-round ratios of ours to DDP's.
 
-Writes benchmarks/results/step-time.md and step-time.csv.
+Writes the .md given by --out (default benchmarks/results/step-time.md), a .csv beside it with
+every run, and the per-run JSON under a folder of the same name.
 """
 
 from __future__ import annotations
 
 import argparse
 import csv
+import json
 import os
 import platform
 import statistics
 import sys
-import tempfile
+import threading
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import e2e  # noqa: E402  (the task, the methods and how to run them)
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "benchmarks"))
+sys.path.insert(0, str(REPO / "benchmarks" / "cluster"))
 from machine import cpu_model  # noqa: E402
 from report import kept_analysis  # noqa: E402
+from step_worker import DDP, METHODS  # noqa: E402
 
-PAIRS = [("powersgd-static-r4", "ddp-powersgd-r4"), ("powersgd-static-r1", "ddp-powersgd-r1"),
-         ("powersgd-accordion", "ddp-powersgd-r4"), ("powersgd-static-r4-spin", "ddp-powersgd-r4")]
+WORKER = REPO / "benchmarks" / "step_worker.py"
+DEFAULT_METHODS = ("floor", "hvd-fp16", "ddp-fp16", "ddp-r1", "ours-r1", "ddp-r4", "ours-r4", "ours-accordion",
+                   "ours-topk1", "plain-topk1")
+# (ours, the peer it is held against): Accordion against DDP at its gentle rank.
+PAIRS = [("ours-r1", "ddp-r1"), ("ours-r4", "ddp-r4"), ("ours-accordion", "ddp-r4"), ("ours-topk1", "plain-topk1"),
+         ("hvd-fp16", "ddp-fp16")]
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--rates", default="100mbit,1gbit")
-    p.add_argument("--nodes", default="4")
-    p.add_argument("--rounds", type=int, default=5)
-    p.add_argument("--epochs", type=int, default=3)
-    p.add_argument("--timeout", type=float, default=600, help="seconds per run")
-    p.add_argument("--out", type=Path, default=e2e.RESULTS / "step-time.md")
-    args = p.parse_args()
-    if args.rounds < 1:
-        p.error(f"--rounds must be >= 1, got {args.rounds}")
-    from cluster import Cluster  # needs root, ip and tc: refuses with one line otherwise
+def run(cluster, method: str, model: str, out: Path, timeout: float) -> dict:
+    args = [str(WORKER), "--method", method, "--model", model, "--out", str(out)]
+    if method in DDP:
+        on_every_node(cluster, lambda k: [
+            str(Path(cluster.python).parent / "torchrun"), "--nnodes", str(cluster.nodes), "--nproc_per_node", "1",
+            "--node_rank", str(k), "--master_addr", "node1", "--master_port", "29533", *args], timeout)
+        return read(out)
+    if method == "floor":
+        on_every_node(cluster, lambda k: [cluster.python, *args[:-1], f"{out}.node{k + 1}"], timeout, rename=out)
+        return read(out)
+    result = cluster.horovodrun(args, timeout=timeout)
+    if result.returncode != 0:
+        raise RuntimeError((result.stdout + result.stderr)[-1500:])
+    return read(out)
 
-    e2e.COMMON[e2e.COMMON.index("--epochs") + 1] = str(args.epochs)
-    methods = list(dict.fromkeys(m for pair in PAIRS for m in pair))
-    rows, sections = [], []
-    for nodes in (int(n) for n in args.nodes.split(",")):
-        for rate in args.rates.split(","):
-            step = {m: [] for m in methods}  # per round; None where the run failed
-            with Cluster(nodes, rate=rate, prefix="accstep-") as cluster, tempfile.TemporaryDirectory() as tmp:
-                for round_ in range(args.rounds):
-                    for name in methods:
-                        try:
-                            row = e2e.run_method(cluster, name, Path(tmp) / f"{name}-{round_}", args.timeout)
-                        except Exception as exc:  # a timeout, unreadable output: record it, go on
-                            row = {"method": name, "error": f"{type(exc).__name__}: {exc}"}
-                        seconds = None if "error" in row else row["step_s"]
-                        step[name].append(seconds)
-                        rows.append({"nodes": nodes, "rate": rate, "round": round_, "method": name,
-                                     "step_s": seconds, "error": row.get("error", "")[-200:]})
-                        print(f"{nodes} nodes, {rate}, round {round_ + 1}/{args.rounds}: {name}: "
-                              + (f"FAILED {row['error'][-300:]}" if seconds is None else f"{seconds:.4f} s/step"),
-                              flush=True)
-            sections += [f"## {nodes} nodes, {rate} links", "", *section(step)]
-    with open(args.out.with_suffix(".csv"), "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=["nodes", "rate", "round", "method", "step_s", "error"])
-        writer.writeheader()
-        writer.writerows(rows)
-    header = ["# Time per step against DDP's PowerSGD hook", "",
-              f"Machine: {platform.node()}, {cpu_model()}, 2 cores shared by all "
-              f"nodes (one worker per node, 1 thread each). Task as in e2e.md (digits, `cnn-wide`, "
-              f"{e2e.MODEL_PARAMS:,} parameters), `{' '.join(e2e.COMMON)}`. {args.rounds} rounds; in each, "
-              "every method ran once, back to back. Command: `.venv/bin/python benchmarks/step_time.py "
-              f"--rates {args.rates} --nodes {args.nodes} --rounds {args.rounds} --epochs {args.epochs} "
-              f"--out {os.path.relpath(args.out, e2e.REPO)}`.", "",
-              "*DDP / ours* > 1 means our step is the faster one; it is computed within each round.", ""]
-    args.out.write_text("\n".join(header + sections + kept_analysis(args.out)) + "\n")
-    print(f"wrote {args.out}")
+
+def on_every_node(cluster, argv_of, timeout: float, rename: Path | None = None) -> None:
+    results = {}
+
+    def launch(k: int) -> None:
+        results[k] = cluster.exec(argv_of(k), node=f"node{k + 1}", timeout=timeout,
+                                  env={"GLOO_SOCKET_IFNAME": "hvd0"})
+
+    threads = [threading.Thread(target=launch, args=(k,)) for k in range(cluster.nodes)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    bad = {k: r for k, r in results.items() if r.returncode != 0}
+    if bad:
+        raise RuntimeError("\n".join(f"node{k + 1}: {(r.stdout + r.stderr)[-700:]}" for k, r in bad.items()))
+    if rename is not None:  # the floor: every node timed itself; node1's is the one reported
+        Path(f"{rename}.node1").rename(rename)
+
+
+def read(out: Path) -> dict:
+    return json.loads(out.read_text())
 
 
 def spread(values: list[float], fmt: str) -> str:
@@ -92,19 +89,83 @@ def spread(values: list[float], fmt: str) -> str:
     return f"{format(statistics.median(values), fmt)} ({format(min(values), fmt)}-{format(max(values), fmt)})"
 
 
-def section(step: dict[str, list]) -> list[str]:
-    out = ["| method | step, median (range) over rounds (s) | failed runs |", "|---|---|---|"]
-    for name, values in step.items():
+def section(step: dict[str, list], methods: list[str]) -> list[str]:
+    floors = step.get("floor", [])
+    out = ["| method | step (s), median (range) over rounds | over the floor (s) | / floor | failed |",
+           "|---|---|---|---|---|"]
+    for name in methods:
+        values = step[name]
         done = [v for v in values if v is not None]
-        out.append(f"| {e2e.METHODS[name][0]} | {spread(done, '.4f')} | {len(values) - len(done)} |")
-    out += ["", "| ours | DDP | DDP / ours, median (range) over rounds | rounds where ours was faster |",
+        over = [v - f for v, f in zip(values, floors) if v is not None and f is not None]
+        ratio = [v / f for v, f in zip(values, floors) if v is not None and f is not None]
+        out.append(f"| {name} | {spread(done, '.3f')} | "
+                   f"{spread(over, '+.3f') if name != 'floor' else '-'} | "
+                   f"{spread(ratio, '.3f') + 'x' if name != 'floor' else '-'} | {len(values) - len(done)} |")
+    out += ["", "| ours | peer | ours / peer, median (range) over rounds | rounds where ours was faster |",
             "|---|---|---|---|"]
-    for ours, theirs in PAIRS:
-        ratios = [t / o for o, t in zip(step[ours], step[theirs]) if o is not None and t is not None]
-        faster = sum(r > 1 for r in ratios)
-        out.append(f"| {e2e.METHODS[ours][0]} | {e2e.METHODS[theirs][0]} | {spread(ratios, '.3f')}x | "
-                   f"{faster} of {len(ratios)} |")
+    for ours, peer in PAIRS:
+        if ours not in step or peer not in step:
+            continue
+        ratios = [o / p for o, p in zip(step[ours], step[peer]) if o is not None and p is not None]
+        out.append(f"| {ours} | {peer} | {spread(ratios, '.3f')}x | {sum(r < 1 for r in ratios)} of {len(ratios)} |")
     return out + [""]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--models", default="resnet18,cnn-wide")
+    p.add_argument("--nodes", default="2,4")
+    p.add_argument("--rates", default="100mbit,1gbit")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--methods", default=",".join(DEFAULT_METHODS))
+    p.add_argument("--timeout", type=float, default=600, help="seconds per run")
+    p.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "step-time.md")
+    args = p.parse_args()
+    methods = args.methods.split(",")
+    unknown = [m for m in methods if m not in METHODS]
+    if unknown or args.rounds < 1:
+        p.error(f"unknown methods {unknown} (known: {', '.join(METHODS)})" if unknown else "--rounds must be >= 1")
+    from cluster import Cluster  # needs root, ip and tc: refuses with one line otherwise
+
+    raw = args.out.with_suffix("")
+    raw.mkdir(parents=True, exist_ok=True)
+    rows, sections = [], []
+    for model in args.models.split(","):
+        for nodes in (int(n) for n in args.nodes.split(",")):
+            for rate in args.rates.split(","):
+                step = {m: [] for m in methods}
+                with Cluster(nodes, rate=rate, prefix="accstep-") as cluster:
+                    for round_ in range(args.rounds):
+                        for name in methods:
+                            out = raw / f"{model}-{nodes}n-{rate}-r{round_}-{name}.json"
+                            try:
+                                result = run(cluster, name, model, out, args.timeout)
+                                seconds, error = result["step_s"], ""
+                            except Exception as exc:  # a timeout, a crash: record it, go on
+                                seconds, error = None, f"{type(exc).__name__}: {exc}"
+                            step[name].append(seconds)
+                            rows.append({"model": model, "nodes": nodes, "rate": rate, "round": round_,
+                                         "method": name, "step_s": seconds, "error": error[-300:]})
+                            print(f"{model}, {nodes} nodes, {rate}, round {round_ + 1}/{args.rounds}: {name}: "
+                                  + (f"FAILED {error[-400:]}" if seconds is None else f"{seconds:.4f} s/step"),
+                                  flush=True)
+                sections += [f"## {model}, {nodes} nodes, {rate} links", "", *section(step, methods)]
+    with open(args.out.with_suffix(".csv"), "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+    command = (f".venv/bin/python benchmarks/step_time.py --models {args.models} --nodes {args.nodes} "
+               f"--rates {args.rates} --rounds {args.rounds} --methods {args.methods} "
+               f"--out {os.path.relpath(args.out, REPO)}")
+    header = ["# Time per step: ours against DDP and the compute floor", "",
+              f"Machine: {platform.node()}, {cpu_model()}, {os.cpu_count()} cores shared by all nodes (one worker "
+              "per node, 1 thread each). Synthetic batches of 32 per worker, SGD with momentum; median of steps "
+              f"4-12 of each run (benchmarks/step_worker.py). {args.rounds} rounds; in each, every method ran "
+              f"once, back to back. Command: `{command}`. Per-run JSON: `{os.path.relpath(raw, REPO)}/`.", "",
+              "*ours / peer* < 1 means our step is the faster one; it is computed within each round. "
+              "*over the floor* is a method's step minus the floor's step of the same round.", ""]
+    args.out.write_text("\n".join(header + sections + kept_analysis(args.out)) + "\n")
+    print(f"wrote {args.out}")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,229 @@
+"""The exchange engine: a step's first round of collectives, by buckets, as gradients arrive.
+
+Horovod calls ``compress`` for each parameter as backward produces its gradient. Sending
+each layer's round-1 payload on its own (PowerSGD's P, TopK's values and indices) costs one
+collective per layer; waiting for the end of backward leaves the network idle while backward
+runs. As DDP does, layers are grouped into **buckets** in the order their gradients become
+ready, and a bucket's collective starts as soon as all its layers are encoded: one collective
+per bucket, overlapping with the rest of backward. The codec's later rounds (PowerSGD's Q)
+run once per step for all layers (``compressor.py``).
+
+The layout is agreed by all ranks, because ranks pair collectives by name (Horovod) or by
+order (Gloo) and hooks fire in a different order on different ranks:
+
+* at the end of the first step every rank allgathers its compressed layers (names, shapes)
+  and the order in which they became ready; if the sets differ, **every rank** raises the
+  same ``ValueError`` naming the layers that differ; otherwise rank 0's order is the order
+  of the buckets (cut like DDP's: the first at 1 MiB of gradient, the others at 25 MiB);
+* a bucket is launched only when it is complete **and** every bucket before it has been
+  launched, so every rank issues the same collectives in the same order whatever its hook
+  order; a layer whose gradient comes late (Horovod fills in missing gradients in
+  ``synchronize``) delays its bucket, never the pairing;
+* a layer that is not in the agreed layout, or one missing at the end of the step, raises
+  an error naming it on the rank that sees it; the other ranks' waits time out naming the
+  bucket's collective and its layers.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .comm.channel import Channel
+
+FIRST_BUCKET_BYTES = 1 << 20   # DDP's defaults: a small first bucket starts the network early,
+BUCKET_BYTES = 25 << 20        # then 25 MiB of gradient per bucket
+
+
+def plan_buckets(order: list[str], nbytes: dict[str, int], first_cap: int = FIRST_BUCKET_BYTES,
+                 cap: int = BUCKET_BYTES) -> list[tuple[str, ...]]:
+    """Consecutive runs of ``order``, each closed once it holds ``cap`` bytes of gradient
+    (``first_cap`` for the first)."""
+    buckets, current, size = [], [], 0
+    for name in order:
+        current.append(name)
+        size += nbytes[name]
+        if size >= (first_cap if not buckets else cap):
+            buckets.append(tuple(current))
+            current, size = [], 0
+    if current:
+        buckets.append(tuple(current))
+    return buckets
+
+
+def agree_layout(channel: Channel, shapes: dict[str, tuple[int, ...]], order: list[str]) -> list[str]:
+    """Every rank's compressed layers must be the same; returns rank 0's ready order.
+
+    Two allgathers (a length, then every rank's layer list): done once, not per step."""
+    mine = json.dumps({"layers": sorted([n, list(s)] for n, s in shapes.items()), "order": order}).encode()
+    lengths = channel.wait(channel.allgather_async(torch.tensor([len(mine)], dtype=torch.int64),
+                                                   name="acc.layout.size"))
+    width = int(lengths.max())
+    buffer = torch.zeros(width, dtype=torch.uint8)
+    buffer[:len(mine)] = torch.frombuffer(bytearray(mine), dtype=torch.uint8)
+    rows = channel.wait(channel.allgather_async(buffer, name=f"acc.layout.{width}")).view(-1, width)
+    layouts = [json.loads(bytes(row[:int(n)].tolist())) for row, n in zip(rows, lengths.tolist())]
+    sets = [{n: tuple(s) for n, s in layout["layers"]} for layout in layouts]
+    if any(s != sets[0] for s in sets):
+        raise ValueError(_layout_mismatch_message(sets))
+    return layouts[0]["order"]
+
+
+def _layout_mismatch_message(sets: list[dict]) -> str:
+    names = sorted({n for s in sets for n in s})
+    problems = []
+    for n in names:
+        seen = [s.get(n) for s in sets]
+        if len(set(seen)) > 1:
+            by_value: dict[str, list[int]] = {}
+            for rank, shape in enumerate(seen):
+                by_value.setdefault("not compressed" if shape is None else f"shape {list(shape)}", []).append(rank)
+            problems.append(f"{n!r}: " + " vs ".join(f"{v} on rank{'s' if len(r) > 1 else ''} "
+                                                       f"{', '.join(map(str, r))}" for v, r in by_value.items()))
+        if len(problems) == 5:
+            problems.append("...")
+            break
+    return ("AccordionCompressor: ranks compress different layers (every rank must build the same model "
+            "and compute a gradient for the same parameters): " + "; ".join(problems) + ".")
+
+
+@dataclass
+class _Bucket:
+    names: tuple[str, ...]
+    handle: Any = None
+    sending: list[str] = field(default_factory=list)  # this step: the layers with a payload
+    sizes: list[int] = field(default_factory=list)    # per layer sent: tensors (allreduce) or bytes (allgather)
+
+
+class Round1:
+    """Round 1 of every step, by buckets (see module doc).
+
+    ``kind`` "allreduce": each layer's payload is a list of tensors, averaged over ranks;
+    the result of a layer is the list of averages. ``kind`` "allgather": each payload is a
+    1-D uint8 tensor of the same length on every rank; the result is a (world size, length)
+    uint8 view, one row per rank.
+    """
+
+    def __init__(self, channel: Channel, kind: str, prefix: str, first_cap: int = FIRST_BUCKET_BYTES,
+                 cap: int = BUCKET_BYTES) -> None:
+        if kind not in ("allreduce", "allgather"):
+            raise ValueError(f"kind must be 'allreduce' or 'allgather', got {kind!r}")
+        self.channel, self.kind, self.prefix = channel, kind, prefix
+        self.first_cap, self.cap = first_cap, cap
+        self.buckets: list[_Bucket] | None = None  # the agreed layout, after the first step
+        self._bucket_of: dict[str, int] = {}
+        self.begin_step()
+
+    def begin_step(self) -> None:
+        self._payloads: dict[str, Any] = {}
+        self._order: list[str] = []       # this step's ready order (the first step's is proposed)
+        self._shapes: dict[str, tuple] = {}
+        self._nbytes: dict[str, int] = {}
+        self._launched = 0                # buckets launched this step, in layout order
+        if self.buckets is not None:
+            for b in self.buckets:
+                b.handle = None
+
+    def ready(self, name: str, payload: Any, grad: torch.Tensor) -> None:
+        """Layer ``name``'s payload for this step (``None``: the layer sends nothing in round 1
+        this step, e.g. at a dense level); launches every bucket that is now complete, in order."""
+        if self.buckets is not None and name not in self._bucket_of:
+            raise ValueError(f"AccordionCompressor: layer {name!r} was not compressed in the first step; the "
+                             f"ranks agreed on the compressed layers then, and every step must compress the same "
+                             f"ones ({len(self._bucket_of)} layers)")
+        self._payloads[name] = payload
+        self._order.append(name)
+        self._shapes[name] = tuple(grad.shape)
+        self._nbytes[name] = grad.numel() * grad.element_size()
+        if self.buckets is not None:
+            self._launch_complete()
+
+    def _launch_complete(self) -> None:
+        while self._launched < len(self.buckets):
+            bucket = self.buckets[self._launched]
+            if not all(n in self._payloads for n in bucket.names):
+                return
+            self._launch(self._launched, bucket)
+            self._launched += 1
+
+    def _launch(self, index: int, bucket: _Bucket) -> None:
+        sending = [n for n in bucket.names if self._payloads[n] is not None]
+        bucket.sending = sending
+        if not sending:  # every layer of the bucket is at a dense level this step (same on all ranks)
+            bucket.handle = None
+            return
+        name = f"{self.prefix}.b{index}.{len(sending)}"
+        payloads = [self._payloads[n] for n in sending]
+        if self.kind == "allreduce":
+            bucket.sizes = [len(p) for p in payloads]
+            bucket.handle = self.channel.allreduce_mean_async([t for p in payloads for t in p], name=name)
+        else:
+            bucket.sizes = [p.numel() for p in payloads]
+            packed = torch.cat(payloads) if len(payloads) > 1 else payloads[0]
+            bucket.handle = self.channel.allgather_async(packed, name=name)
+
+    def results(self, then=None) -> dict[str, Any]:
+        """Waits for every bucket of the step (agreeing on the layout first, in the first
+        step, and launching what is left; then calling ``then()``, if given); returns each
+        layer's result."""
+        if self.buckets is None:
+            order = agree_layout(self.channel, self._shapes, self._order)
+            self.buckets = [_Bucket(names) for names in plan_buckets(order, self._nbytes, self.first_cap, self.cap)]
+            self._bucket_of = {n: i for i, b in enumerate(self.buckets) for n in b.names}
+        missing = sorted(n for n in self._bucket_of if n not in self._payloads)
+        if missing:
+            raise RuntimeError(f"AccordionCompressor: no gradient for {', '.join(map(repr, missing[:3]))} in this "
+                               f"step on rank {self.channel.rank}; every rank must compress the layers agreed "
+                               f"at the first step (the other ranks will time out waiting for them)")
+        self._launch_complete()
+        if then is not None:
+            then()
+        out: dict[str, Any] = {}
+        for index, bucket in enumerate(self.buckets):
+            if bucket.handle is None:
+                continue
+            try:
+                result = self.channel.wait(bucket.handle)
+            except TimeoutError as exc:
+                layers = ", ".join(bucket.names[:4]) + (" ..." if len(bucket.names) > 4 else "")
+                raise TimeoutError(f"{exc} (bucket {index} holds layers {layers})") from exc
+            if self.kind == "allreduce":
+                offset = 0
+                for n, count in zip(bucket.sending, bucket.sizes):
+                    out[n] = result[offset:offset + count]
+                    offset += count
+            else:
+                rows = result.view(self.channel.size, -1)
+                offset = 0
+                for n, width in zip(bucket.sending, bucket.sizes):
+                    out[n] = rows[:, offset:offset + width]
+                    offset += width
+            bucket.handle = None
+        self.begin_step()
+        return out
+
+    @property
+    def active(self) -> bool:
+        """Whether this step has reported layers that ``results`` has not consumed yet."""
+        return bool(self._order)
+
+    def collectives_per_step(self) -> int | None:
+        """How many collectives round 1 issues in a step once the layout is agreed."""
+        return None if self.buckets is None else len(self.buckets)
+
+
+def bytes_of(*tensors: torch.Tensor) -> torch.Tensor:
+    """Tensors' raw bytes, concatenated (TopK's values and indices in one payload)."""
+    return torch.cat([t.reshape(-1).contiguous().view(torch.uint8) for t in tensors])
+
+
+def split_bytes(row: torch.Tensor, dtype: torch.dtype, count: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inverse of ``bytes_of(values, int32 indices)`` for a (ranks, bytes) block: every rank's
+    values, then every rank's indices, each flattened in rank order."""
+    width = count * torch.empty(0, dtype=dtype).element_size()
+    values = row[:, :width].contiguous().view(dtype).reshape(-1)
+    indices = row[:, width:width + 4 * count].contiguous().view(torch.int32).reshape(-1)
+    return values, indices

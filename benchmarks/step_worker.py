@@ -1,0 +1,192 @@
+"""One training job for the step-time benchmark: every method runs the same loop.
+
+    horovodrun -np 2 -H node1:1,node2:1 python benchmarks/step_worker.py --method ours-r1 --out r.json
+    torchrun ... benchmarks/step_worker.py --method ddp-r4 --out r.json
+    python benchmarks/step_worker.py --method floor --out r.json     # on every node at once
+
+The loop is the one a user writes (zero_grad, forward, backward, optimizer step) on a fixed
+set of synthetic batches (the data costs nothing), SGD with momentum, one thread per worker.
+Only the communication differs between methods:
+
+* ``floor``: no communication at all (run a copy on every node at the same time: the compute
+  floor of the step on this machine);
+* ``hvd-idle``: the floor with Horovod initialized but never called (what Horovod's
+  background cycle costs by itself);
+* ``hvd-fp32``, ``hvd-fp16``: Horovod's dense allreduce (``hvd.Compression.none`` / ``fp16``);
+* ``ours-r1``, ``ours-r4``, ``ours-accordion`` (rank 1 <-> 4, a window every 4 steps, so it
+  switches inside the run), ``ours-topk1``: ``AccordionCompressor`` in the stock
+  ``hvd.DistributedOptimizer``;
+* ``plain-topk1``: TopK 1% with error feedback written the obvious way in plain torch
+  (per layer: add the residual, ``topk``, allgather values and indices, scatter-add,
+  average), dense allreduce for the rest, as the Accordion authors' code does it;
+* ``ddp-fp32``, ``ddp-fp16``, ``ddp-r1``, ``ddp-r4``: PyTorch DDP with its default buckets,
+  plain, with ``fp16_compress_hook``, or with ``powerSGD_hook`` (rank 1 / 4,
+  ``start_powerSGD_iter=2``, error feedback and warm start, as its docs recommend).
+
+Rank 0 writes a JSON file: per-step wall times (and, for ours, the compressor's seconds in
+compression and in waiting on its collectives), and the median of steps 4..12.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from accordion_hvd import models  # noqa: E402
+
+HVD = ("hvd-idle", "hvd-fp32", "hvd-fp16", "ours-r1", "ours-r4", "ours-accordion", "ours-topk1", "plain-topk1")
+DDP = ("ddp-fp32", "ddp-fp16", "ddp-r1", "ddp-r4")
+METHODS = ("floor", *HVD, *DDP)
+FIRST, LAST = 3, 12  # the median is over steps FIRST+1..LAST (the first steps warm up)
+
+
+def build_model(name: str):
+    torch.manual_seed(0)
+    if name == "resnet18":
+        return models.ResNet18(num_classes=10, channels=3), (3, 32, 32)
+    if name == "cnn-wide":
+        return models.WideCNN(channels=1), (1, 8, 8)
+    raise ValueError(f"--model must be resnet18 or cnn-wide, got {name!r}")
+
+
+def batches(shape, batch_size: int, count: int = 4):
+    gen = torch.Generator().manual_seed(1)
+    return [(torch.randn(batch_size, *shape, generator=gen), torch.randint(0, 10, (batch_size,), generator=gen))
+            for _ in range(count)]
+
+
+class PlainTopK:
+    """TopK with error feedback the obvious way: per layer, torch ops and one allgather pair."""
+
+    def __init__(self, model, ratio: float) -> None:
+        import horovod.torch as hvd
+        self.hvd, self.ratio = hvd, ratio
+        self.params = [(n, p) for n, p in model.named_parameters()]
+        self.residual = {n: torch.zeros_like(p) for n, p in self.params if p.dim() > 1}
+
+    def exchange(self) -> None:
+        hvd, handles = self.hvd, []
+        for name, p in self.params:
+            if name not in self.residual:
+                handles.append((p, "dense", hvd.allreduce_async(p.grad, op=hvd.Average, name=f"d.{name}")))
+                continue
+            g = (p.grad + self.residual[name]).view(-1)
+            k = max(1, int(self.ratio * g.numel()))
+            idx = g.abs().topk(k, sorted=False).indices
+            values = g[idx]
+            g[idx] = 0
+            self.residual[name] = g.view_as(p)
+            handles.append((p, "sparse", (hvd.allgather_async(values, name=f"v.{name}"),
+                                          hvd.allgather_async(idx, name=f"i.{name}"))))
+        for p, kind, h in handles:
+            if kind == "dense":
+                p.grad.copy_(hvd.synchronize(h))
+                continue
+            values, idx = hvd.synchronize(h[0]), hvd.synchronize(h[1])
+            dense = torch.zeros(p.numel(), dtype=p.dtype)
+            dense.index_add_(0, idx, values)
+            p.grad.copy_(dense.view_as(p) / hvd.size())
+
+
+def setup(method: str, model, lr: float):
+    """The optimizer (and what the loop calls after backward) for METHOD; rank and size."""
+    opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
+    if method == "floor":
+        return model, opt, None, 0, 1, None
+    if method in DDP:
+        import torch.distributed as dist
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook as powersgd
+        from torch.nn.parallel import DistributedDataParallel
+        dist.init_process_group("gloo")
+        ddp = DistributedDataParallel(model)  # default buckets
+        if method == "ddp-fp16":
+            ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
+        elif method in ("ddp-r1", "ddp-r4"):
+            state = powersgd.PowerSGDState(process_group=None, matrix_approximation_rank=int(method[-1]),
+                                           start_powerSGD_iter=2, min_compression_rate=2,
+                                           use_error_feedback=True, warm_start=True, random_seed=0)
+            ddp.register_comm_hook(state, powersgd.powerSGD_hook)
+        return ddp, opt, None, dist.get_rank(), dist.get_world_size(), None
+    import horovod.torch as hvd
+    hvd.init()
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    if method == "hvd-idle":
+        return model, opt, None, hvd.rank(), hvd.size(), None
+    if method == "plain-topk1":
+        return model, opt, PlainTopK(model, 0.01).exchange, hvd.rank(), hvd.size(), None
+    import accordion_hvd as acc
+    compression = {
+        "hvd-fp32": hvd.Compression.none,
+        "hvd-fp16": hvd.Compression.fp16,
+        "ours-r1": lambda: acc.AccordionCompressor(acc.PowerSGD(rank=1), policy="static"),
+        "ours-r4": lambda: acc.AccordionCompressor(acc.PowerSGD(rank=4), policy="static"),
+        "ours-accordion": lambda: acc.AccordionCompressor(acc.PowerSGD(rank=1, critical_rank=4), interval=4),
+        "ours-topk1": lambda: acc.AccordionCompressor(acc.TopK(0.01), policy="static"),
+    }[method]
+    ours = method.startswith("ours-")
+    if ours:
+        compression = compression()
+    opt = hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters(), compression=compression)
+    return model, opt, None, hvd.rank(), hvd.size(), compression if ours else None
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--method", choices=METHODS, required=True)
+    p.add_argument("--model", default="resnet18")
+    p.add_argument("--steps", type=int, default=LAST + 2)
+    p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--lr", type=float, default=0.01)
+    p.add_argument("--out", type=Path, required=True)
+    args = p.parse_args()
+    torch.set_num_threads(1)
+    model, shape = build_model(args.model)
+    net, opt, after_backward, rank, size, compression = setup(args.method, model, args.lr)
+    data = batches(shape, args.batch_size)
+    walls, phases, ours_s = [], [], []
+    before = dict(compression.seconds) if compression is not None else None
+    start = time.perf_counter()
+    for step in range(args.steps):
+        x, y = data[step % len(data)]
+        t0 = time.perf_counter()
+        opt.zero_grad()
+        loss = F.cross_entropy(net(x), y)
+        t1 = time.perf_counter()
+        loss.backward()
+        t2 = time.perf_counter()
+        if after_backward is not None:
+            after_backward()
+        opt.step()
+        t3 = time.perf_counter()
+        walls.append(t3 - t0)
+        phases.append({"forward": t1 - t0, "backward": t2 - t1, "step": t3 - t2})
+        if compression is not None:
+            now = dict(compression.seconds)
+            ours_s.append({k: now[k] - before[k] for k in now})
+            before = now
+    total = time.perf_counter() - start
+    if not torch.isfinite(loss):
+        raise RuntimeError(f"{args.method}: loss is not finite")
+    if rank == 0:
+        window = walls[FIRST:LAST]
+        result = {"method": args.method, "model": args.model, "size": size, "batch_size": args.batch_size,
+                  "step_s": statistics.median(window), "walls": walls, "phases": phases, "ours": ours_s,
+                  "total_s": total, "loss": float(loss)}
+        if compression is not None:
+            result["floats_sent"] = compression.stats()["floats_sent"]
+        args.out.write_text(json.dumps(result))
+    if args.method in DDP:
+        import torch.distributed as dist
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
