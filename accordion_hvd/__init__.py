@@ -6,6 +6,9 @@ kernels and refuses a missing or stale build with an ImportError that says how t
 """
 
 from ._extension import load as _load_extension
+from .comm.horovod import quiet_horovod_cycle as _quiet_horovod_cycle
+
+_quiet_horovod_cycle()  # before the user's hvd.init(): see accordion_hvd/comm/horovod.py
 
 _C = _load_extension()  # registers torch.ops.accordion.*; raises ImportError if unusable
 

@@ -56,7 +56,7 @@ import torch
 from .codecs import PowerSGD, TopK
 from .codecs._common import positive_number, residual_dtype
 from .controller import RegimeController
-from .exchange import Round1, bytes_of, split_bytes
+from .exchange import BUCKET_BYTES, FIRST_BUCKET_BYTES, Round1, bytes_of, split_bytes
 from .policies import GraVAC, make_policy
 from .policies.gravac import CANDIDATE, DENSE
 
@@ -99,12 +99,16 @@ class AccordionCompressor:
         channel: the data plane (default: Horovod's collectives); tests pass a simulated one.
         control: the control plane for the controller's reductions (default: MPI when its
             world is Horovod's, else Horovod; see accordion_hvd/comm/control.py).
+        bucket_cap_mb: megabytes of gradient per bucket of the first round (DDP's default,
+            25; the first bucket closes at 1 MB or this, whichever is smaller). A bucket's
+            collective starts as soon as all its layers are encoded (accordion_hvd/exchange.py).
     """
 
     _default = None
 
     def __init__(self, codec: PowerSGD | TopK | None = None, *, eta: float = 0.5, interval: int | None = 100,
-                 policy: Any = None, accumulate: bool = True, channel: Any = None, control: Any = None) -> None:
+                 policy: Any = None, accumulate: bool = True, channel: Any = None, control: Any = None,
+                 bucket_cap_mb: float = BUCKET_BYTES / 2**20) -> None:
         if codec is None:
             codec = PowerSGD(rank=1, critical_rank=4)
         if not isinstance(codec, (PowerSGD, TopK)):
@@ -116,6 +120,7 @@ class AccordionCompressor:
         if isinstance(self.policy, GraVAC) and not isinstance(codec, TopK):
             raise ValueError("policy GraVAC needs the TopK codec (its gain comes from TopK's kept and total "
                              f"squared norms), got {codec!r}")
+        self.bucket_cap = int(positive_number("bucket_cap_mb", bucket_cap_mb) * 2**20)
         self._last_exchange: float | None = None      # GraVAC: when the previous step's exchange ran
         self.controller = RegimeController(self.policy, self.interval, accumulate=accumulate)
         self._channel = channel
@@ -178,7 +183,8 @@ class AccordionCompressor:
     def round1(self) -> Round1:
         if self._round1 is None:
             kind, prefix = ("allreduce", "acc.P") if self._kind == _POWERSGD else ("allgather", "acc.topk")
-            self._round1 = Round1(self.channel, kind, prefix)
+            self._round1 = Round1(self.channel, kind, prefix, first_cap=min(FIRST_BUCKET_BYTES, self.bucket_cap),
+                                  cap=self.bucket_cap)
         return self._round1
 
     @property
@@ -267,6 +273,7 @@ class AccordionCompressor:
             else:
                 out = torch.full_like(tensor, float("nan"))
             self.seconds["compress"] += time.perf_counter() - started
+            self._finish_if_complete()
             return out, (_DENSE, name)
         if self._kind == _POWERSGD:
             p = self.codec.start(state, tensor) if finite else self.codec.poisoned(state)
@@ -279,11 +286,22 @@ class AccordionCompressor:
                 self.round1.ready(name, bytes_of(*encoded), tensor)
         self._sent[name] = self._sent.get(name, 0) + self.codec.floats_sent(state)
         self.seconds["compress"] += time.perf_counter() - started
+        self._finish_if_complete()
         return tensor.new_empty(0), (self._kind, name)
+
+    def _finish_if_complete(self) -> None:
+        """Once the step's last compressed layer is in (known from the agreed layout), finish
+        the exchange right away, at the end of backward. Waiting for the first ``decompress``
+        would put it behind Horovod's negotiation of the tensors Horovod still carries (the
+        uncompressed layers and the empty placeholders of ours): one more background cycle
+        and round trip on every step. GraVAC decides at the first ``decompress``."""
+        if self._round1 is not None and self._round1.complete and not isinstance(self.policy, GraVAC):
+            self._exchange()
 
     def config(self) -> dict:
         """The settings that must be equal on every rank (plain JSON values)."""
-        return {**self.codec.config(), "eta": self.eta, **self.controller.config()}
+        return {**self.codec.config(), "eta": self.eta, **self.controller.config(),
+                "bucket_cap_mb": self.bucket_cap / 2**20}  # every rank must cut the same buckets
 
     def _check_config_once(self) -> None:
         """At the first compress, compare every rank's settings (one blocking allgather).

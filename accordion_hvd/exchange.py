@@ -206,6 +206,11 @@ class Round1:
         return out
 
     @property
+    def complete(self) -> bool:
+        """Whether every layer of the agreed layout has reported this step (all buckets issued)."""
+        return self.buckets is not None and len(self._payloads) == len(self._bucket_of)
+
+    @property
     def active(self) -> bool:
         """Whether this step has reported layers that ``results`` has not consumed yet."""
         return bool(self._order)

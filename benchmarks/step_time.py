@@ -44,8 +44,15 @@ PAIRS = [("ours-r1", "ddp-r1"), ("ours-r4", "ddp-r4"), ("ours-accordion", "ddp-r
          ("hvd-fp16", "ddp-fp16")]
 
 
-def run(cluster, method: str, model: str, out: Path, timeout: float) -> dict:
+# Horovod's own methods run at Horovod's default cycle (1 ms): importing accordion_hvd would
+# otherwise set ours (accordion_hvd/comm/horovod.py), and peers run at their own defaults.
+HOROVOD_DEFAULTS = {"HOROVOD_CYCLE_TIME": "1"}
+
+
+def run(cluster, method: str, model: str, out: Path, timeout: float, env: dict | None = None) -> dict:
     args = [str(WORKER), "--method", method, "--model", model, "--out", str(out)]
+    if env is None:
+        env = {} if method.startswith("ours-") else HOROVOD_DEFAULTS
     if method in DDP:
         on_every_node(cluster, lambda k: [
             str(Path(cluster.python).parent / "torchrun"), "--nnodes", str(cluster.nodes), "--nproc_per_node", "1",
@@ -54,7 +61,7 @@ def run(cluster, method: str, model: str, out: Path, timeout: float) -> dict:
     if method == "floor":
         on_every_node(cluster, lambda k: [cluster.python, *args[:-1], f"{out}.node{k + 1}"], timeout, rename=out)
         return read(out)
-    result = cluster.horovodrun(args, timeout=timeout)
+    result = cluster.horovodrun(args, timeout=timeout, env=env)
     if result.returncode != 0:
         raise RuntimeError((result.stdout + result.stderr)[-1500:])
     return read(out)

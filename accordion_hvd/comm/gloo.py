@@ -36,6 +36,7 @@ import torch
 import torch.distributed as dist
 
 from .channel import collective_timeout, collective_timeout_error
+from .horovod import check_horovod_cycle, install_polite_wait
 
 log = logging.getLogger("accordion_hvd.comm")
 
@@ -53,6 +54,8 @@ class GlooChannel:
     def __init__(self, timeout: float | None = None) -> None:
         import horovod.torch as hvd
 
+        install_polite_wait()  # Horovod still carries the uncompressed tensors
+        check_horovod_cycle()
         self.timeout = collective_timeout(timeout)
         self.rank, self.size = hvd.rank(), hvd.size()
         self.issued = 0  # collectives issued so far (tests count them per step)
@@ -95,7 +98,10 @@ class GlooChannel:
         try:
             work.wait(datetime.timedelta(seconds=min(self.timeout, 7 * 24 * 3600.0)))
         except RuntimeError as exc:
-            raise collective_timeout_error(name, self.rank, self.size, self.timeout) from exc
+            if "timed out" in str(exc).lower() or "timeout" in str(exc).lower():
+                raise collective_timeout_error(name, self.rank, self.size, self.timeout) from exc
+            raise RuntimeError(f"AccordionCompressor: collective {name!r} failed on rank {self.rank} (world size "
+                               f"{self.size}): {exc}") from exc
         if kind == "allgather":
             return out
         out.div_(self.size)

@@ -14,12 +14,22 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 
 import torch
 
 from .channel import collective_timeout, poll_until, wait_for
 
 WAIT_ENV = "ACCORDION_HOROVOD_WAIT"  # "poll" (default) or "spin" (leave Horovod as it is)
+CYCLE_ENV = "HOROVOD_CYCLE_TIME"     # Horovod's own setting, read once by hvd.init()
+# Horovod's background loop wakes every cycle and runs a small collective with every other
+# rank, work or not: at Horovod's default of 1 ms that cost 15-25% of a core per worker on
+# the emulated cluster (benchmarks/results/step-profile.md). Our gradients travel on our own
+# Gloo group (comm/gloo.py) and the exchange finishes at the end of backward, so Horovod's
+# loop only carries the small uncompressed tensors and our empty placeholders: a cycle of
+# 20 ms costs one partial cycle at the end of a step instead of a fifth of a core all along.
+QUIET_CYCLE_MS = 20
+_cycle_note: str | None = None  # why Horovod runs at its default cycle, when we could not set ours
 
 log = logging.getLogger("accordion_hvd.comm")
 
@@ -33,6 +43,34 @@ def polite_synchronize(handle):
     except (RuntimeError, ValueError):  # not a live handle: Horovod's synchronize says what it is
         pass
     return hvd.synchronize(handle)
+
+
+def quiet_horovod_cycle() -> None:
+    """Called at ``import accordion_hvd``: unless the user set $HOROVOD_CYCLE_TIME, set it to
+    ``QUIET_CYCLE_MS`` for the ``hvd.init()`` to come. If Horovod is initialized already,
+    nothing changes and ``check_horovod_cycle`` says so once, at the first step."""
+    global _cycle_note
+    if os.environ.get(CYCLE_ENV):
+        return
+    hvd = sys.modules.get("horovod.torch")
+    try:
+        initialized = hvd is not None and hvd.is_initialized()
+    except Exception:  # noqa: BLE001 - a half-imported Horovod: treat as not initialized
+        initialized = False
+    if initialized:
+        _cycle_note = ("Horovod was initialized before accordion_hvd was imported, so its background loop runs "
+                       f"at its default 1 ms cycle, which costs CPU on every step; import accordion_hvd before "
+                       f"hvd.init(), or set {CYCLE_ENV}={QUIET_CYCLE_MS} (milliseconds) in the job's environment")
+        return
+    os.environ[CYCLE_ENV] = str(QUIET_CYCLE_MS)
+
+
+def check_horovod_cycle() -> None:
+    """Warn once if Horovod runs at the cycle ``quiet_horovod_cycle`` could not set."""
+    global _cycle_note
+    if _cycle_note is not None:
+        log.warning(_cycle_note)
+        _cycle_note = None
 
 
 def install_polite_wait() -> bool:

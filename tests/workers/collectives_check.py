@@ -1,0 +1,58 @@
+"""Worker run by tests/test_exchange_horovod.py under horovodrun, on every rank.
+
+Counts the collectives one training step issues on the compressor's data plane and checks
+the number the exchange engine promises (accordion_hvd/exchange.py): once the layout is
+agreed (after the first step), PowerSGD issues one P allreduce per bucket and one Q
+allreduce; TopK one allgather per bucket; plus, with Accordion, the one learning-rate gather.
+Small buckets (``bucket_cap_mb``) force several of them on a small model, and the hooks fire
+in a rank-dependent order, so the buckets fill in a different order on each rank.
+Usage: collectives_check.py CODEC POLICY   (CODEC: powersgd | topk; POLICY: static | accordion)
+"""
+
+import sys
+
+import horovod.torch as hvd
+import torch
+import torch.nn.functional as F
+
+import accordion_hvd as acc
+from accordion_hvd.exchange import plan_buckets
+from worker_util import checker, say
+
+codec_name, policy = sys.argv[1], sys.argv[2]
+hvd.init()
+rank, size = hvd.rank(), hvd.size()
+check = checker(rank)
+
+torch.manual_seed(0)
+layers = torch.nn.ModuleList([torch.nn.Linear(64, 64) for _ in range(6)])
+
+
+def forward(x):
+    # Rank-dependent order of the branches: their gradients become ready in another order.
+    order = range(6) if rank % 2 == 0 else reversed(range(6))
+    return sum(torch.relu(layers[i](x)) for i in order)
+
+
+codec = (acc.PowerSGD(rank=1, critical_rank=2) if codec_name == "powersgd"
+         else acc.TopK(ratio=0.05, critical_ratio=0.1))
+compression = acc.AccordionCompressor(codec, policy=policy, interval=3, bucket_cap_mb=0.03)  # 2 weights a bucket
+opt = hvd.DistributedOptimizer(torch.optim.SGD(layers.parameters(), lr=0.01),
+                               named_parameters=layers.named_parameters(prefix="layers"), compression=compression)
+hvd.broadcast_parameters(layers.state_dict(), root_rank=0)
+x = torch.randn(16, 64, generator=torch.Generator().manual_seed(rank))
+counts = []
+for step in range(8):
+    before = compression.channel.issued if step else 0
+    opt.zero_grad()
+    forward(x).square().mean().backward()
+    opt.step()
+    counts.append(compression.channel.issued - before)
+buckets = compression.round1.buckets
+check(buckets is not None and len(buckets) == 3, f"expected 3 buckets of 2 weights, got {buckets}")
+nbytes = {n: 64 * 64 * 4 for b in buckets for n in b.names}
+check([b.names for b in buckets] == plan_buckets([n for b in buckets for n in b.names], nbytes, 2**20 * 0.03,
+                                                 2**20 * 0.03), "the buckets are not the planned cut")
+expected = len(buckets) + (1 if codec_name == "powersgd" else 0) + (1 if policy == "accordion" else 0)
+check(all(c == expected for c in counts[1:]), f"collectives per step {counts[1:]}, expected {expected} each")
+say(f"rank {rank}: OK {codec_name} {policy}: {expected} collectives per step {counts}")
