@@ -85,29 +85,46 @@ class GlooChannel:
         """One collective for the whole list: the tensors are packed into one buffer."""
         flat = torch.cat([t.reshape(-1) for t in tensors]) if len(tensors) != 1 else tensors[0].reshape(-1).clone()
         self.issued += 1
-        return ("allreduce", name, self._pg.allreduce([flat]), flat, [t.shape for t in tensors])
+        try:
+            work = self._pg.allreduce([flat])
+        except RuntimeError as exc:
+            raise self._failure(name, exc) from exc
+        return ("allreduce", name, work, flat, [t.shape for t in tensors])
 
     def allgather_async(self, tensor: torch.Tensor, name: str):
         tensor = tensor.reshape(-1).contiguous()
         out = torch.empty(self.size * tensor.numel(), dtype=tensor.dtype, device=tensor.device)
         self.issued += 1
-        return ("allgather", name, self._pg.allgather([list(out.chunk(self.size))], [tensor]), out, None)
+        try:
+            work = self._pg.allgather([list(out.chunk(self.size))], [tensor])
+        except RuntimeError as exc:
+            raise self._failure(name, exc) from exc
+        return ("allgather", name, work, out, None)
 
     def wait(self, handle):
         kind, name, work, out, shapes = handle
         try:
             work.wait(datetime.timedelta(seconds=min(self.timeout, 7 * 24 * 3600.0)))
         except RuntimeError as exc:
-            if "timed out" in str(exc).lower() or "timeout" in str(exc).lower():
-                raise collective_timeout_error(name, self.rank, self.size, self.timeout) from exc
-            raise RuntimeError(f"AccordionCompressor: collective {name!r} failed on rank {self.rank} (world size "
-                               f"{self.size}): {exc}") from exc
+            raise self._failure(name, exc) from exc
         if kind == "allgather":
             return out
         out.div_(self.size)
         if len(shapes) == 1:
             return [out.view(shapes[0])]
         return [part.view(shape) for part, shape in zip(out.split([s.numel() for s in shapes]), shapes)]
+
+    def _failure(self, name: str, exc: RuntimeError) -> Exception:
+        """A collective that timed out raises the channel's TimeoutError. One that failed
+        because a peer went away raises Horovod's ``HorovodInternalError`` (a RuntimeError),
+        as Horovod's own collectives do, so that Horovod Elastic restores the last commit and
+        re-forms the world (the compressor then builds a new group: ``world_changed``)."""
+        text = str(exc)
+        if "timed out" in text.lower() or "timeout" in text.lower():
+            return collective_timeout_error(name, self.rank, self.size, self.timeout)
+        from horovod.common.exceptions import HorovodInternalError
+        return HorovodInternalError(f"AccordionCompressor: collective {name!r} failed on rank {self.rank} "
+                                    f"(world size {self.size}): {text}")
 
     def forget_handles(self) -> None:
         """Horovod Elastic re-formed the world; this group belongs to the old one."""
