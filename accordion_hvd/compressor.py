@@ -124,6 +124,7 @@ class AccordionCompressor:
         self._last_exchange: float | None = None      # GraVAC: when the previous step's exchange ran
         self.controller = RegimeController(self.policy, self.interval, accumulate=accumulate)
         self._channel = channel
+        self._channel_given = channel is not None
         self._control = control
         self._control_given = control is not None
         self._optimizer = None                       # weakref to Horovod's optimizer, once seen
@@ -134,6 +135,7 @@ class AccordionCompressor:
         self._layers: dict[str, Any] = {}            # name -> codec state
         self._pending: dict[str, Any] = {}           # this step: name -> what the exchange needs back
         self._round1: Round1 | None = None           # round 1 by buckets (accordion_hvd/exchange.py)
+        self._q_round = None                         # PowerSGD's Q round in flight: (names, states, pending, handle)
         self._device_type = "cpu"                    # of the first compressed gradient: picks the data plane
         self._results: dict[str, torch.Tensor] = {}  # this step: name -> decompressed gradient
         self._sent: dict[str, int] = {}              # cumulative floats sent, per layer
@@ -215,7 +217,7 @@ class AccordionCompressor:
             raise RuntimeError(f"AccordionCompressor: no result for {name!r}: decompress called twice, "
                                f"or without compress, in this step")
         if kind != _DENSE:
-            if self._pending:
+            if self._pending or self._q_round is not None:
                 self._exchange()
             tensor = self._results.pop(name)
         elif tensor.is_floating_point() and not _all_finite(tensor):
@@ -290,13 +292,15 @@ class AccordionCompressor:
         return tensor.new_empty(0), (self._kind, name)
 
     def _finish_if_complete(self) -> None:
-        """Once the step's last compressed layer is in (known from the agreed layout), finish
-        the exchange right away, at the end of backward. Waiting for the first ``decompress``
-        would put it behind Horovod's negotiation of the tensors Horovod still carries (the
-        uncompressed layers and the empty placeholders of ours): one more background cycle
-        and round trip on every step. GraVAC decides at the first ``decompress``."""
-        if self._round1 is not None and self._round1.complete and not isinstance(self.policy, GraVAC):
-            self._exchange()
+        """Once the step's last compressed layer is in (known from the agreed layout), take
+        PowerSGD's exchange as far as it goes without waiting for the last round: wait for the
+        P rounds, orthogonalize, start the Q round. Left to the first ``decompress``, all of it
+        would wait behind Horovod's negotiation of the tensors Horovod still carries (the
+        uncompressed layers and our empty placeholders); this way the Q transfer overlaps
+        with that negotiation. (TopK's only round is already issued by then; GraVAC decides
+        at the first ``decompress``.)"""
+        if (self._kind == _POWERSGD and self._pending and self._round1 is not None and self._round1.complete):
+            self._exchange_start()
 
     def config(self) -> dict:
         """The settings that must be equal on every rank (plain JSON values)."""
@@ -325,6 +329,14 @@ class AccordionCompressor:
     @torch.no_grad()
     def _exchange(self) -> None:
         """Finish this step's exchange for every pending layer at once."""
+        if self._pending:
+            self._exchange_start()
+        if self._q_round is not None:
+            self._finish_q_round()
+
+    @torch.no_grad()
+    def _exchange_start(self) -> None:
+        """Round 1 for every pending layer; PowerSGD's Q round started, not waited for."""
         names = sorted(self._pending)
         pending, self._pending = self._pending, {}
         states = [self._layers[n] for n in names]
@@ -337,14 +349,21 @@ class AccordionCompressor:
             qs = self.codec.middle(states, p_avgs)
             self.seconds["compress"] += time.perf_counter() - started
             self._gather_learning_rates()
-            q_avg = self._wait(self.channel.allreduce_mean_async(qs, name=f"acc.Q.{len(names)}"))
-            started = time.perf_counter()
-            for n, s, q in zip(names, states, q_avg):
-                m_hat = self._results[n] = self.codec.finish(s, q, pending[n][1])
-                self._undo.append(lambda e=s.residual, m_hat=m_hat: e.add_(m_hat.reshape(e.shape).to(e.dtype)))
-            self.seconds["compress"] += time.perf_counter() - started
+            self._q_round = (names, states, pending, self.channel.allreduce_mean_async(qs, name=f"acc.Q.{len(names)}"))
         else:
             self._exchange_topk(names, states, pending)
+
+    @torch.no_grad()
+    def _finish_q_round(self) -> None:
+        """PowerSGD: wait for the averaged Qs, then M_hat = P Q^T and e = M - M_hat per layer."""
+        names, states, pending, handle = self._q_round
+        self._q_round = None
+        q_avg = self._wait(handle)
+        started = time.perf_counter()
+        for n, s, q in zip(names, states, q_avg):
+            m_hat = self._results[n] = self.codec.finish(s, q, pending[n][1])
+            self._undo.append(lambda e=s.residual, m_hat=m_hat: e.add_(m_hat.reshape(e.shape).to(e.dtype)))
+        self.seconds["compress"] += time.perf_counter() - started
 
     @torch.no_grad()
     def _gravac_step(self, names, states, pending) -> bool:
@@ -490,6 +509,7 @@ class AccordionCompressor:
         steps next, as ``accordion_hvd.elastic`` does."""
         self._in_step.clear()
         self._pending.clear()
+        self._q_round = None
         if self._round1 is not None:
             self._round1.begin_step()
         self._results.clear()
@@ -503,6 +523,7 @@ class AccordionCompressor:
         self._round1 = None  # the layout is agreed again by the new world
         if not self._control_given:
             self._control = None
+        if not self._channel_given:  # ours is a group of the old world's ranks
             self._channel = None
         forget = getattr(self._channel, "forget_handles", None)
         if forget is not None:

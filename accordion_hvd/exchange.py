@@ -19,9 +19,12 @@ order (Gloo) and hooks fire in a different order on different ranks:
   launched, so every rank issues the same collectives in the same order whatever its hook
   order; a layer whose gradient comes late (Horovod fills in missing gradients in
   ``synchronize``) delays its bucket, never the pairing;
-* a layer that is not in the agreed layout, or one missing at the end of the step, raises
-  an error naming it on the rank that sees it; the other ranks' waits time out naming the
-  bucket's collective and its layers.
+* a step whose layers differ from the agreed ones (a caller of ``compress_named`` that
+  compresses a subset, a layer that first gets a gradient later) agrees again at the end
+  of that step, if none of its buckets was sent yet; otherwise the rank that sees it raises
+  an error naming the layer, and the other ranks' waits time out naming the bucket's
+  collective and its layers. (Under Horovod's optimizer the set never changes: it
+  zero-fills missing gradients.)
 """
 
 from __future__ import annotations
@@ -131,9 +134,11 @@ class Round1:
         """Layer ``name``'s payload for this step (``None``: the layer sends nothing in round 1
         this step, e.g. at a dense level); launches every bucket that is now complete, in order."""
         if self.buckets is not None and name not in self._bucket_of:
-            raise ValueError(f"AccordionCompressor: layer {name!r} was not compressed in the first step; the "
-                             f"ranks agreed on the compressed layers then, and every step must compress the same "
-                             f"ones ({len(self._bucket_of)} layers)")
+            if self._launched:
+                raise ValueError(f"AccordionCompressor: layer {name!r} is not one of the {len(self._bucket_of)} "
+                                 f"compressed layers the ranks agreed on, and this step's first buckets are sent "
+                                 f"already; every step must compress the same layers")
+            self.buckets = None  # nothing sent yet this step: agree on the layers again at its end
         self._payloads[name] = payload
         self._order.append(name)
         self._shapes[name] = tuple(grad.shape)
@@ -169,6 +174,9 @@ class Round1:
         """Waits for every bucket of the step (agreeing on the layout first, in the first
         step, and launching what is left; then calling ``then()``, if given); returns each
         layer's result."""
+        missing = self.buckets is not None and any(n not in self._payloads for n in self._bucket_of)
+        if missing and not self._launched:
+            self.buckets = None  # a subset of the layers, nothing sent yet: agree on this set
         if self.buckets is None:
             order = agree_layout(self.channel, self._shapes, self._order)
             self.buckets = [_Bucket(names) for names in plan_buckets(order, self._nbytes, self.first_cap, self.cap)]
@@ -176,8 +184,8 @@ class Round1:
         missing = sorted(n for n in self._bucket_of if n not in self._payloads)
         if missing:
             raise RuntimeError(f"AccordionCompressor: no gradient for {', '.join(map(repr, missing[:3]))} in this "
-                               f"step on rank {self.channel.rank}; every rank must compress the layers agreed "
-                               f"at the first step (the other ranks will time out waiting for them)")
+                               f"step on rank {self.channel.rank}, after some of the step's buckets were sent; every "
+                               f"rank must compress the layers agreed on (the other ranks will time out waiting)")
         self._launch_complete()
         if then is not None:
             then()

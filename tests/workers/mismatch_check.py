@@ -6,7 +6,7 @@ AccordionCompressor, but the ranks differ on purpose:
   rank   : rank 0 uses PowerSGD(rank=2), rank 1 PowerSGD(rank=4)  -> configuration error
   codec  : rank 0 uses PowerSGD, rank 1 TopK                       -> configuration error
   ratio, eta, policy, interval: one setting differs                 -> configuration error
-  layers : rank 0 has an extra compressed layer the others lack     -> collective timeout
+  layers : rank 0 has an extra compressed layer the others lack     -> every rank names the layer
 A rank that gets our error prints "rank R: <ExceptionType>: <message>" and exits 1.
 Usage: mismatch_check.py MODE
 """
