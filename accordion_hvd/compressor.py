@@ -7,13 +7,15 @@ We use that contract as follows:
 
 * layers that do not gain from compression (< 2 dims, small) are returned as they are and
   go through Horovod's ordinary allreduce;
-* a compressed layer returns an empty tensor to Horovod and starts its own exchange on the
-  channel: PowerSGD's P allreduce starts right away, overlapping with the rest of backward;
-* at the first ``decompress`` of a step every layer's compress has run (Horovod submits
-  the missing ones first), so the rest of the exchange is done once, for all layers
-  together: PowerSGD's Q round is one grouped allreduce, TopK is one allgather of every
-  layer's values and indices packed in a single buffer. Layers are always ordered by name,
-  never by hook order, which differs between ranks.
+* a compressed layer returns an empty tensor to Horovod and goes into the step's exchange
+  on our own data plane (comm/gloo.py): its first round runs by buckets of layers in the
+  order their gradients become ready, each bucket's collective starting as soon as the
+  bucket is complete, overlapping with the rest of backward (accordion_hvd/exchange.py:
+  PowerSGD's P allreduce, TopK's packed allgather of values and indices);
+* at the step's last compressed layer (the agreed bucket layout says which one is last)
+  PowerSGD waits for its P rounds and starts its Q round, one grouped allreduce for all
+  layers; the first ``decompress`` waits for it. Results are handed out by name, never by
+  hook order, which differs between ranks.
 
 Which parameter a ``compress(tensor)`` call is about: Horovod passes only the tensor, and
 with torch 2.x gradients are new tensors every step. We read the parameter from Horovod's
@@ -96,7 +98,9 @@ class AccordionCompressor:
         accumulate: detect on the norm of each layer's gradient accumulated over the window
             (the paper; one float32 buffer per compressed layer) or, if False, on its
             per-step norms (no buffer).
-        channel: the data plane (default: Horovod's collectives); tests pass a simulated one.
+        channel: the data plane (default: our own Gloo group over Horovod's ranks for CPU
+            gradients, Horovod's collectives for GPU ones; see ``channel``); tests pass a
+            simulated one.
         control: the control plane for the controller's reductions (default: MPI when its
             world is Horovod's, else Horovod; see accordion_hvd/comm/control.py).
         bucket_cap_mb: megabytes of gradient per bucket of the first round (DDP's default,
@@ -275,7 +279,6 @@ class AccordionCompressor:
             else:
                 out = torch.full_like(tensor, float("nan"))
             self.seconds["compress"] += time.perf_counter() - started
-            self._finish_if_complete()
             return out, (_DENSE, name)
         if self._kind == _POWERSGD:
             p = self.codec.start(state, tensor) if finite else self.codec.poisoned(state)

@@ -223,10 +223,6 @@ class Round1:
         """Whether this step has reported layers that ``results`` has not consumed yet."""
         return bool(self._order)
 
-    def collectives_per_step(self) -> int | None:
-        """How many collectives round 1 issues in a step once the layout is agreed."""
-        return None if self.buckets is None else len(self.buckets)
-
 
 def bytes_of(*tensors: torch.Tensor) -> torch.Tensor:
     """Tensors' raw bytes, concatenated (TopK's values and indices in one payload)."""

@@ -69,8 +69,12 @@ def main() -> None:
     torch.manual_seed(args.seed)
     train, test = data.load_digits(seed=args.seed)
     model = (models.SmallCNN if args.model == "cnn" else models.WideCNN)(channels=1)
-    # One bucket: with Gloo, the hook waits for its P allreduce inside a future callback, and two
-    # buckets in flight deadlock (both callbacks on Gloo's threads). 8.6 MB fits in one.
+    # One bucket. With DDP's default buckets PyTorch's powerSGD_hook can deadlock on Gloo
+    # (seen with this model under benchmarks/step_time.py, torch 2.13): the hook calls .wait()
+    # on a new allreduce inside a future callback, callbacks run on the process group's worker
+    # threads (2 for Gloo), and when two buckets' callbacks block at once no thread is left to
+    # run the allreduces they wait for (py-spy: both threads in
+    # unpack_uncompressed_tensors_and_allreduce_ps). 8.6 MB fits in one bucket.
     ddp = DistributedDataParallel(model, bucket_cap_mb=64)  # broadcasts rank 0's parameters
     if args.rank > 0:
         state = powersgd.PowerSGDState(process_group=None, matrix_approximation_rank=args.rank,

@@ -25,7 +25,6 @@ import platform
 import statistics
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
@@ -86,18 +85,7 @@ def run_ddp(cluster, rank: int, logdir: Path, timeout: float):
     """torchrun on every node at once (static rendezvous at node1); returns False or the error."""
     args = [str(REPO / "benchmarks" / "ddp_train.py"), "--rank", str(rank), "--logdir", str(logdir),
             *[a for a in COMMON if a != "--no-progress"]]
-    results = {}
-
-    def launch(k: int) -> None:
-        cmd = [str(Path(cluster.python).parent / "torchrun"), "--nnodes", str(cluster.nodes), "--nproc_per_node", "1",
-               "--node_rank", str(k), "--master_addr", "node1", "--master_port", "29533", *args]
-        results[k] = cluster.exec(cmd, node=f"node{k + 1}", timeout=timeout, env={"GLOO_SOCKET_IFNAME": "hvd0"})
-
-    threads = [threading.Thread(target=launch, args=(k,)) for k in range(cluster.nodes)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    results = cluster.torchrun(args, timeout=timeout)
     bad = {k: r for k, r in results.items() if r.returncode != 0}
     return bad and "\n".join(f"node{k + 1}: {(r.stdout + r.stderr)[-700:]}" for k, r in bad.items())
 

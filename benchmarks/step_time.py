@@ -26,7 +26,7 @@ import os
 import platform
 import statistics
 import sys
-import threading
+from contextlib import nullcontext
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -54,36 +54,28 @@ def run(cluster, method: str, model: str, out: Path, timeout: float, env: dict |
     if env is None:
         env = {} if method.startswith("ours-") else HOROVOD_DEFAULTS
     if method in DDP:
-        on_every_node(cluster, lambda k: [
-            str(Path(cluster.python).parent / "torchrun"), "--nnodes", str(cluster.nodes), "--nproc_per_node", "1",
-            "--node_rank", str(k), "--master_addr", "node1", "--master_port", "29533", *args], timeout)
+        check(cluster.torchrun(args, timeout=timeout))
         return read(out)
-    if method == "floor":
-        on_every_node(cluster, lambda k: [cluster.python, *args[:-1], f"{out}.node{k + 1}"], timeout, rename=out)
+    if method == "floor":  # every node times itself; node1's is the one reported
+        check(cluster.exec_everywhere(lambda k: [cluster.python, *args[:-1], f"{out}.node{k + 1}"], timeout=timeout))
+        Path(f"{out}.node1").rename(out)
         return read(out)
     result = cluster.horovodrun(args, timeout=timeout, env=env)
     if result.returncode != 0:
-        raise RuntimeError((result.stdout + result.stderr)[-1500:])
+        raise RuntimeError(why(result.stdout + result.stderr))
     return read(out)
 
 
-def on_every_node(cluster, argv_of, timeout: float, rename: Path | None = None) -> None:
-    results = {}
-
-    def launch(k: int) -> None:
-        results[k] = cluster.exec(argv_of(k), node=f"node{k + 1}", timeout=timeout,
-                                  env={"GLOO_SOCKET_IFNAME": "hvd0"})
-
-    threads = [threading.Thread(target=launch, args=(k,)) for k in range(cluster.nodes)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+def check(results: dict) -> None:
     bad = {k: r for k, r in results.items() if r.returncode != 0}
     if bad:
-        raise RuntimeError("\n".join(f"node{k + 1}: {(r.stdout + r.stderr)[-700:]}" for k, r in bad.items()))
-    if rename is not None:  # the floor: every node timed itself; node1's is the one reported
-        Path(f"{rename}.node1").rename(rename)
+        raise RuntimeError("\n".join(f"node{k + 1}: {why(r.stdout + r.stderr)}" for k, r in bad.items()))
+
+
+def why(output: str) -> str:
+    """The lines of a failed run's output that say what failed (errors first), then its end."""
+    errors = [line.strip() for line in output.splitlines() if "Error" in line or "error:" in line]
+    return " | ".join(errors[:4])[:600] + " ... " + output[-300:]
 
 
 def read(out: Path) -> dict:
@@ -94,6 +86,11 @@ def spread(values: list[float], fmt: str) -> str:
     if not values:
         return "failed"
     return f"{format(statistics.median(values), fmt)} ({format(min(values), fmt)}-{format(max(values), fmt)})"
+
+
+def times(text: str) -> str:
+    """'1.02 (0.98-1.05)' -> '1.02 (0.98-1.05)x'; 'failed' stays as it is."""
+    return text if text == "failed" else text + "x"
 
 
 def section(step: dict[str, list], methods: list[str]) -> list[str]:
@@ -107,14 +104,15 @@ def section(step: dict[str, list], methods: list[str]) -> list[str]:
         ratio = [v / f for v, f in zip(values, floors) if v is not None and f is not None]
         out.append(f"| {name} | {spread(done, '.3f')} | "
                    f"{spread(over, '+.3f') if name != 'floor' else '-'} | "
-                   f"{spread(ratio, '.3f') + 'x' if name != 'floor' else '-'} | {len(values) - len(done)} |")
+                   f"{times(spread(ratio, '.3f')) if name != 'floor' else '-'} | {len(values) - len(done)} |")
     out += ["", "| ours | peer | ours / peer, median (range) over rounds | rounds where ours was faster |",
             "|---|---|---|---|"]
     for ours, peer in PAIRS:
         if ours not in step or peer not in step:
             continue
         ratios = [o / p for o, p in zip(step[ours], step[peer]) if o is not None and p is not None]
-        out.append(f"| {ours} | {peer} | {spread(ratios, '.3f')}x | {sum(r < 1 for r in ratios)} of {len(ratios)} |")
+        out.append(f"| {ours} | {peer} | {times(spread(ratios, '.3f'))} | {sum(r < 1 for r in ratios)} of "
+                   f"{len(ratios)} |")
     return out + [""]
 
 
@@ -127,6 +125,9 @@ def main() -> None:
     p.add_argument("--methods", default=",".join(DEFAULT_METHODS))
     p.add_argument("--timeout", type=float, default=600, help="seconds per run")
     p.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "step-time.md")
+    p.add_argument("--report-only", action="store_true",
+                   help="run nothing: rebuild the tables from the per-run JSON already under --out's folder "
+                        "(after an interrupted run; a run without its JSON counts as failed)")
     args = p.parse_args()
     methods = args.methods.split(",")
     unknown = [m for m in methods if m not in METHODS]
@@ -141,20 +142,21 @@ def main() -> None:
         for nodes in (int(n) for n in args.nodes.split(",")):
             for rate in args.rates.split(","):
                 step = {m: [] for m in methods}
-                with Cluster(nodes, rate=rate, prefix="accstep-") as cluster:
+                with nullcontext() if args.report_only else Cluster(nodes, rate=rate, prefix="accstep-") as cluster:
                     for round_ in range(args.rounds):
                         for name in methods:
                             out = raw / f"{model}-{nodes}n-{rate}-r{round_}-{name}.json"
                             try:
-                                result = run(cluster, name, model, out, args.timeout)
+                                result = read(out) if args.report_only else run(cluster, name, model, out,
+                                                                                args.timeout)
                                 seconds, error = result["step_s"], ""
                             except Exception as exc:  # a timeout, a crash: record it, go on
                                 seconds, error = None, f"{type(exc).__name__}: {exc}"
                             step[name].append(seconds)
                             rows.append({"model": model, "nodes": nodes, "rate": rate, "round": round_,
-                                         "method": name, "step_s": seconds, "error": error[-300:]})
+                                         "method": name, "step_s": seconds, "error": error[:900]})
                             print(f"{model}, {nodes} nodes, {rate}, round {round_ + 1}/{args.rounds}: {name}: "
-                                  + (f"FAILED {error[-400:]}" if seconds is None else f"{seconds:.4f} s/step"),
+                                  + (f"FAILED {error[:900]}" if seconds is None else f"{seconds:.4f} s/step"),
                                   flush=True)
                 sections += [f"## {model}, {nodes} nodes, {rate} links", "", *section(step, methods)]
     with open(args.out.with_suffix(".csv"), "w", newline="") as f:

@@ -21,7 +21,7 @@ import subprocess
 import sys
 import threading
 from pathlib import Path
-from typing import Mapping, Sequence
+from typing import Callable, Mapping, Sequence
 
 CLUSTER_DIR = Path(__file__).resolve().parent
 CLUSTER_SH = CLUSTER_DIR / "cluster.sh"
@@ -140,6 +140,31 @@ class Cluster:
         """Run ARGV inside NODE (cwd and environment kept, stand-in ssh on PATH)."""
         return run_with_timeout([str(CLUSTER_SH), "exec", node, "--", *argv], timeout=timeout,
                                 env=self.job_env(env), cwd=cwd)
+
+    def exec_everywhere(self, argv_of: Callable[[int], Sequence[str]], *, timeout: float,
+                        env: Mapping[str, str] | None = None) -> dict[int, subprocess.CompletedProcess]:
+        """Run ``argv_of(k)`` inside node k+1, on every node at once; the results by k."""
+        results: dict[int, subprocess.CompletedProcess] = {}
+
+        def launch(k: int) -> None:
+            results[k] = self.exec(argv_of(k), node=f"node{k + 1}", timeout=timeout, env=env)
+
+        threads = [threading.Thread(target=launch, args=(k,)) for k in range(self.nodes)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        return results
+
+    def torchrun(self, args: Sequence[str], *, timeout: float, port: int = 29533
+                 ) -> dict[int, subprocess.CompletedProcess]:
+        """``torchrun ARGS...`` on every node, one process each, static rendezvous at node1,
+        Gloo on the cluster's interface; the results by node index."""
+        torchrun = str(Path(self.python).parent / "torchrun")
+        return self.exec_everywhere(lambda k: [torchrun, "--nnodes", str(self.nodes), "--nproc_per_node", "1",
+                                               "--node_rank", str(k), "--master_addr", "node1",
+                                               "--master_port", str(port), *args],
+                                    timeout=timeout, env={"GLOO_SOCKET_IFNAME": IFACE})
 
     def horovodrun(self, args: Sequence[str], *, np: int | None = None, backend: str = "gloo",
                    hosts: str | None = None, elastic: bool = False, timeout: float,

@@ -13,7 +13,6 @@ import sys
 
 import horovod.torch as hvd
 import torch
-import torch.nn.functional as F
 
 import accordion_hvd as acc
 from accordion_hvd.exchange import plan_buckets
