@@ -469,9 +469,10 @@ class AccordionCompressor:
 
     def _gather_learning_rates(self) -> None:
         """Start gathering every rank's learning rates for the controller's per-step check,
-        right before the step's last exchange: Horovod negotiates both in the same cycle, so
-        the check costs no round of its own (else it is one control collective at the end of
-        the step, as in steps without an exchange)."""
+        right before the step's last collective, in flight together with it, so the check
+        costs no round trip of its own (else it is one control collective at the end of the
+        step, as in steps without an exchange). It is issued after every round-1 bucket, so
+        every rank issues its collectives in the same order."""
         lrs = self._learning_rates() if self.policy.reacts_to_lr else None
         if lrs is not None:
             self._lr_gather = self.channel.allgather_async(torch.tensor(lrs, dtype=torch.float64),

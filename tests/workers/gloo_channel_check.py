@@ -1,0 +1,40 @@
+"""Worker run by tests/test_exchange_horovod.py under horovodrun, on every rank.
+
+Our Gloo data plane (accordion_hvd/comm/gloo.py) built over Horovod's world: a grouped
+allreduce averages and keeps each tensor's shape, an allgather concatenates in rank order,
+and a collective that only rank 0 issues ends in the channel's TimeoutError naming it (no
+hang), within the timeout plus a few seconds.
+"""
+
+import time
+
+import horovod.torch as hvd
+import torch
+
+from accordion_hvd.comm.gloo import GlooChannel
+from worker_util import checker, say
+
+hvd.init()
+rank, size = hvd.rank(), hvd.size()
+check = checker(rank)
+channel = GlooChannel(timeout=3)
+check(channel.rank == rank and channel.size == size, "the group's ranks are not Horovod's")
+a, b = channel.wait(channel.allreduce_mean_async([torch.full((2, 3), float(rank)), torch.full((4,), 2.0 * rank)],
+                                                 name="mean"))
+mean = sum(range(size)) / size
+check(a.shape == (2, 3) and b.shape == (4,), f"shapes {a.shape}, {b.shape}")
+check(torch.equal(a, torch.full((2, 3), mean)) and torch.equal(b, torch.full((4,), 2 * mean)), f"{a}, {b}")
+gathered = channel.wait(channel.allgather_async(torch.tensor([rank, 10 * rank], dtype=torch.int32), name="gather"))
+check(gathered.tolist() == [v for r in range(size) for v in (r, 10 * r)], f"gathered {gathered.tolist()}")
+check(channel.issued == 2, f"issued {channel.issued}")
+if rank == 0:
+    start = time.monotonic()
+    try:
+        channel.wait(channel.allreduce_mean_async([torch.ones(4)], name="acc.lonely"))
+        check(False, "a collective no other rank issued completed")
+    except TimeoutError as exc:
+        elapsed = time.monotonic() - start
+        check("collective 'acc.lonely' did not complete within 3 s on rank 0" in str(exc), str(exc))
+        check(elapsed < 15, f"took {elapsed:.1f} s")
+say(f"rank {rank}: OK gloo channel")
+time.sleep(1 if rank == 0 else 6)  # rank 1 outlives rank 0's timeout
