@@ -125,6 +125,8 @@ def main() -> None:
     p.add_argument("--methods", default=",".join(DEFAULT_METHODS))
     p.add_argument("--timeout", type=float, default=600, help="seconds per run")
     p.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "step-time.md")
+    p.add_argument("--start-round", type=int, default=0,
+                   help="rounds before this one are read from their JSON, not run (adding rounds to a run)")
     p.add_argument("--report-only", action="store_true",
                    help="run nothing: rebuild the tables from the per-run JSON already under --out's folder "
                         "(after an interrupted run; a run without its JSON counts as failed)")
@@ -147,8 +149,8 @@ def main() -> None:
                         for name in methods:
                             out = raw / f"{model}-{nodes}n-{rate}-r{round_}-{name}.json"
                             try:
-                                result = read(out) if args.report_only else run(cluster, name, model, out,
-                                                                                args.timeout)
+                                reuse = args.report_only or round_ < args.start_round
+                                result = read(out) if reuse else run(cluster, name, model, out, args.timeout)
                                 seconds, error = result["step_s"], ""
                             except Exception as exc:  # a timeout, a crash: record it, go on
                                 seconds, error = None, f"{type(exc).__name__}: {exc}"
