@@ -173,13 +173,13 @@ def main() -> None:
             ours_s.append({k: now[k] - before[k] for k in now})
             before = now
     total = time.perf_counter() - start
-    if not torch.isfinite(loss):
+    if not torch.isfinite(loss.detach()):
         raise RuntimeError(f"{args.method}: loss is not finite")
     if rank == 0:
         window = walls[FIRST:LAST]
         result = {"method": args.method, "model": args.model, "size": size, "batch_size": args.batch_size,
                   "step_s": statistics.median(window), "walls": walls, "phases": phases, "ours": ours_s,
-                  "total_s": total, "loss": float(loss)}
+                  "total_s": total, "loss": loss.item()}
         if compression is not None:
             result["floats_sent"] = compression.stats()["floats_sent"]
         args.out.write_text(json.dumps(result))

@@ -59,7 +59,8 @@ class GlooChannel:
         self.timeout = collective_timeout(timeout)
         self.rank, self.size = hvd.rank(), hvd.size()
         self.issued = 0  # collectives issued so far (tests count them per step)
-        delta = datetime.timedelta(seconds=min(self.timeout, 7 * 24 * 3600.0))
+        # timedelta cannot hold math.inf ("wait forever"): a week stands in for it.
+        self._delta = delta = datetime.timedelta(seconds=min(self.timeout, 7 * 24 * 3600.0))
         iface = next((os.environ[e] for e in IFACE_ENVS if os.environ.get(e)), None)
         host = os.environ.get(ADDR_ENV) or _advertised_host(iface)
         store = None
@@ -104,7 +105,7 @@ class GlooChannel:
     def wait(self, handle):
         kind, name, work, out, shapes = handle
         try:
-            work.wait(datetime.timedelta(seconds=min(self.timeout, 7 * 24 * 3600.0)))
+            work.wait(self._delta)
         except RuntimeError as exc:
             raise self._failure(name, exc) from exc
         if kind == "allgather":
