@@ -7,15 +7,17 @@ We use that contract as follows:
 
 * layers that do not gain from compression (< 2 dims, small) are returned as they are and
   go through Horovod's ordinary allreduce;
-* a compressed layer returns an empty tensor to Horovod and goes into the step's exchange
-  on our own data plane (comm/gloo.py): its first round runs by buckets of layers in the
-  order their gradients become ready, each bucket's collective starting as soon as the
-  bucket is complete, overlapping with the rest of backward (accordion_hvd/exchange.py:
-  PowerSGD's P allreduce, TopK's packed allgather of values and indices);
-* at the step's last compressed layer (the agreed bucket layout says which one is last)
-  PowerSGD waits for its P rounds and starts its Q round, one grouped allreduce for all
-  layers; the first ``decompress`` waits for it. Results are handed out by name, never by
-  hook order, which differs between ranks.
+* a compressed layer returns an empty tensor to Horovod and goes into its codec's exchange
+  (accordion_hvd/exchange/) on our own data plane (comm/gloo.py): by buckets of layers in the
+  order their gradients become ready, each bucket's collectives starting as soon as the
+  bucket is complete, overlapping with the rest of backward (PowerSGD: a P and a Q allreduce
+  per bucket; TopK: a packed allgather of values and indices per bucket);
+* the first ``decompress`` of a compressed layer waits for what is left of the exchange.
+  Results are handed out by name, never by hook order, which differs between ranks.
+
+The adapter does not know the codec's rounds: it drives the exchange object with ``add``,
+``results`` and ``end_step`` (commit, or roll back a skipped step), and keeps the Horovod
+protocol and the step's bookkeeping.
 
 Which parameter a ``compress(tensor)`` call is about: Horovod passes only the tensor, and
 with torch 2.x gradients are new tensors every step. We read the parameter from Horovod's
@@ -46,7 +48,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import math
 import os
 import sys
 import time
@@ -56,14 +57,13 @@ from typing import Any
 import torch
 
 from .codecs import PowerSGD, TopK
-from .codecs._common import positive_number, residual_dtype
+from .codecs._common import all_finite, positive_number, residual_dtype
 from .controller import RegimeController
-from .exchange import BUCKET_BYTES, FIRST_BUCKET_BYTES, Round1, bytes_of, split_bytes
+from .exchange import BUCKET_BYTES, FIRST_BUCKET_BYTES, Round1, make_exchange
 from .policies import GraVAC, make_policy
-from .policies.gravac import CANDIDATE, DENSE
 
 
-_DENSE, _POWERSGD, _TOPK = "dense", "powersgd", "topk"
+_DENSE, _COMPRESSED = "dense", "compressed"  # who carries a layer this step: Horovod, or our exchange
 _CONFIG_BYTES = 1024  # the settings' canonical JSON, zero-padded: one fixed-size allgather
 _STATE_FORMAT = "accordion_hvd.AccordionCompressor/1"
 DATA_PLANE_ENV = "ACCORDION_DATA_PLANE"
@@ -105,7 +105,7 @@ class AccordionCompressor:
             world is Horovod's, else Horovod; see accordion_hvd/comm/control.py).
         bucket_cap_mb: megabytes of gradient per bucket of the first round (DDP's default,
             25; the first bucket closes at 1 MB or this, whichever is smaller). A bucket's
-            collective starts as soon as all its layers are encoded (accordion_hvd/exchange.py).
+            collective starts as soon as all its layers are encoded (accordion_hvd/exchange/).
     """
 
     _default = None
@@ -125,7 +125,6 @@ class AccordionCompressor:
             raise ValueError("policy GraVAC needs the TopK codec (its gain comes from TopK's kept and total "
                              f"squared norms), got {codec!r}")
         self.bucket_cap = int(positive_number("bucket_cap_mb", bucket_cap_mb) * 2**20)
-        self._last_exchange: float | None = None      # GraVAC: when the previous step's exchange ran
         self.controller = RegimeController(self.policy, self.interval, accumulate=accumulate)
         self._channel = channel
         self._channel_given = channel is not None
@@ -135,13 +134,9 @@ class AccordionCompressor:
         self._reported_lrs: list[float] | None = None
         self._in_step: set[str] = set()              # this step: layers compressed, not yet decompressed
         self.seconds = {"compress": 0.0, "comm": 0.0}  # cumulative: codec math, waiting on collectives
-        self._kind = _POWERSGD if isinstance(codec, PowerSGD) else _TOPK
         self._layers: dict[str, Any] = {}            # name -> codec state
-        self._pending: dict[str, Any] = {}           # this step: name -> what the exchange needs back
-        self._round1: Round1 | None = None           # round 1 by buckets (accordion_hvd/exchange.py)
-        self._q_round = None                         # PowerSGD's Q round in flight: (names, states, pending, handle)
+        self._exchange = None                        # the codec's exchange (accordion_hvd/exchange/)
         self._device_type = "cpu"                    # of the first compressed gradient: picks the data plane
-        self._results: dict[str, torch.Tensor] = {}  # this step: name -> decompressed gradient
         self._sent: dict[str, int] = {}              # cumulative floats sent, per layer
         self._dense: dict[str, int] = {}             # cumulative floats a dense allreduce sends
         self.steps = 0
@@ -155,8 +150,7 @@ class AccordionCompressor:
         self._outputs: list[torch.Tensor] = []  # every gradient returned to Horovod
         self._local_faults: list[str] = []       # layers whose gradient is not finite on this rank
         self._fault = False                      # some rank's was not (the same on every rank)
-        self._undo: list = []                    # put a layer's gradient back into e, if skipped
-        self._settle: list = []                  # finish a layer's error feedback, if not
+        self._results: dict[str, torch.Tensor] | None = None  # the exchange's, once waited for
         self._lr_gather = None                   # every rank's learning rates, in flight
 
     @classmethod
@@ -186,12 +180,19 @@ class AccordionCompressor:
         return self._channel
 
     @property
+    def exchange(self):
+        """The codec's exchange on the data plane (built at the first compressed layer)."""
+        if self._exchange is None:
+            self._exchange = make_exchange(self.codec, self.channel, first_cap=min(FIRST_BUCKET_BYTES, self.bucket_cap),
+                                           cap=self.bucket_cap, before_last=self._gather_learning_rates,
+                                           seconds=self.seconds, policy=self.policy, control=lambda: self.control,
+                                           sent=self._sent)
+        return self._exchange
+
+    @property
     def round1(self) -> Round1:
-        if self._round1 is None:
-            kind, prefix = ("allreduce", "acc.P") if self._kind == _POWERSGD else ("allgather", "acc.topk")
-            self._round1 = Round1(self.channel, kind, prefix, first_cap=min(FIRST_BUCKET_BYTES, self.bucket_cap),
-                                  cap=self.bucket_cap)
-        return self._round1
+        """The exchange's first round (its agreed bucket layout)."""
+        return self.exchange.round1
 
     @property
     def control(self):
@@ -221,10 +222,11 @@ class AccordionCompressor:
             raise RuntimeError(f"AccordionCompressor: no result for {name!r}: decompress called twice, "
                                f"or without compress, in this step")
         if kind != _DENSE:
-            if self._pending or self._q_round is not None:
-                self._exchange()
+            if self._results is None:  # the step's first: wait for the exchange
+                self._results = self.exchange.results()
+                self._fault = self._fault or self.exchange.fault
             tensor = self._results.pop(name)
-        elif tensor.is_floating_point() and not _all_finite(tensor):
+        elif tensor.is_floating_point() and not all_finite(tensor):
             self._fault = True  # Horovod's average: the same on every rank
         self._outputs.append(tensor)
         self._in_step.discard(name)
@@ -263,47 +265,18 @@ class AccordionCompressor:
         started = time.perf_counter()
         if state is None:
             state = self._layers[name] = self.codec.init_state(name, tensor, self.controller.level_of(name))
-        finite = _all_finite(tensor)
+        finite = all_finite(tensor)
         if finite:
             self.controller.observe(name, tensor)  # before the codec consumes the gradient
         else:
             self._local_faults.append(name)
-        if isinstance(self.policy, GraVAC):  # encode at the minimum factor; trimmed later if need be
-            self.codec.set_level(state, f"{self.policy.min_factor:g}x")
-        if self._kind == _TOPK and self.codec.sends_dense(state):
-            self._sent[name] = self._sent.get(name, 0) + dense_floats
-            self.round1.ready(name, None, tensor)  # nothing in round 1 this step
-            if finite:
-                out = self.codec.flush_dense(state, tensor)
-                self._settle.append(lambda s=state, dtype=tensor.dtype: self.codec.settle_dense(s, dtype))
-            else:
-                out = torch.full_like(tensor, float("nan"))
-            self.seconds["compress"] += time.perf_counter() - started
-            return out, (_DENSE, name)
-        if self._kind == _POWERSGD:
-            p = self.codec.start(state, tensor) if finite else self.codec.poisoned(state)
-            self._pending[name] = (None, tensor)
-            self.round1.ready(name, [p], tensor)  # starts its bucket's P allreduce once the bucket is full
-        else:
-            encoded = self.codec.encode(state, tensor) if finite else self.codec.poisoned(state)
-            self._pending[name] = (encoded, tensor)
-            if not isinstance(self.policy, GraVAC):  # GraVAC decides what to send once all are encoded
-                self.round1.ready(name, bytes_of(*encoded), tensor)
-        self._sent[name] = self._sent.get(name, 0) + self.codec.floats_sent(state)
-        self.seconds["compress"] += time.perf_counter() - started
-        self._finish_if_complete()
-        return tensor.new_empty(0), (self._kind, name)
-
-    def _finish_if_complete(self) -> None:
-        """Once the step's last compressed layer is in (known from the agreed layout), take
-        PowerSGD's exchange as far as it goes without waiting for the last round: wait for the
-        P rounds, orthogonalize, start the Q round. Left to the first ``decompress``, all of it
-        would wait behind Horovod's negotiation of the tensors Horovod still carries (the
-        uncompressed layers and our empty placeholders); this way the Q transfer overlaps
-        with that negotiation. (TopK's only round is already issued by then; GraVAC decides
-        at the first ``decompress``.)"""
-        if (self._kind == _POWERSGD and self._pending and self._round1 is not None and self._round1.complete):
-            self._exchange_start()
+        self.seconds["compress"] += time.perf_counter() - started  # the exchange counts its own
+        dense = self.exchange.add(name, state, tensor, finite)  # starts its bucket's round once the bucket is full
+        self._sent[name] = self._sent.get(name, 0) + (dense_floats if dense is not None
+                                                      else self.codec.floats_sent(state))
+        if dense is not None:  # sent dense this step (a TopK level keeping half or more): Horovod carries it
+            return dense, (_DENSE, name)
+        return tensor.new_empty(0), (_COMPRESSED, name)
 
     def config(self) -> dict:
         """The settings that must be equal on every rank (plain JSON values)."""
@@ -329,106 +302,6 @@ class AccordionCompressor:
             raise ValueError(_config_mismatch_message(configs))
         self._config_checked = True
 
-    @torch.no_grad()
-    def _exchange(self) -> None:
-        """Finish this step's exchange for every pending layer at once."""
-        if self._pending:
-            self._exchange_start()
-        if self._q_round is not None:
-            self._finish_q_round()
-
-    @torch.no_grad()
-    def _exchange_start(self) -> None:
-        """Round 1 for every pending layer; PowerSGD's Q round started, not waited for."""
-        names = sorted(self._pending)
-        pending, self._pending = self._pending, {}
-        states = [self._layers[n] for n in names]
-        if self._kind == _POWERSGD:
-            p_avgs = [avg[0] for avg in self._round1_results(names)]
-            if not all(_all_finite(p) for p in p_avgs):  # a rank sent NaN: skip the Q round
-                self._skip_exchange(names, states, pending)
-                return
-            started = time.perf_counter()
-            qs = self.codec.middle(states, p_avgs)
-            self.seconds["compress"] += time.perf_counter() - started
-            self._gather_learning_rates()
-            self._q_round = (names, states, pending, self.channel.allreduce_mean_async(qs, name=f"acc.Q.{len(names)}"))
-        else:
-            self._exchange_topk(names, states, pending)
-
-    @torch.no_grad()
-    def _finish_q_round(self) -> None:
-        """PowerSGD: wait for the averaged Qs, then M_hat = P Q^T and e = M - M_hat per layer."""
-        names, states, pending, handle = self._q_round
-        self._q_round = None
-        q_avg = self._wait(handle)
-        started = time.perf_counter()
-        for n, s, q in zip(names, states, q_avg):
-            m_hat = self._results[n] = self.codec.finish(s, q, pending[n][1])
-            self._undo.append(lambda e=s.residual, m_hat=m_hat: e.add_(m_hat.reshape(e.shape).to(e.dtype)))
-        self.seconds["compress"] += time.perf_counter() - started
-
-    @torch.no_grad()
-    def _gravac_step(self, names, states, pending) -> bool:
-        """GraVAC's per-step choice (policies/gravac.py). Every layer was encoded at the
-        minimum factor; the candidate factor's selection is the top of that one, so both
-        gains come from one kernel call per layer. The model's squared norms and the step's
-        time are summed over ranks (one control collective), so every rank chooses alike;
-        then the selections are trimmed to the candidate, kept, or undone to send g dense.
-        Returns whether the step's exchange is done (dense, or skipped for a non-finite
-        gradient), else the selections are to be sent."""
-        candidate, _ = self.policy.factors()
-        now = time.perf_counter()
-        seconds = 0.0 if self._last_exchange is None else now - self._last_exchange
-        self._last_exchange = now
-        g_sq = kept_min = kept_cand = 0.0
-        for n, s in zip(names, states):
-            values = pending[n][0][0]
-            k = self.codec.factor_k(s.residual.numel(), candidate)
-            g_sq, kept_min = g_sq + s.g_sq, kept_min + s.kept_sq
-            top = values.abs().topk(k).values if k < values.numel() else values
-            kept_cand += top.double().square().sum().item()
-        totals = self.control.allreduce([g_sq, kept_min, kept_cand, seconds], name="acc.gravac", op="sum")
-        if not all(math.isfinite(t) for t in totals[:3]):  # a rank's gradient was not finite
-            self._skip_exchange(names, states, pending)
-            return True
-        total_g = totals[0]
-        gains = (totals[2] / total_g, totals[1] / total_g) if total_g > 0 else (1.0, 1.0)
-        choice = self.policy.choose(*gains)
-        self.policy.end_step(totals[3] / self.control.size)
-        for n, s in zip(names, states):
-            values, indices = pending[n][0]
-            numel = s.residual.numel()
-            before = self.codec.floats_sent(s)
-            if choice == CANDIDATE:
-                pending[n] = (self.codec.trim(s, values, indices, self.codec.factor_k(numel, candidate)),
-                              pending[n][1])
-                s.level = f"{candidate:g}x"
-            elif choice == DENSE:
-                self.codec.restore(s, values, indices)
-                s.level = DENSE
-            self._sent[n] += (numel if choice == DENSE else self.codec.floats_sent(s)) - before
-        if choice != DENSE:
-            return False
-        # Dense: every layer's g = grad + e averaged in one grouped allreduce; e is reset once
-        # the step is known not to be skipped.
-        avgs = self._wait(self.channel.allreduce_mean_async([s.residual for s in states], name=f"acc.dense.{len(names)}"))
-        for n, s, avg in zip(names, states, avgs):
-            self._results[n] = avg.to(pending[n][1].dtype).view(s.shape)
-            self._settle.append(s.residual.zero_)
-        return True
-
-    def _skip_exchange(self, names, states, pending) -> None:
-        """A rank's gradient was not finite (seen alike on every rank in the exchanged data):
-        no result this step, and each layer's gradient stays in its error feedback. PowerSGD's
-        e holds M = grad + e already; TopK's selection goes back into e. A layer that was not
-        finite here left its e untouched."""
-        self._fault = True
-        for n, s in zip(names, states):
-            if self._kind == _TOPK and n not in self._local_faults:
-                self.codec.restore(s, *pending[n][0])
-            self._results[n] = torch.zeros_like(pending[n][1])
-
     def _wait(self, handle):
         started = time.perf_counter()
         try:
@@ -445,19 +318,14 @@ class AccordionCompressor:
                         self.steps + 1)
             if not self._fault:  # cannot happen: the NaN sent in its place reaches every rank
                 raise RuntimeError("AccordionCompressor: a non-finite gradient was not seen in the exchange")
+        if self._exchange is not None:  # before the zeroing: PowerSGD's rollback reads its results
+            self._exchange.end_step(skipped=self._fault)
         if self._fault:
-            for undo in self._undo:  # before the zeroing: PowerSGD's undo reads its result
-                undo()
             for out in self._outputs:
                 out.zero_()
             self.skipped_steps += 1
             log.warning("step %d skipped on every rank: a gradient was not finite on some rank; gradients set to "
                         "zero, error feedback kept (%d skipped so far)", self.steps + 1, self.skipped_steps)
-        else:
-            for settle in self._settle:
-                settle()
-        if self._round1 is not None and self._round1.active:  # layers at a dense level only
-            self._round1.results()
         self.step_skipped = self._fault
         lr_gather = self._lr_gather
         self._new_step()
@@ -512,11 +380,8 @@ class AccordionCompressor:
         gradient into their error feedback already: restore a ``state_dict()`` taken between
         steps next, as ``accordion_hvd.elastic`` does."""
         self._in_step.clear()
-        self._pending.clear()
-        self._q_round = None
-        if self._round1 is not None:
-            self._round1.begin_step()
-        self._results.clear()
+        if self._exchange is not None:
+            self._exchange.abort()
         self._new_step()
 
     def world_changed(self) -> None:
@@ -524,7 +389,7 @@ class AccordionCompressor:
         control plane for the new ranks, and compare every rank's settings again at the next
         compress (a worker that joined has not been checked yet)."""
         self._config_checked = False
-        self._round1 = None  # the layout is agreed again by the new world
+        self._exchange = None  # the layout is agreed again by the new world, on its channel
         if not self._control_given:
             self._control = None
         if not self._channel_given:  # ours is a group of the old world's ranks
@@ -537,39 +402,6 @@ class AccordionCompressor:
         if self._in_step:
             raise RuntimeError(f"AccordionCompressor: {what} must be called between optimizer steps "
                                f"(layers still in flight: {sorted(self._in_step)[:3]})")
-
-    def _round1_results(self, names: list[str], then=None) -> list:
-        """Wait for round 1 of the step (the buckets launched during backward, and the rest);
-        each layer's result, in the order of ``names``. ``then`` is called once every bucket
-        is issued, before the waits (a collective issued there keeps its place in the order)."""
-        started = time.perf_counter()
-        try:
-            results = self.round1.results(then)
-        finally:
-            self.seconds["comm"] += time.perf_counter() - started
-        return [results[n] for n in names]
-
-    def _exchange_topk(self, names, states, pending) -> None:
-        if isinstance(self.policy, GraVAC):
-            done = self._gravac_step(names, states, pending)
-            for n in names:  # what the choice left to send (nothing, if dense or skipped)
-                self.round1.ready(n, None if done else bytes_of(*pending[n][0]), pending[n][1])
-            if done:
-                self.round1.results()  # issues nothing; the first step agrees on the layout
-                return
-        # Round 1 is the whole exchange: one allgather per bucket of every layer's values and
-        # int32 indices as bytes (k is a function of the level, equal on all ranks).
-        rows = self._round1_results(names, then=self._gather_learning_rates)
-        started = time.perf_counter()
-        size = self.channel.size
-        gathered_layers = [split_bytes(row, s.residual.dtype, s.k) for row, s in zip(rows, states)]
-        if not all(_all_finite(values) for values, _ in gathered_layers):  # a rank sent NaN
-            self._skip_exchange(names, states, pending)
-            return
-        for n, s, (values, indices) in zip(names, states, gathered_layers):
-            self._results[n] = self.codec.decode(s, values, indices, size, pending[n][1].dtype)
-            self._undo.append(lambda s=s, sent=pending[n][0]: self.codec.restore(s, *sent))
-        self.seconds["compress"] += time.perf_counter() - started
 
     # --- levels, statistics, state ------------------------------------------------------------
     def set_level(self, name: str, level: str) -> None:
@@ -658,16 +490,6 @@ def _check_same_layer(name: str, state, tensor: torch.Tensor) -> None:
         raise ValueError(f"AccordionCompressor: gradient of {name!r} moved from {state.residual.device} "
                          f"({state.residual.dtype} error feedback) to {tensor.device} ({tensor.dtype}); "
                          f"a layer must keep its device and dtype")
-
-
-def _all_finite(t: torch.Tensor) -> bool:
-    """Whether every entry is finite, from one float32 sum (non-finite entries make it NaN or
-    Inf; about 10x cheaper than ``isfinite().all()``). A finite tensor whose sum overflows
-    float32 counts as not finite: it would overflow the norms downstream anyway."""
-    if t.numel() == 0:
-        return True
-    total = t.sum() if t.dtype in (torch.float32, torch.float64) else t.sum(dtype=torch.float32)
-    return math.isfinite(total.item())
 
 
 def _config_mismatch_message(configs: list[dict]) -> str:

@@ -57,7 +57,7 @@ def test_different_settings_fail_with_the_same_message_on_every_rank(mode, field
 @pytest.mark.parametrize("backend", ["gloo", "mpi"])
 def test_a_layer_only_one_rank_has_fails_on_every_rank_naming_it(backend):
     # Rank 0 compresses extra.weight, which rank 1 lacks. At the end of the first step the
-    # ranks agree on the compressed layers (accordion_hvd/exchange.py): every rank raises the
+    # ranks agree on the compressed layers (accordion_hvd/exchange/buckets.py): every rank raises the
     # same ValueError naming the layer, instead of pairing the wrong collectives or hanging.
     result, elapsed = run_mismatch("layers", backend, **{TIMEOUT_ENV: "5"})
     assert result.returncode != 0, result.stdout

@@ -1,4 +1,4 @@
-"""The exchange engine's first round (accordion_hvd/exchange.py) on the simulated world."""
+"""The exchange engine's first round (accordion_hvd/exchange/buckets.py) on the simulated world."""
 
 import pytest
 import torch
@@ -120,3 +120,59 @@ def test_a_bucket_at_a_dense_level_issues_nothing_and_allgather_rows_are_per_ran
 def test_round1_refuses_an_unknown_kind():
     with pytest.raises(ValueError, match="kind must be 'allreduce' or 'allgather'"):
         Round1(None, "broadcast", "x")
+
+
+class Eager(Counting):
+    """A channel that reports every collective as arrived, and logs issues: the exchange then
+    starts each bucket's Q round as soon as its P round is issued, while layers still come."""
+
+    def __init__(self, channel, log):
+        super().__init__(channel)
+        self.log = log
+
+    def allreduce_mean_async(self, tensors, name):
+        self.log.append(("issue", name))
+        return super().allreduce_mean_async(tensors, name)
+
+    def test(self, handle):
+        return True
+
+
+def run_powersgd_steps(rank, channel, steps=3):
+    """Three steps of PowerSGDExchange on SHAPES, one layer per bucket; returns the results."""
+    import accordion_hvd as acc
+    from accordion_hvd.exchange import PowerSGDExchange
+
+    codec = acc.PowerSGD(rank=2)
+    exchange = PowerSGDExchange(codec, channel, first_cap=1, cap=1)
+    states, out = {}, []
+    for step in range(steps):
+        g = grads(rank, step)
+        for name in reversed(SHAPES) if rank else SHAPES:  # another hook order on rank 1
+            states.setdefault(name, codec.init_state(name, g[name]))
+            exchange.add(name, states[name], g[name].clone(), True)
+            if hasattr(channel, "log"):
+                channel.log.append(("added", name))
+        out.append({n: t.clone() for n, t in exchange.results().items()})
+        exchange.end_step(skipped=False)
+    return out
+
+
+def test_powersgd_starts_q_rounds_during_backward_and_gets_the_same_results():
+    plain = SimulatedWorld(2).run(run_powersgd_steps)
+    logs = [[], []]
+    eager = SimulatedWorld(2).run(lambda rank, channel: run_powersgd_steps(rank, Eager(channel, logs[rank])))
+    for a, b in zip(plain, eager):
+        for step_a, step_b in zip(a, b):
+            assert step_a.keys() == step_b.keys() == set(SHAPES)
+            for n in SHAPES:
+                assert torch.equal(step_a[n], step_b[n]), n
+    assert torch.allclose(plain[0][-1]["l0"], plain[1][-1]["l0"])  # every rank the same average
+    # From the second step on (the layout is agreed at the end of the first), Q rounds are
+    # issued before the step's last layer is added, and a step issues 2 per bucket.
+    starts = [i for i, e in enumerate(logs[0]) if e == ("added", "l0")]  # rank 0 adds l0 first
+    step2 = logs[0][starts[1]:starts[2]]
+    last_added = step2.index(("added", "l5"))
+    q_before_last = [e for e in step2[:last_added] if e[0] == "issue" and e[1].startswith("acc.Q.")]
+    assert len(q_before_last) == len(SHAPES) - 1, step2
+    assert sum(1 for e in step2 if e[0] == "issue") == 2 * len(SHAPES), step2

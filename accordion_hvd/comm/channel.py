@@ -40,6 +40,10 @@ class Channel(Protocol):
     def allgather_async(self, tensor: torch.Tensor, name: str) -> Handle:
         """Start concatenating every rank's 1-D ``tensor`` (same length everywhere), rank order."""
 
+    # Optional: ``test(handle) -> bool``, whether a collective completed (never waits), and
+    # ``lane(name) -> Channel``, a channel whose collectives pair independently of this one's
+    # (accordion_hvd/exchange/buckets.py: ``arrived`` and ``lane`` say what is assumed without).
+
     def wait(self, handle: Handle) -> Any:
         """Finish a collective: a list of averaged tensors, or the gathered tensor.
 

@@ -13,11 +13,16 @@ backward pass needs when cores are scarce.
 A Gloo process group (``torch.distributed.ProcessGroupGloo``, the engine DDP runs on) has no
 cycle and no negotiation: a collective starts on its worker threads the moment it is issued,
 and ranks pair collectives by the order they issue them. The exchange (accordion_hvd/
-exchange.py) issues them in an order that every rank agrees on (its buckets, in a fixed
+exchange/) issues them in an order that every rank agrees on (its buckets, in a fixed
 order), so that is safe. The group is built from Horovod's world: rank 0 opens a
 ``TCPStore`` on a free port and its address reaches the other ranks in one Horovod broadcast;
 it works the same under ``horovodrun --gloo`` and ``--mpi``. Horovod keeps the uncompressed
 tensors and everything else it does.
+
+A channel has **lanes** (``lane("q")``): further Gloo groups of the same ranks, built at the
+same time from the same store. Collectives on different lanes pair independently, so a rank
+may interleave its issues on two lanes in any order; PowerSGD's exchange uses one for its Q
+rounds, which start when each bucket's P average is back, a matter of timing on each rank.
 
 Every wait has the channel's timeout (a ``TimeoutError`` naming the collective); the group's
 own timeout is the same, so a collective that a rank never issues fails on every rank.
@@ -25,6 +30,7 @@ own timeout is the same, so a collective that a rank never issues fails on every
 
 from __future__ import annotations
 
+import copy
 import datetime
 import fcntl
 import logging
@@ -42,6 +48,7 @@ log = logging.getLogger("accordion_hvd.comm")
 
 ADDR_ENV = "ACCORDION_GLOO_ADDR"  # the address other ranks reach rank 0 at (default: see _advertised_host)
 IFACE_ENVS = ("ACCORDION_GLOO_IFACE", "HOROVOD_GLOO_IFACE", "GLOO_SOCKET_IFNAME")
+LANES = ("q",)  # built with every channel: a group is a collective setup, not something to do mid-step
 
 
 class GlooChannel:
@@ -58,7 +65,7 @@ class GlooChannel:
         check_horovod_cycle()
         self.timeout = collective_timeout(timeout)
         self.rank, self.size = hvd.rank(), hvd.size()
-        self.issued = 0  # collectives issued so far (tests count them per step)
+        self._issued = [0]  # collectives issued so far on every lane (tests count them per step)
         # timedelta cannot hold math.inf ("wait forever"): a week stands in for it.
         self._delta = delta = datetime.timedelta(seconds=min(self.timeout, 7 * 24 * 3600.0))
         iface = next((os.environ[e] for e in IFACE_ENVS if os.environ.get(e)), None)
@@ -77,15 +84,32 @@ class GlooChannel:
         options._timeout = delta
         options._devices = [dist.ProcessGroupGloo.create_device(interface=iface) if iface
                             else dist.ProcessGroupGloo.create_device(hostname=host)]
-        self._store = store  # kept alive with the group
+        self._store = store  # kept alive with the groups
         self._pg = dist.ProcessGroupGloo(dist.PrefixStore("accordion", store), self.rank, self.size, options)
+        self._lanes = {}
+        for name in LANES:
+            view = copy.copy(self)  # the same ranks, timeout and counter, its own group
+            view._pg = dist.ProcessGroupGloo(dist.PrefixStore(f"accordion.{name}", store), self.rank, self.size,
+                                             options)
+            view._lanes = {}
+            self._lanes[name] = view
         log.info("rank %d: compressed gradients travel on a Gloo group of %d ranks (%s)", self.rank, self.size,
                  f"interface {iface}" if iface else f"host {host}")
+
+    @property
+    def issued(self) -> int:
+        return self._issued[0]
+
+    def lane(self, name: str) -> "GlooChannel":
+        """The channel's lane ``name`` (see module doc)."""
+        if name not in self._lanes:
+            raise ValueError(f"GlooChannel has no lane {name!r} (lanes: {', '.join(self._lanes) or 'none'})")
+        return self._lanes[name]
 
     def allreduce_mean_async(self, tensors: list[torch.Tensor], name: str):
         """One collective for the whole list: the tensors are packed into one buffer."""
         flat = torch.cat([t.reshape(-1) for t in tensors]) if len(tensors) != 1 else tensors[0].reshape(-1).clone()
-        self.issued += 1
+        self._issued[0] += 1
         try:
             work = self._pg.allreduce([flat])
         except RuntimeError as exc:
@@ -95,12 +119,17 @@ class GlooChannel:
     def allgather_async(self, tensor: torch.Tensor, name: str):
         tensor = tensor.reshape(-1).contiguous()
         out = torch.empty(self.size * tensor.numel(), dtype=tensor.dtype, device=tensor.device)
-        self.issued += 1
+        self._issued[0] += 1
         try:
             work = self._pg.allgather([list(out.chunk(self.size))], [tensor])
         except RuntimeError as exc:
             raise self._failure(name, exc) from exc
         return ("allgather", name, work, out, None)
+
+    def test(self, handle) -> bool:
+        """Whether the collective has completed (never waits; a failed one counts as
+        completed: ``wait`` raises its error)."""
+        return handle[2].is_completed()
 
     def wait(self, handle):
         kind, name, work, out, shapes = handle

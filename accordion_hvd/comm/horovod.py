@@ -130,6 +130,10 @@ class HorovodChannel:
         """Horovod Elastic re-formed the world: handles in flight will never complete."""
         self._names.clear()
 
+    def test(self, handle) -> bool:
+        """Whether the collective has completed (never waits)."""
+        return bool(self._hvd.poll(handle))
+
     def wait(self, handle):
         name = self._names.pop(handle, "<unnamed>")
         wait_for(lambda: self._hvd.poll(handle), name, self.rank, self.size, self.timeout)

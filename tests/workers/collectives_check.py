@@ -1,9 +1,10 @@
 """Worker run by tests/test_exchange_horovod.py under horovodrun, on every rank.
 
 Counts the collectives one training step issues on the compressor's data plane and checks
-the number the exchange engine promises (accordion_hvd/exchange.py): once the layout is
-agreed (after the first step), PowerSGD issues one P allreduce per bucket and one Q
-allreduce; TopK one allgather per bucket; plus, with Accordion, the one learning-rate gather.
+the number the exchange engine promises (accordion_hvd/exchange/): once the layout is
+agreed (after the first step), PowerSGD issues a P and a Q allreduce per bucket (the Q rounds
+on the channel's second lane); TopK one allgather per bucket; plus, with Accordion, the one
+learning-rate gather.
 Small buckets (``bucket_cap_mb``) force several of them on a small model, and the hooks fire
 in a rank-dependent order, so the buckets fill in a different order on each rank.
 Usage: collectives_check.py CODEC POLICY   (CODEC: powersgd | topk; POLICY: static | accordion)
@@ -52,6 +53,6 @@ check(buckets is not None and len(buckets) == 3, f"expected 3 buckets of 2 weigh
 nbytes = {n: 64 * 64 * 4 for b in buckets for n in b.names}
 check([b.names for b in buckets] == plan_buckets([n for b in buckets for n in b.names], nbytes, 2**20 * 0.03,
                                                  2**20 * 0.03), "the buckets are not the planned cut")
-expected = len(buckets) + (1 if codec_name == "powersgd" else 0) + (1 if policy == "accordion" else 0)
+expected = len(buckets) * (2 if codec_name == "powersgd" else 1) + (1 if policy == "accordion" else 0)
 check(all(c == expected for c in counts[1:]), f"collectives per step {counts[1:]}, expected {expected} each")
 say(f"rank {rank}: OK {codec_name} {policy}: {expected} collectives per step {counts}")

@@ -1,12 +1,12 @@
-"""The exchange engine: a step's first round of collectives, by buckets, as gradients arrive.
+"""A step's first round of collectives, by buckets, as gradients arrive.
 
 Horovod calls ``compress`` for each parameter as backward produces its gradient. Sending
 each layer's round-1 payload on its own (PowerSGD's P, TopK's values and indices) costs one
 collective per layer; waiting for the end of backward leaves the network idle while backward
 runs. As DDP does, layers are grouped into **buckets** in the order their gradients become
 ready, and a bucket's collective starts as soon as all its layers are encoded: one collective
-per bucket, overlapping with the rest of backward. The codec's later rounds (PowerSGD's Q)
-run once per step for all layers (``compressor.py``).
+per bucket, overlapping with the rest of backward. A codec's later rounds follow the same
+buckets (PowerSGD's Q: exchange/powersgd.py).
 
 The layout is agreed by all ranks, because ranks pair collectives by name (Horovod) or by
 order (Gloo) and hooks fire in a different order on different ranks:
@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-from .comm.channel import Channel
+from ..comm.channel import Channel
 
 FIRST_BUCKET_BYTES = 1 << 20   # DDP's defaults: a small first bucket starts the network early,
 BUCKET_BYTES = 25 << 20        # then 25 MiB of gradient per bucket
@@ -170,10 +170,10 @@ class Round1:
             packed = torch.cat(payloads) if len(payloads) > 1 else payloads[0]
             bucket.handle = self.channel.allgather_async(packed, name=name)
 
-    def results(self, then=None) -> dict[str, Any]:
-        """Waits for every bucket of the step (agreeing on the layout first, in the first
-        step, and launching what is left; then calling ``then()``, if given); returns each
-        layer's result."""
+    def launch_rest(self, then=None) -> None:
+        """Issue every bucket of the step not issued yet (in the first step, after agreeing on
+        the layout), then call ``then()``, if given: a collective issued there comes after
+        every bucket on every rank."""
         missing = self.buckets is not None and any(n not in self._payloads for n in self._bucket_of)
         if missing and not self._launched:
             self.buckets = None  # a subset of the layers, nothing sent yet: agree on this set
@@ -189,27 +189,49 @@ class Round1:
         self._launch_complete()
         if then is not None:
             then()
+
+    @property
+    def launched(self) -> int:
+        """How many buckets this step has issued (they are issued in layout order)."""
+        return self._launched
+
+    def arrived(self, index: int) -> bool:
+        """Whether issued bucket ``index``'s result can be taken without waiting."""
+        handle = self.buckets[index].handle
+        return handle is None or arrived(self.channel, handle)
+
+    def take(self, index: int) -> dict[str, Any]:
+        """Wait for issued bucket ``index``; each of its sending layers' result, in bucket order."""
+        bucket = self.buckets[index]
         out: dict[str, Any] = {}
-        for index, bucket in enumerate(self.buckets):
-            if bucket.handle is None:
-                continue
-            try:
-                result = self.channel.wait(bucket.handle)
-            except TimeoutError as exc:
-                layers = ", ".join(bucket.names[:4]) + (" ..." if len(bucket.names) > 4 else "")
-                raise TimeoutError(f"{exc} (bucket {index} holds layers {layers})") from exc
-            if self.kind == "allreduce":
-                offset = 0
-                for n, count in zip(bucket.sending, bucket.sizes):
-                    out[n] = result[offset:offset + count]
-                    offset += count
-            else:
-                rows = result.view(self.channel.size, -1)
-                offset = 0
-                for n, width in zip(bucket.sending, bucket.sizes):
-                    out[n] = rows[:, offset:offset + width]
-                    offset += width
-            bucket.handle = None
+        if bucket.handle is None:
+            return out
+        try:
+            result = self.channel.wait(bucket.handle)
+        except TimeoutError as exc:
+            layers = ", ".join(bucket.names[:4]) + (" ..." if len(bucket.names) > 4 else "")
+            raise TimeoutError(f"{exc} (bucket {index} holds layers {layers})") from exc
+        bucket.handle = None
+        if self.kind == "allreduce":
+            offset = 0
+            for n, count in zip(bucket.sending, bucket.sizes):
+                out[n] = result[offset:offset + count]
+                offset += count
+        else:
+            rows = result.view(self.channel.size, -1)
+            offset = 0
+            for n, width in zip(bucket.sending, bucket.sizes):
+                out[n] = rows[:, offset:offset + width]
+                offset += width
+        return out
+
+    def results(self, then=None) -> dict[str, Any]:
+        """The whole round in one call: ``launch_rest(then)``, wait for every bucket, and
+        start the next step; returns each sending layer's result."""
+        self.launch_rest(then)
+        out: dict[str, Any] = {}
+        for index in range(len(self.buckets)):
+            out.update(self.take(index))
         self.begin_step()
         return out
 
@@ -222,6 +244,23 @@ class Round1:
     def active(self) -> bool:
         """Whether this step has reported layers that ``results`` has not consumed yet."""
         return bool(self._order)
+
+
+def arrived(channel: Channel, handle: Any) -> bool:
+    """Whether a collective has completed (never waits). A channel without ``test`` (the
+    simulated one, whose collectives happen in ``wait``) reports False: callers then wait in
+    their fixed order."""
+    test = getattr(channel, "test", None)
+    return bool(test(handle)) if test is not None else False
+
+
+def lane(channel: Channel, name: str) -> Channel:
+    """A channel whose collectives pair independently of ``channel``'s: ranks may then
+    interleave issues on the two in a different order (PowerSGD starts a bucket's Q round
+    when its P is back, which is a matter of timing). Channels that pair collectives by name
+    (Horovod's, the simulated one) are their own lanes."""
+    make = getattr(channel, "lane", None)
+    return make(name) if make is not None else channel
 
 
 def bytes_of(*tensors: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,151 @@
+"""PowerSGD's exchange: a P round and a Q round per bucket, pipelined with backward.
+
+Per layer (codecs/powersgd.py does the math): P = M Q is averaged over ranks, orthogonalized,
+Q^T = P^T M is averaged, and M_hat = P Q^T is the result. The rounds go by the buckets of
+exchange/buckets.py, as DDP's ``powerSGD_hook`` does:
+
+* a bucket's P allreduce starts when its last layer is encoded, during backward;
+* its Q allreduce starts as soon as its P average is back: checked, without waiting, each
+  time a gradient arrives, so the Q rounds of the first buckets travel while backward is
+  still computing the last ones; once the step's last layer is in, the remaining P rounds are
+  waited for in bucket order and their Q rounds started;
+* at the first ``decompress`` each bucket's Q is waited for in order and its layers finished,
+  so the last buckets' transfers overlap with the finishing math of the first ones.
+
+Ranks see P averages arrive at different times, so they would start Q rounds in a different
+order relative to the P rounds. The Q rounds therefore go on a separate lane of the channel
+(``exchange.buckets.lane``: its own Gloo group, whose collectives pair by their own order,
+always bucket order). A step issues 2 collectives per bucket.
+
+Non-finite gradients: a rank sends NaN as P for such a layer, so the fault shows in the
+averaged P that every rank reads; that bucket's Q round is not issued (on any rank), the
+step is flagged, and ``end_step(skipped=True)`` puts each finished layer's M_hat back into
+its error feedback (which then holds M = grad + e: nothing lost).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Callable
+
+import torch
+
+from ..comm.channel import Channel
+from ..codecs._common import all_finite
+from .buckets import BUCKET_BYTES, FIRST_BUCKET_BYTES, Round1, lane
+
+
+class PowerSGDExchange:
+    """One step at a time: ``add`` each layer as its gradient arrives, ``results`` at the
+    first decompress, ``end_step`` once the step is settled.
+
+    Args:
+        codec: the ``acc.PowerSGD`` doing the math.
+        channel: the data plane; Q rounds go on its lane "q".
+        before_last: called right after the step's last P bucket is issued (the adapter issues
+            its learning-rate gather there, in flight with the rest of the exchange).
+        seconds: accumulates "compress" (math) and "comm" (waits) seconds.
+    """
+
+    def __init__(self, codec, channel: Channel, *, first_cap: int = FIRST_BUCKET_BYTES, cap: int = BUCKET_BYTES,
+                 before_last: Callable[[], None] | None = None, seconds: dict[str, float] | None = None) -> None:
+        self.codec, self.channel = codec, channel
+        self.round1 = Round1(channel, "allreduce", "acc.P", first_cap=first_cap, cap=cap)
+        self.q_lane = lane(channel, "q")
+        self.before_last = before_last
+        self.seconds = seconds if seconds is not None else {"compress": 0.0, "comm": 0.0}
+        self._undo: list[tuple[Any, torch.Tensor]] = []
+        self._begin()
+
+    def _begin(self) -> None:
+        self._layers: dict[str, tuple[Any, torch.Tensor]] = {}  # this step: name -> (state, grad)
+        self._q: list[tuple[int, list[str], Any]] = []          # Q rounds issued: (bucket, names, handle)
+        self._next_q = 0        # the next bucket whose Q round is due, in layout order
+        self._closed = False    # every P round issued
+        self.fault = False      # some rank's gradient was not finite (the same on every rank)
+
+    def add(self, name: str, state, grad: torch.Tensor, finite: bool) -> None:
+        """Layer ``name``'s gradient: M = grad + e and P = M Q; its bucket's P round starts
+        once the bucket is complete. Horovod carries nothing for it."""
+        started = time.perf_counter()
+        p = self.codec.start(state, grad) if finite else self.codec.poisoned(state)
+        self._layers[name] = (state, grad)
+        self.seconds["compress"] += time.perf_counter() - started
+        self.round1.ready(name, [p], grad)
+        if self.round1.complete:  # the step's last layer: start everything that is left
+            self._close()
+        else:
+            self._start_q_rounds(wait=False)
+
+    def _close(self) -> None:
+        if not self._closed:
+            self.round1.launch_rest(self.before_last)
+            self._closed = True
+        self._start_q_rounds(wait=True)
+
+    def _start_q_rounds(self, wait: bool) -> None:
+        """Start the Q round of each issued bucket whose P average is back (every one, in
+        order, if ``wait``)."""
+        while self._next_q < self.round1.launched:
+            index = self._next_q
+            if not wait and not self.round1.arrived(index):
+                return
+            started = time.perf_counter()
+            averages = self.round1.take(index)
+            self.seconds["comm"] += time.perf_counter() - started
+            self._next_q += 1
+            names = list(averages)
+            if not names:
+                continue
+            p_avgs = [averages[n][0] for n in names]
+            if not all(all_finite(p) for p in p_avgs):  # a rank sent NaN: no Q round for this bucket
+                self.fault = True
+                continue
+            started = time.perf_counter()
+            qs = self.codec.middle([self._layers[n][0] for n in names], p_avgs)
+            self.seconds["compress"] += time.perf_counter() - started
+            self._q.append((index, names, self.q_lane.allreduce_mean_async(qs, name=f"acc.Q.b{index}.{len(names)}")))
+
+    def results(self) -> dict[str, torch.Tensor]:
+        """Wait for the rest of the step's exchange; each layer's averaged gradient M_hat,
+        shaped and typed like its gradient (zeros for the layers whose bucket saw a fault)."""
+        self._close()
+        out: dict[str, torch.Tensor] = {}
+        for index, names, handle in self._q:
+            started = time.perf_counter()
+            try:
+                q_avgs = self.q_lane.wait(handle)
+            except TimeoutError as exc:
+                raise TimeoutError(f"{exc} (Q round of bucket {index}: {', '.join(names[:4])}"
+                                   f"{' ...' if len(names) > 4 else ''})") from exc
+            self.seconds["comm"] += time.perf_counter() - started
+            started = time.perf_counter()
+            for n, q in zip(names, q_avgs):
+                state, grad = self._layers[n]
+                out[n] = self.codec.finish(state, q, grad)
+                self._undo.append((state.residual, out[n]))
+            self.seconds["compress"] += time.perf_counter() - started
+        for n, (state, grad) in self._layers.items():
+            if n not in out:  # its bucket had a fault: e already holds M = grad + e
+                out[n] = torch.zeros_like(grad)
+        self.round1.begin_step()
+        self._layers, self._q, self._next_q, self._closed = {}, [], 0, False  # ``fault`` stays until end_step
+        return out
+
+    @torch.no_grad()
+    def end_step(self, skipped: bool) -> None:
+        """Settle the step: if it is skipped, e += M_hat for every finished layer (e = M again),
+        before the adapter zeroes the results (M_hat lives in the result's memory)."""
+        if skipped:
+            for residual, m_hat in self._undo:
+                residual.add_(m_hat.reshape(residual.shape).to(residual.dtype))
+        self._undo = []
+        if self.round1.active:  # layers reported but no results taken (nothing to decompress)
+            self.round1.results()
+        self._begin()
+
+    def abort(self) -> None:
+        """Forget the step in flight (its collectives will never complete)."""
+        self.round1.begin_step()
+        self._undo = []
+        self._begin()
