@@ -131,6 +131,7 @@ class AccordionCompressor:
         self._control = control
         self._control_given = control is not None
         self._optimizer = None                       # weakref to Horovod's optimizer, once seen
+        self._owner = None                           # weakref to the model of a front end that bound it
         self._reported_lrs: list[float] | None = None
         self._in_step: set[str] = set()              # this step: layers compressed, not yet decompressed
         self.seconds = {"compress": 0.0, "comm": 0.0}  # cumulative: codec math, waiting on collectives
@@ -204,6 +205,23 @@ class AccordionCompressor:
                 from .comm.control import control_plane
                 self._control = control_plane("auto")
         return self._control
+
+    def bind(self, owner, *, channel, control, optimizer=None) -> None:
+        """Attach this compressor to a front end other than Horovod's optimizer (the DDP hook:
+        accordion_hvd/ddp.py): its data plane, control plane and, if given, the optimizer
+        whose learning rates the policy reads. One compressor serves one model."""
+        bound = self._owner() if self._owner is not None else None
+        if bound is not None and bound is not owner:
+            raise ValueError("AccordionCompressor: this compressor is already bound to another model; create one "
+                             "compressor per model (its error feedback and levels belong to that model's layers)")
+        if self._layers or self._in_step:
+            raise ValueError("AccordionCompressor: bind it before its first step (it has compressed layers already)")
+        self._owner = weakref.ref(owner)
+        self._channel, self._channel_given = channel, True
+        self._control, self._control_given = control, True
+        self._exchange = None
+        if optimizer is not None:
+            self._optimizer = weakref.ref(optimizer)
 
     # --- the Horovod Compressor interface -----------------------------------------------------
     @_DefaultInstanceMethod

@@ -50,6 +50,7 @@ HOROVOD_DEFAULTS = {"HOROVOD_CYCLE_TIME": "1"}
 
 
 def run(cluster, method: str, model: str, out: Path, timeout: float, env: dict | None = None) -> dict:
+    out.unlink(missing_ok=True)  # a failed run must not leave an earlier run's result in its place
     args = [str(WORKER), "--method", method, "--model", model, "--out", str(out)]
     if env is None:
         env = {} if method.startswith("ours-") else HOROVOD_DEFAULTS

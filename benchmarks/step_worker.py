@@ -21,7 +21,9 @@ Only the communication differs between methods:
   average), dense allreduce for the rest, as the Accordion authors' code does it;
 * ``ddp-fp32``, ``ddp-fp16``, ``ddp-r1``, ``ddp-r4``: PyTorch DDP with its default buckets,
   plain, with ``fp16_compress_hook``, or with ``powerSGD_hook`` (rank 1 / 4,
-  ``start_powerSGD_iter=2``, error feedback and warm start, as its docs recommend).
+  ``start_powerSGD_iter=2``, error feedback and warm start, as its docs recommend);
+* ``ddp-ours-r1``, ``ddp-ours-r4``, ``ddp-ours-accordion``: the same DDP with our compressor
+  as its comm hook (``acc.register_ddp_hook``), configured as ``ours-*``.
 
 Rank 0 writes a JSON file: per-step wall times (and, for ours, the compressor's seconds in
 compression and in waiting on its collectives), and the median of steps 4..12.
@@ -43,7 +45,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from accordion_hvd import models  # noqa: E402
 
 HVD = ("hvd-idle", "hvd-fp32", "hvd-fp16", "ours-r1", "ours-r4", "ours-accordion", "ours-topk1", "plain-topk1")
-DDP = ("ddp-fp32", "ddp-fp16", "ddp-r1", "ddp-r4")
+DDP = ("ddp-fp32", "ddp-fp16", "ddp-r1", "ddp-r4", "ddp-ours-r1", "ddp-ours-r4", "ddp-ours-accordion")
 METHODS = ("floor", *HVD, *DDP)
 FIRST, LAST = 3, 12  # the median is over steps FIRST+1..LAST (the first steps warm up)
 
@@ -96,6 +98,17 @@ class PlainTopK:
             p.grad.copy_(dense.view_as(p) / hvd.size())
 
 
+def our_compressor(kind: str):
+    """AccordionCompressor as ``ours-KIND`` and ``ddp-ours-KIND`` configure it."""
+    import accordion_hvd as acc
+    return {
+        "r1": lambda: acc.AccordionCompressor(acc.PowerSGD(rank=1), policy="static"),
+        "r4": lambda: acc.AccordionCompressor(acc.PowerSGD(rank=4), policy="static"),
+        "accordion": lambda: acc.AccordionCompressor(acc.PowerSGD(rank=1, critical_rank=4), interval=4),
+        "topk1": lambda: acc.AccordionCompressor(acc.TopK(0.01), policy="static"),
+    }[kind]()
+
+
 def setup(method: str, model, lr: float):
     """The optimizer (and what the loop calls after backward) for METHOD; rank and size."""
     opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
@@ -114,6 +127,11 @@ def setup(method: str, model, lr: float):
                                            start_powerSGD_iter=2, min_compression_rate=2,
                                            use_error_feedback=True, warm_start=True, random_seed=0)
             ddp.register_comm_hook(state, powersgd.powerSGD_hook)
+        elif method.startswith("ddp-ours-"):
+            import accordion_hvd as acc
+            compression = our_compressor(method[len("ddp-ours-"):])
+            acc.register_ddp_hook(ddp, compression, optimizer=opt)
+            return ddp, opt, None, dist.get_rank(), dist.get_world_size(), compression
         return ddp, opt, None, dist.get_rank(), dist.get_world_size(), None
     import horovod.torch as hvd
     hvd.init()
@@ -122,18 +140,9 @@ def setup(method: str, model, lr: float):
         return model, opt, None, hvd.rank(), hvd.size(), None
     if method == "plain-topk1":
         return model, opt, PlainTopK(model, 0.01).exchange, hvd.rank(), hvd.size(), None
-    import accordion_hvd as acc
-    compression = {
-        "hvd-fp32": hvd.Compression.none,
-        "hvd-fp16": hvd.Compression.fp16,
-        "ours-r1": lambda: acc.AccordionCompressor(acc.PowerSGD(rank=1), policy="static"),
-        "ours-r4": lambda: acc.AccordionCompressor(acc.PowerSGD(rank=4), policy="static"),
-        "ours-accordion": lambda: acc.AccordionCompressor(acc.PowerSGD(rank=1, critical_rank=4), interval=4),
-        "ours-topk1": lambda: acc.AccordionCompressor(acc.TopK(0.01), policy="static"),
-    }[method]
     ours = method.startswith("ours-")
-    if ours:
-        compression = compression()
+    compression = (our_compressor(method[len("ours-"):]) if ours
+                   else {"hvd-fp32": hvd.Compression.none, "hvd-fp16": hvd.Compression.fp16}[method])
     opt = hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters(), compression=compression)
     return model, opt, None, hvd.rank(), hvd.size(), compression if ours else None
 

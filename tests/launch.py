@@ -1,4 +1,5 @@
-"""Run a command under a real ``horovodrun`` (Gloo or MPI) from a test, never hanging.
+"""Run a command under a real ``horovodrun`` (Gloo or MPI), or ``torchrun``, from a test,
+never hanging.
 
 Every launch has a timeout; on expiry the whole process group (horovodrun, mpirun and the
 workers) is killed and the test fails with the output so far.
@@ -41,6 +42,29 @@ def horovodrun(args: list[str], *, np: int = 2, backend: str = "gloo", timeout: 
         out, _ = proc.communicate()
         raise AssertionError(f"horovodrun timed out after {timeout} s: {' '.join(cmd)}\n{out}")
     return subprocess.CompletedProcess(cmd, proc.returncode, out, None)
+
+
+def torchrun(args: list[str], *, np: int = 2, timeout: float = 180,
+             env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """``torchrun --standalone --nproc_per_node NP python ARGS...`` (the DDP front end)."""
+    cmd = [str(BIN / "torchrun"), "--standalone", "--nproc_per_node", str(np), *args]
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            cwd=REPO, env=full_env, start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        raise AssertionError(f"torchrun timed out after {timeout} s: {' '.join(cmd)}\n{out}")
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, None)
+
+
+def run_ddp_worker(script: str, *script_args: str, **kwargs) -> str:
+    """Run tests/workers/SCRIPT under torchrun; assert it succeeded; return its output."""
+    result = torchrun([str(WORKERS / script), *script_args], **kwargs)
+    assert result.returncode == 0, f"{' '.join(result.args)} exited with {result.returncode}:\n{result.stdout}"
+    return result.stdout
 
 
 def run_worker(script: str, *script_args: str, **kwargs) -> str:

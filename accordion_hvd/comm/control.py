@@ -4,10 +4,11 @@ The regime controller reduces a few numbers per detection point (per-layer gradi
 the learning rate, counters) and every rank applies the same deterministic rule to the
 result, so all ranks switch levels in the same step. So the reductions must give every rank
 the same bits, never combine two different collectives, and never hang (every wait polls
-with a deadline, $ACCORDION_COLLECTIVE_TIMEOUT). Three implementations of one protocol:
+with a deadline, $ACCORDION_COLLECTIVE_TIMEOUT). Four implementations of one protocol:
 ``MPIControlPlane`` (mpi4py, apart from Horovod's traffic), ``HorovodControlPlane`` (for
 ``horovodrun --gloo``, where every process sees an MPI world of size 1, and a controller
-trusting MPI would let the ranks diverge silently) and ``SimulatedControlPlane`` (unit
+trusting MPI would let the ranks diverge silently), ``ProcessGroupControlPlane`` (a
+``torch.distributed`` Gloo group: the DDP front end) and ``SimulatedControlPlane`` (unit
 tests). ``control_plane()`` picks MPI or Horovod.
 """
 
@@ -173,6 +174,40 @@ class HorovodControlPlane(_Plane):
         handle = self._hvd.allreduce_async(torch.from_numpy(values), name=name, op=self._ops[op])
         wait_for(lambda: self._hvd.poll(handle), name, self.rank, self.size, self.timeout)
         return self._hvd.synchronize(handle).numpy()
+
+
+class ProcessGroupControlPlane(_Plane):
+    """An allreduce of a CPU float64 tensor on a ``torch.distributed`` Gloo group (the DDP
+    front end's control plane, accordion_hvd/ddp.py). Gloo pairs collectives by order, so
+    every reduction carries tags of its name and length, as on MPI; its ring allreduce reduces
+    each element on one rank and passes the result on, so every rank gets the same bits."""
+    kind = "torch.distributed"
+
+    def __init__(self, group, rank: int, size: int, timeout: float | None = None) -> None:
+        import torch.distributed as dist
+
+        self._group, self.rank, self.size = group, rank, size
+        self.timeout = collective_timeout(timeout)
+        self._ops = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+        self._options = dist.AllreduceOptions
+
+    def _allreduce(self, values: np.ndarray, name: str, op: str) -> np.ndarray:
+        head = _tag_head(_tags(name, len(values), self.size), op)
+        buffer = torch.from_numpy(np.concatenate([head, values]))
+        options = self._options()
+        options.reduceOp = self._ops[op]
+        try:
+            work = self._group.allreduce([buffer], options)
+            wait_for(work.is_completed, name, self.rank, self.size, self.timeout)
+            work.wait()
+        except RuntimeError as exc:
+            raise RuntimeError(f"control collective {name!r} failed on rank {self.rank}: {exc}") from None
+        result = buffer.numpy()
+        if not _tags_agree(result[:len(head)], op, self.size):
+            raise RuntimeError(f"control collective {name!r} on rank {self.rank}: the ranks issued different "
+                               f"control collectives (names or lengths) in the same round; every rank must "
+                               f"issue the same ones in the same order")
+        return result[len(head):].copy()
 
 
 class SimulatedControlPlane(_Plane):

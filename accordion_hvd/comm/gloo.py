@@ -30,19 +30,17 @@ own timeout is the same, so a collective that a rank never issues fails on every
 
 from __future__ import annotations
 
-import copy
-import datetime
 import fcntl
 import logging
 import os
 import socket
 import struct
 
-import torch
 import torch.distributed as dist
 
-from .channel import collective_timeout, collective_timeout_error
+from .channel import collective_timeout
 from .horovod import check_horovod_cycle, install_polite_wait
+from .process_group import ProcessGroupChannel, timeout_delta
 
 log = logging.getLogger("accordion_hvd.comm")
 
@@ -51,8 +49,8 @@ IFACE_ENVS = ("ACCORDION_GLOO_IFACE", "HOROVOD_GLOO_IFACE", "GLOO_SOCKET_IFNAME"
 LANES = ("q",)  # built with every channel: a group is a collective setup, not something to do mid-step
 
 
-class GlooChannel:
-    """Collectives on a Gloo process group of Horovod's ranks (see module doc).
+class GlooChannel(ProcessGroupChannel):
+    """Collectives on Gloo groups of Horovod's ranks (see module doc).
 
     Args:
         timeout: seconds a collective may take; default $ACCORDION_COLLECTIVE_TIMEOUT, else 300.
@@ -63,101 +61,44 @@ class GlooChannel:
 
         install_polite_wait()  # Horovod still carries the uncompressed tensors
         check_horovod_cycle()
-        self.timeout = collective_timeout(timeout)
-        self.rank, self.size = hvd.rank(), hvd.size()
-        self._issued = [0]  # collectives issued so far on every lane (tests count them per step)
-        # timedelta cannot hold math.inf ("wait forever"): a week stands in for it.
-        self._delta = delta = datetime.timedelta(seconds=min(self.timeout, 7 * 24 * 3600.0))
+        timeout = collective_timeout(timeout)
+        rank, size = hvd.rank(), hvd.size()
+        delta = timeout_delta(timeout)
         iface = next((os.environ[e] for e in IFACE_ENVS if os.environ.get(e)), None)
         host = os.environ.get(ADDR_ENV) or _advertised_host(iface)
         store = None
-        if self.rank == 0:
-            store = dist.TCPStore(host, 0, self.size, is_master=True, timeout=delta, wait_for_workers=False)
+        if rank == 0:
+            store = dist.TCPStore(host, 0, size, is_master=True, timeout=delta, wait_for_workers=False)
             address = f"{host}:{store.port}"
         # The one Horovod collective of the channel's life: where rank 0's store listens.
-        address = hvd.broadcast_object(address if self.rank == 0 else None, root_rank=0,
-                                       name="acc.gloo.rendezvous")
+        address = hvd.broadcast_object(address if rank == 0 else None, root_rank=0, name="acc.gloo.rendezvous")
         if store is None:
             store_host, port = address.rsplit(":", 1)
-            store = dist.TCPStore(store_host, int(port), self.size, is_master=False, timeout=delta)
+            store = dist.TCPStore(store_host, int(port), size, is_master=False, timeout=delta)
         options = dist.ProcessGroupGloo._Options()
         options._timeout = delta
         options._devices = [dist.ProcessGroupGloo.create_device(interface=iface) if iface
                             else dist.ProcessGroupGloo.create_device(hostname=host)]
+
+        def group(prefix: str):
+            return dist.ProcessGroupGloo(dist.PrefixStore(prefix, store), rank, size, options)
+
+        super().__init__(group("accordion"), rank, size, timeout,
+                         lanes={name: group(f"accordion.{name}") for name in LANES})
         self._store = store  # kept alive with the groups
-        self._pg = dist.ProcessGroupGloo(dist.PrefixStore("accordion", store), self.rank, self.size, options)
-        self._lanes = {}
-        for name in LANES:
-            view = copy.copy(self)  # the same ranks, timeout and counter, its own group
-            view._pg = dist.ProcessGroupGloo(dist.PrefixStore(f"accordion.{name}", store), self.rank, self.size,
-                                             options)
-            view._lanes = {}
-            self._lanes[name] = view
-        log.info("rank %d: compressed gradients travel on a Gloo group of %d ranks (%s)", self.rank, self.size,
+        log.info("rank %d: compressed gradients travel on a Gloo group of %d ranks (%s)", rank, size,
                  f"interface {iface}" if iface else f"host {host}")
-
-    @property
-    def issued(self) -> int:
-        return self._issued[0]
-
-    def lane(self, name: str) -> "GlooChannel":
-        """The channel's lane ``name`` (see module doc)."""
-        if name not in self._lanes:
-            raise ValueError(f"GlooChannel has no lane {name!r} (lanes: {', '.join(self._lanes) or 'none'})")
-        return self._lanes[name]
-
-    def allreduce_mean_async(self, tensors: list[torch.Tensor], name: str):
-        """One collective for the whole list: the tensors are packed into one buffer."""
-        flat = torch.cat([t.reshape(-1) for t in tensors]) if len(tensors) != 1 else tensors[0].reshape(-1).clone()
-        self._issued[0] += 1
-        try:
-            work = self._pg.allreduce([flat])
-        except RuntimeError as exc:
-            raise self._failure(name, exc) from exc
-        return ("allreduce", name, work, flat, [t.shape for t in tensors])
-
-    def allgather_async(self, tensor: torch.Tensor, name: str):
-        tensor = tensor.reshape(-1).contiguous()
-        out = torch.empty(self.size * tensor.numel(), dtype=tensor.dtype, device=tensor.device)
-        self._issued[0] += 1
-        try:
-            work = self._pg.allgather([list(out.chunk(self.size))], [tensor])
-        except RuntimeError as exc:
-            raise self._failure(name, exc) from exc
-        return ("allgather", name, work, out, None)
-
-    def test(self, handle) -> bool:
-        """Whether the collective has completed (never waits; a failed one counts as
-        completed: ``wait`` raises its error)."""
-        return handle[2].is_completed()
-
-    def wait(self, handle):
-        kind, name, work, out, shapes = handle
-        try:
-            work.wait(self._delta)
-        except RuntimeError as exc:
-            raise self._failure(name, exc) from exc
-        if kind == "allgather":
-            return out
-        out.div_(self.size)
-        if len(shapes) == 1:
-            return [out.view(shapes[0])]
-        return [part.view(shape) for part, shape in zip(out.split([s.numel() for s in shapes]), shapes)]
 
     def _failure(self, name: str, exc: RuntimeError) -> Exception:
         """A collective that timed out raises the channel's TimeoutError. One that failed
         because a peer went away raises Horovod's ``HorovodInternalError`` (a RuntimeError),
         as Horovod's own collectives do, so that Horovod Elastic restores the last commit and
         re-forms the world (the compressor then builds a new group: ``world_changed``)."""
-        text = str(exc)
-        if "timed out" in text.lower() or "timeout" in text.lower():
-            return collective_timeout_error(name, self.rank, self.size, self.timeout)
+        error = super()._failure(name, exc)
+        if isinstance(error, TimeoutError):
+            return error
         from horovod.common.exceptions import HorovodInternalError
-        return HorovodInternalError(f"AccordionCompressor: collective {name!r} failed on rank {self.rank} "
-                                    f"(world size {self.size}): {text}")
-
-    def forget_handles(self) -> None:
-        """Horovod Elastic re-formed the world; this group belongs to the old one."""
+        return HorovodInternalError(str(error))
 
 
 def _advertised_host(iface: str | None) -> str:

@@ -41,24 +41,37 @@ With $ACCORDION_TEST_DEVICE=cuda the parameters and gradients live on the GPU, s
 compressor runs the CUDA kernels inside the real Horovod data path; the reference and every
 comparison stay on the host. Nothing else changes: the same tolerances, TopK still bit for bit.
 
-Usage: numpy_reference_check.py MODE STEPS
+The same worker proves the DDP front end (accordion_hvd/ddp.py): with FRONT "ddp", run under
+``torchrun`` (Gloo), the model is wrapped in DistributedDataParallel with our comm hook
+instead of Horovod's optimizer; everything else, the reference and tolerances included, is
+the same (modes powersgd and topk).
+
+Usage: numpy_reference_check.py MODE STEPS [FRONT]    (FRONT: horovod, the default, or ddp)
 """
 
 import math
 import os
 import sys
 
-import horovod.torch as hvd
 import numpy as np
 import torch
 
 import accordion_hvd as acc
-from worker_util import checker
+from worker_util import checker, say
 
 mode, steps = sys.argv[1], int(sys.argv[2])
+front = sys.argv[3] if len(sys.argv) > 3 else "horovod"
 device = torch.device(os.environ.get("ACCORDION_TEST_DEVICE", "cpu"))
-hvd.init()
-rank, size = hvd.rank(), hvd.size()
+if front == "horovod":
+    import horovod.torch as hvd
+
+    hvd.init()
+    rank, size = hvd.rank(), hvd.size()
+else:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    rank, size = dist.get_rank(), dist.get_world_size()
 check = checker(rank)
 
 SHAPES = {"w2d": (24, 40), "conv": (8, 3, 5, 5), "bias": (24,)}
@@ -91,13 +104,30 @@ class Model(torch.nn.Module):
         for n, s in SHAPES.items():
             setattr(self, n, torch.nn.Parameter(torch.from_numpy(rs.standard_normal(s).astype(np.float32))))
 
+    def forward(self, g):
+        return sum((getattr(self, n) * g[n]).sum() for n in SHAPES)
+
 
 model = Model().to(device)
-compression = acc.AccordionCompressor(codec)
-opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=1.0, momentum=0.0),
-                               named_parameters=model.named_parameters(), compression=compression)
-hvd.broadcast_parameters(model.state_dict(), root_rank=0)
 params = dict(model.named_parameters())
+compression = acc.AccordionCompressor(codec)
+if front == "horovod":
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=1.0, momentum=0.0),
+                                   named_parameters=model.named_parameters(), compression=compression)
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    forward = model
+
+    def gather_params(flat, t):
+        return hvd.allgather(flat.unsqueeze(0), name=f"check.params.{t}")
+else:
+    forward = torch.nn.parallel.DistributedDataParallel(model)  # broadcasts rank 0's parameters
+    opt = torch.optim.SGD(model.parameters(), lr=1.0, momentum=0.0)
+    acc.register_ddp_hook(forward, compression, optimizer=opt)
+
+    def gather_params(flat, t):
+        out = [torch.empty_like(flat) for _ in range(size)]
+        dist.all_gather(out, flat)
+        return torch.stack(out)
 
 
 # --- the NumPy reference, for all ranks ----------------------------------------------------
@@ -160,7 +190,7 @@ worst = 0.0
 for t in range(steps):
     mine = grads(rank, t)
     opt.zero_grad()
-    loss = sum((params[n] * torch.from_numpy(mine[n]).to(device)).sum() for n in SHAPES)
+    loss = forward({n: torch.from_numpy(mine[n]).to(device) for n in SHAPES})
     loss.backward()
     opt.step()
     applied = {n: p.grad.detach().to("cpu", copy=True) for n, p in params.items()}  # Horovod set_()s the decompressed grad
@@ -187,7 +217,7 @@ for t in range(steps):
                   f"step {t} {n}: TopK(ratio=1.0) differs from hvd.allreduce(op=Average) in "
                   f"{int((applied[n] != dense).sum())} entries, by up to {(applied[n] - dense).abs().max().item():.3g}")
     flat = torch.cat([p.detach().cpu().reshape(-1) for p in params.values()])
-    everyone = hvd.allgather(flat.unsqueeze(0), name=f"check.params.{t}")
+    everyone = gather_params(flat, t)
     check(all(torch.equal(everyone[0], everyone[r]) for r in range(size)), f"step {t}: parameters differ across ranks")
 
 layers = compression.stats()["layers"]
@@ -197,4 +227,8 @@ for n in SHAPES:
 if mode == "topk":
     check(all(straddling_ties.values()), f"no tie straddled the k-th place in some layer: {straddling_ties}")
 ties = f", ties straddling the k-th place {straddling_ties}" if mode == "topk" else ""
-print(f"rank {rank}: OK {mode} {codec!r} on {device.type}, size {size}, {steps} steps, max |error| {worst:.2e}{ties}", flush=True)
+say(f"rank {rank}: OK {mode} {codec!r} through {front} on {device.type}, size {size}, {steps} steps, "
+    f"max |error| {worst:.2e}{ties}")
+if front == "ddp":
+    dist.barrier()
+    dist.destroy_process_group()  # every group, ours included, before the interpreter tears down

@@ -1,0 +1,105 @@
+"""A data plane on ``torch.distributed`` process groups (Gloo or NCCL), with lanes.
+
+The collectives that carry compressed gradients under both front ends: under Horovod the
+groups are built from Horovod's world (comm/gloo.py), under DDP they are the model's own
+process group and groups of the same ranks (accordion_hvd/ddp.py). A collective starts on the
+group's worker threads the moment it is issued; ranks pair collectives by the order they
+issue them on a group, which the exchange keeps identical on every rank (accordion_hvd/
+exchange/). A **lane** is a further group of the same ranks: collectives on different lanes
+pair independently, so a rank may interleave its issues on two lanes in any order
+(PowerSGD's Q rounds start when each bucket's P average is back, a matter of timing).
+
+Every wait has the channel's timeout, and the groups' own timeout is the same, so a
+collective that a rank never issues fails on every rank with a ``TimeoutError`` naming it.
+"""
+
+from __future__ import annotations
+
+import datetime
+
+import torch
+
+from .channel import collective_timeout_error
+
+
+def timeout_delta(seconds: float) -> datetime.timedelta:
+    """A group's timeout: ``timedelta`` cannot hold math.inf ("wait forever"), a week stands in."""
+    return datetime.timedelta(seconds=min(seconds, 7 * 24 * 3600.0))
+
+
+class ProcessGroupChannel:
+    """Collectives on ``group`` (a ``torch.distributed`` ProcessGroup), rank ``rank`` of
+    ``size``; ``lanes``: name -> a group of the same ranks. ``timeout`` in seconds."""
+
+    def __init__(self, group, rank: int, size: int, timeout: float, lanes: dict | None = None) -> None:
+        self.rank, self.size, self.timeout = rank, size, timeout
+        self._group = group
+        self._delta = timeout_delta(timeout)
+        self._issued = [0]  # collectives issued so far on every lane (tests count them per step)
+        self._lanes = {name: self._view(g) for name, g in (lanes or {}).items()}
+
+    def _view(self, group) -> "ProcessGroupChannel":
+        view = object.__new__(type(self))
+        view.__dict__.update(self.__dict__)  # the same ranks, timeout and counter
+        view._group, view._lanes = group, {}
+        return view
+
+    @property
+    def issued(self) -> int:
+        return self._issued[0]
+
+    def lane(self, name: str) -> "ProcessGroupChannel":
+        """The channel's lane ``name`` (see module doc)."""
+        if name not in self._lanes:
+            raise ValueError(f"{type(self).__name__} has no lane {name!r} (lanes: {', '.join(self._lanes) or 'none'})")
+        return self._lanes[name]
+
+    def allreduce_mean_async(self, tensors: list[torch.Tensor], name: str):
+        """One collective for the whole list: the tensors are packed into one buffer."""
+        flat = torch.cat([t.reshape(-1) for t in tensors]) if len(tensors) != 1 else tensors[0].reshape(-1).clone()
+        self._issued[0] += 1
+        try:
+            work = self._group.allreduce([flat])
+        except RuntimeError as exc:
+            raise self._failure(name, exc) from exc
+        return ("allreduce", name, work, flat, [t.shape for t in tensors])
+
+    def allgather_async(self, tensor: torch.Tensor, name: str):
+        tensor = tensor.reshape(-1).contiguous()
+        out = torch.empty(self.size * tensor.numel(), dtype=tensor.dtype, device=tensor.device)
+        self._issued[0] += 1
+        try:
+            work = self._group.allgather([list(out.chunk(self.size))], [tensor])
+        except RuntimeError as exc:
+            raise self._failure(name, exc) from exc
+        return ("allgather", name, work, out, None)
+
+    def test(self, handle) -> bool:
+        """Whether the collective has completed (never waits; a failed one counts as
+        completed: ``wait`` raises its error)."""
+        return handle[2].is_completed()
+
+    def wait(self, handle):
+        kind, name, work, out, shapes = handle
+        try:
+            work.wait(self._delta)
+        except RuntimeError as exc:
+            raise self._failure(name, exc) from exc
+        if kind == "allgather":
+            return out
+        out.div_(self.size)
+        if len(shapes) == 1:
+            return [out.view(shapes[0])]
+        return [part.view(shape) for part, shape in zip(out.split([s.numel() for s in shapes]), shapes)]
+
+    def _failure(self, name: str, exc: RuntimeError) -> Exception:
+        """A collective that timed out raises the channel's TimeoutError; any other failure a
+        RuntimeError naming the collective (front ends may raise their own kind instead)."""
+        text = str(exc)
+        if "timed out" in text.lower() or "timeout" in text.lower():
+            return collective_timeout_error(name, self.rank, self.size, self.timeout)
+        return RuntimeError(f"AccordionCompressor: collective {name!r} failed on rank {self.rank} "
+                            f"(world size {self.size}): {text}")
+
+    def forget_handles(self) -> None:
+        """The world was re-formed; these groups belong to the old one (nothing to forget)."""

@@ -1,0 +1,142 @@
+"""The DDP front end: ``AccordionCompressor`` as a ``torch.distributed`` DDP comm hook.
+
+    model = DistributedDataParallel(net)
+    compression = acc.AccordionCompressor(acc.PowerSGD(rank=1, critical_rank=4))
+    acc.register_ddp_hook(model, compression, optimizer=opt)
+
+The same compressor object as under Horovod, with the same codecs, exchange, policies,
+controller, non-finite skip, ``stats()`` and ``state_dict()``; only the front end differs.
+DDP calls the hook once per bucket of its own, in bucket order, as the bucket's gradients
+are ready; the hook hands each parameter's gradient (a view into DDP's bucket) to
+``compress_named`` under the parameter's name, so the codec's exchange starts its rounds
+during backward exactly as under Horovod. The layers the compressor does not compress go in
+one averaging collective per DDP bucket. DDP waits for the hooks' futures only at the end of
+backward, so the last bucket's hook finishes the step: it waits for the exchange, runs
+``decompress`` for every layer (the compressor's end of step: skip or settle, the levels of
+the next step), writes the results into DDP's buckets and completes every future.
+
+Communication: new process groups of the model's ranks, made at registration (every rank
+registers): one with the model group's backend for the compressed data and one for PowerSGD's
+Q rounds (comm/process_group.py), and a Gloo one for the controller's reductions
+(comm/control.py). They carry nothing of DDP's own traffic, so the order in which ranks pair
+collectives never mixes ours with DDP's.
+"""
+
+from __future__ import annotations
+
+import logging
+import weakref
+
+import torch
+
+from .comm.channel import collective_timeout
+from .comm.control import ProcessGroupControlPlane
+from .comm.process_group import ProcessGroupChannel, timeout_delta
+from .compressor import AccordionCompressor
+
+log = logging.getLogger("accordion_hvd.ddp")
+
+
+def register_ddp_hook(ddp_model, compressor: AccordionCompressor, *, optimizer=None, process_group=None,
+                      timeout: float | None = None) -> "DDPHook":
+    """Register ``compressor`` as ``ddp_model``'s comm hook; returns the hook.
+
+    Args:
+        ddp_model: a ``torch.nn.parallel.DistributedDataParallel`` model, before its first
+            backward.
+        compressor: an ``acc.AccordionCompressor`` not used by any other model.
+        optimizer: the model's optimizer, whose learning rates policies that react to them
+            read (else call ``compressor.report_lr``).
+        process_group: the group to communicate in; default (and only allowed value): the
+            model's own group's ranks.
+        timeout: seconds a collective may take; default $ACCORDION_COLLECTIVE_TIMEOUT, else 300.
+    """
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    if not isinstance(ddp_model, DistributedDataParallel):
+        raise TypeError(f"ddp_model must be a torch.nn.parallel.DistributedDataParallel, got "
+                        f"{type(ddp_model).__name__} (wrap the model in DDP first)")
+    if not isinstance(compressor, AccordionCompressor):
+        raise TypeError(f"compressor must be an acc.AccordionCompressor, got {type(compressor).__name__}")
+    group = ddp_model.process_group
+    ranks = dist.get_process_group_ranks(group)
+    if process_group is not None and dist.get_process_group_ranks(process_group) != ranks:
+        raise ValueError(f"process_group has ranks {dist.get_process_group_ranks(process_group)}, but the model "
+                         f"communicates in ranks {ranks}; pass the model's own group or none")
+    timeout = collective_timeout(timeout)
+    delta = timeout_delta(timeout)
+    backend = dist.get_backend(group)
+    # New groups are collective calls: every rank makes them here, in the same order.
+    data = dist.new_group(ranks, timeout=delta, backend=backend)
+    q_lane = dist.new_group(ranks, timeout=delta, backend=backend)
+    control = dist.new_group(ranks, timeout=delta, backend="gloo")
+    rank, size = group.rank(), group.size()
+    channel = ProcessGroupChannel(data, rank, size, timeout, lanes={"q": q_lane})
+    compressor.bind(ddp_model, channel=channel, control=ProcessGroupControlPlane(control, rank, size, timeout),
+                    optimizer=optimizer)
+    hook = DDPHook(compressor, channel, {p: n for n, p in ddp_model.module.named_parameters()})
+    ddp_model.register_comm_hook(None, hook)
+    return hook
+
+
+class DDPHook:
+    """The comm hook (see module doc). ``hook(state, bucket)`` -> a future of the bucket's
+    averaged gradients."""
+
+    def __init__(self, compressor: AccordionCompressor, channel: ProcessGroupChannel, names: dict) -> None:
+        self.compressor, self.channel = compressor, channel
+        self.__name__ = self.__qualname__ = "accordion_hook"  # DDP logs its hooks by name
+        self._names = {id(p): (weakref.ref(p), n) for p, n in names.items()}  # no reference kept to the model
+        self._unknown_warned: set[tuple] = set()
+        self._buckets: list = []  # this step: (future, buffer, entries, dense handle)
+
+    def __call__(self, state, bucket):  # no annotations: DDP compares them to its own types
+        future: torch.futures.Future = torch.futures.Future()
+        entries, dense = [], []
+        for param, grad in zip(bucket.parameters(), bucket.gradients()):
+            ref, name = self._names.get(id(param), (None, None))
+            if ref is None or ref() is not param:  # not the model's at registration: averaged as it is
+                self._warn_unknown(bucket.index(), param)
+                entries.append((grad, None, len(dense)))
+                dense.append(grad)
+                continue
+            out, ctx = self.compressor.compress_named(name, grad)
+            if ctx[0] == "dense":
+                entries.append((grad, ctx, len(dense)))
+                dense.append(out)
+            else:
+                entries.append((grad, ctx, None))
+        handle = (self.channel.allreduce_mean_async(dense, name=f"acc.ddp.dense.b{bucket.index()}.{len(dense)}")
+                  if dense else None)
+        self._buckets.append((future, bucket.buffer(), entries, handle))
+        if bucket.is_last():
+            self._finish_step()
+        return future
+
+    def _finish_step(self) -> None:
+        """Every bucket is in: wait for the averages, decompress every layer (the last call
+        ends the compressor's step), then write the results into DDP's buckets."""
+        buckets, self._buckets = self._buckets, []
+        results = []
+        for future, buffer, entries, handle in buckets:
+            averages = self.channel.wait(handle) if handle is not None else []
+            for grad, ctx, dense_index in entries:
+                if ctx is None:
+                    results.append((grad, averages[dense_index]))
+                elif dense_index is not None:
+                    results.append((grad, self.compressor.decompress(averages[dense_index], ctx)))
+                else:
+                    results.append((grad, self.compressor.decompress(grad.new_empty(0), ctx)))
+        for grad, result in results:  # after the last decompress: a skipped step zeroed its results
+            if result.data_ptr() != grad.data_ptr():
+                grad.copy_(result.view_as(grad))
+        for future, buffer, _, _ in buckets:
+            future.set_result(buffer)
+
+    def _warn_unknown(self, index: int, param: torch.Tensor) -> None:
+        key = (index, tuple(param.shape))
+        if key not in self._unknown_warned:
+            self._unknown_warned.add(key)
+            log.warning("DDP bucket %d holds a parameter of shape %s that the model did not have when the hook "
+                        "was registered; it is averaged uncompressed", index, list(param.shape))
