@@ -24,7 +24,7 @@ test: setup
 
 # Unit tests only, no horovodrun.
 test-fast: setup
-	$(PY) -m pytest -ra -m "not horovod" tests
+	$(PY) -m pytest -ra -m "not horovod and not torchrun" tests
 
 demo: setup
 	OMP_NUM_THREADS=1 $(VENV)/bin/horovodrun -np $(NP) -H localhost:$(NP) --gloo \

@@ -9,6 +9,7 @@ import accordion_hvd as acc
 from launch import run_ddp_worker
 
 
+@pytest.mark.torchrun
 @pytest.mark.parametrize("np", [2, 3])
 @pytest.mark.parametrize("mode", ["powersgd", "topk"])
 def test_ddp_hook_matches_numpy_reference(mode, np):
