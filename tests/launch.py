@@ -30,7 +30,17 @@ def horovodrun(args: list[str], *, np: int = 2, backend: str = "gloo", timeout: 
     cmd = [str(BIN / "horovodrun"), "-np", str(np), "-H", f"localhost:{np}", f"--{backend}"]
     if backend == "mpi":
         cmd.append(f"--mpi-args={MPI_ARGS}")
-    cmd += [sys.executable, *args]
+    return _launch([*cmd, sys.executable, *args], timeout, env)
+
+
+def torchrun(args: list[str], *, np: int = 2, timeout: float = 180,
+             env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """``torchrun --standalone --nproc_per_node NP python ARGS...`` (the DDP front end)."""
+    return _launch([str(BIN / "torchrun"), "--standalone", "--nproc_per_node", str(np), *args], timeout, env)
+
+
+def _launch(cmd: list[str], timeout: float, env: dict[str, str] | None) -> subprocess.CompletedProcess:
+    """Run a launcher in its own process group; on timeout kill the group and fail with the output."""
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
     full_env["PATH"] = f"{BIN}{os.pathsep}{full_env.get('PATH', '')}"
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
@@ -40,23 +50,7 @@ def horovodrun(args: list[str], *, np: int = 2, backend: str = "gloo", timeout: 
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         out, _ = proc.communicate()
-        raise AssertionError(f"horovodrun timed out after {timeout} s: {' '.join(cmd)}\n{out}")
-    return subprocess.CompletedProcess(cmd, proc.returncode, out, None)
-
-
-def torchrun(args: list[str], *, np: int = 2, timeout: float = 180,
-             env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    """``torchrun --standalone --nproc_per_node NP python ARGS...`` (the DDP front end)."""
-    cmd = [str(BIN / "torchrun"), "--standalone", "--nproc_per_node", str(np), *args]
-    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            cwd=REPO, env=full_env, start_new_session=True)
-    try:
-        out, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-        raise AssertionError(f"torchrun timed out after {timeout} s: {' '.join(cmd)}\n{out}")
+        raise AssertionError(f"{Path(cmd[0]).name} timed out after {timeout} s: {' '.join(cmd)}\n{out}")
     return subprocess.CompletedProcess(cmd, proc.returncode, out, None)
 
 
