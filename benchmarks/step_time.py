@@ -104,9 +104,10 @@ def section(step: dict[str, list], methods: list[str]) -> list[str]:
         done = [v for v in values if v is not None]
         over = [v - f for v, f in zip(values, floors) if v is not None and f is not None]
         ratio = [v / f for v, f in zip(values, floors) if v is not None and f is not None]
+        no_floor = name == "floor" or "floor" not in step  # nothing to compare with: a dash, not "failed"
         out.append(f"| {name} | {spread(done, '.3f')} | "
-                   f"{spread(over, '+.3f') if name != 'floor' else '-'} | "
-                   f"{times(spread(ratio, '.3f')) if name != 'floor' else '-'} | {len(values) - len(done)} |")
+                   f"{spread(over, '+.3f') if not no_floor else '-'} | "
+                   f"{times(spread(ratio, '.3f')) if not no_floor else '-'} | {len(values) - len(done)} |")
     out += ["", "| ours | peer | ours / peer, median (range) over rounds | rounds where ours was faster |",
             "|---|---|---|---|"]
     for ours, peer in PAIRS:
