@@ -1,8 +1,8 @@
 """A data plane on ``torch.distributed`` process groups (Gloo or NCCL), with lanes.
 
 The collectives that carry compressed gradients under both front ends: under Horovod the
-groups are built from Horovod's world (comm/gloo.py), under DDP they are the model's own
-process group and groups of the same ranks (accordion_hvd/ddp.py). A collective starts on the
+groups are built from Horovod's world (comm/gloo.py), under DDP they are new groups of the
+model's ranks (accordion_hvd/ddp.py). A collective starts on the
 group's worker threads the moment it is issued; ranks pair collectives by the order they
 issue them on a group, which the exchange keeps identical on every rank (accordion_hvd/
 exchange/). A **lane** is a further group of the same ranks: collectives on different lanes
