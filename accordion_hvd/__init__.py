@@ -12,7 +12,7 @@ _quiet_horovod_cycle()  # before the user's hvd.init(): see accordion_hvd/comm/h
 
 _C = _load_extension()  # registers torch.ops.accordion.*; raises ImportError if unusable
 
-from . import ops, policies  # noqa: E402
+from . import levels, ops, policies  # noqa: E402
 from .batch_size import AccordionBatchSize  # noqa: E402
 from .codecs import PowerSGD, TopK  # noqa: E402
 from .compressor import AccordionCompressor  # noqa: E402
@@ -21,5 +21,5 @@ from .ddp import register_ddp_hook  # noqa: E402
 __version__ = "0.1.0"
 with_cuda: bool = bool(_C.with_cuda)
 
-__all__ = ["AccordionBatchSize", "AccordionCompressor", "PowerSGD", "TopK", "ops", "policies", "register_ddp_hook",
-           "with_cuda", "__version__"]
+__all__ = ["AccordionBatchSize", "AccordionCompressor", "PowerSGD", "TopK", "levels", "ops", "policies",
+           "register_ddp_hook", "with_cuda", "__version__"]

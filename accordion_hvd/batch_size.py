@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from .codecs._common import CRITICAL, positive_number
+from .levels import CRITICAL, Level, positive_number
 from .controller import RegimeController
 from .policies import Accordion
 
@@ -97,7 +97,7 @@ class AccordionBatchSize:
         """A detection point when ``interval`` is None."""
         self._apply(self.controller.epoch_end(self.control, [_MODEL]))
 
-    def _apply(self, changed: dict[str, str] | None) -> None:
+    def _apply(self, changed: dict[str, Level] | None) -> None:
         if changed:
             self._set_passes(self.small if changed[_MODEL] == CRITICAL else self.large)
 
@@ -118,7 +118,8 @@ class AccordionBatchSize:
         return self._scale
 
     @property
-    def regime(self) -> str:
+    def regime(self) -> Level:
+        """CRITICAL (small batches) or NORMAL (large ones)."""
         return self.controller.level_of(_MODEL)
 
     def state_dict(self) -> dict:

@@ -57,15 +57,16 @@ from typing import Any
 import torch
 
 from .codecs import PowerSGD, TopK
-from .codecs._common import all_finite, positive_number, residual_dtype
+from .codecs._common import all_finite, residual_dtype
 from .controller import RegimeController
 from .exchange import BUCKET_BYTES, FIRST_BUCKET_BYTES, Round1, make_exchange
-from .policies import GraVAC, make_policy
+from .levels import DENSE, Level, check_level, positive_number
+from .policies import make_policy
 
 
 _DENSE, _COMPRESSED = "dense", "compressed"  # who carries a layer this step: Horovod, or our exchange
 _CONFIG_BYTES = 1024  # the settings' canonical JSON, zero-padded: one fixed-size allgather
-_STATE_FORMAT = "accordion_hvd.AccordionCompressor/1"
+_STATE_FORMAT = "accordion_hvd.AccordionCompressor/2"  # /2: levels as [kind, factor], not strings
 DATA_PLANE_ENV = "ACCORDION_DATA_PLANE"
 
 log = logging.getLogger("accordion_hvd.compressor")
@@ -121,9 +122,9 @@ class AccordionCompressor:
         self.eta = float(positive_number("eta", eta))
         self.interval = None if interval is None else positive_number("interval", interval, integer=True)
         self.policy = make_policy(policy, eta=self.eta, codec_adaptive=codec.adaptive)
-        if isinstance(self.policy, GraVAC) and not isinstance(codec, TopK):
-            raise ValueError("policy GraVAC needs the TopK codec (its gain comes from TopK's kept and total "
-                             f"squared norms), got {codec!r}")
+        if self.policy.per_step and not codec.measures_gain:
+            raise ValueError(f"policy {self.policy!r} needs the TopK codec: it chooses a level every step from the "
+                             f"compression gain, which only TopK measures; got {codec!r}")
         self.bucket_cap = int(positive_number("bucket_cap_mb", bucket_cap_mb) * 2**20)
         self.controller = RegimeController(self.policy, self.interval, accumulate=accumulate)
         self._channel = channel
@@ -186,7 +187,8 @@ class AccordionCompressor:
         if self._exchange is None:
             self._exchange = make_exchange(self.codec, self.channel, first_cap=min(FIRST_BUCKET_BYTES, self.bucket_cap),
                                            cap=self.bucket_cap, before_last=self._gather_learning_rates,
-                                           seconds=self.seconds, policy=self.policy, control=lambda: self.control,
+                                           seconds=self.seconds, control=lambda: self.control,
+                                           per_step=self.controller if self.policy.per_step else None,
                                            sent=self._sent)
         return self._exchange
 
@@ -370,7 +372,7 @@ class AccordionCompressor:
         optimizer = self._optimizer() if self._optimizer is not None else None
         return None if optimizer is None else [float(g["lr"]) for g in optimizer.param_groups]
 
-    def _apply_levels(self, changed: dict[str, str] | None) -> None:
+    def _apply_levels(self, changed: dict[str, Level] | None) -> None:
         for name, level in (changed or {}).items():
             if name in self._layers:
                 self.codec.set_level(self._layers[name], level)
@@ -422,8 +424,9 @@ class AccordionCompressor:
                                f"(layers still in flight: {sorted(self._in_step)[:3]})")
 
     # --- levels, statistics, state ------------------------------------------------------------
-    def set_level(self, name: str, level: str) -> None:
-        """Switch one compressed layer to the codec's 'normal' or 'critical' level."""
+    def set_level(self, name: str, level: Level) -> None:
+        """Switch one compressed layer to a level (``acc.levels.NORMAL``, ``CRITICAL``, ...)."""
+        check_level("level", level)
         if name not in self._layers:
             raise KeyError(f"AccordionCompressor: no compressed layer named {name!r} (known: {sorted(self._layers)})")
         self._between_steps("set_level")
@@ -440,7 +443,7 @@ class AccordionCompressor:
             "steps": self.steps,
             "skipped_steps": self.skipped_steps,
             "layers": {n: {"floats_sent": self._sent[n], "floats_dense": self._dense[n],
-                           "level": self._layers[n].level if n in self._layers else "dense"}
+                           "level": str(self._layers[n].level if n in self._layers else DENSE)}
                        for n in sorted(self._dense)},
         }
 
@@ -464,8 +467,9 @@ class AccordionCompressor:
         ValueError naming the settings that differ; nothing is changed then)."""
         self._between_steps("load_state_dict")
         if not isinstance(state, dict) or state.get("format") != _STATE_FORMAT:
-            raise ValueError(f"AccordionCompressor.load_state_dict: not an AccordionCompressor state_dict "
-                             f"(expected a dict with format={_STATE_FORMAT!r})")
+            found = state.get("format") if isinstance(state, dict) else None
+            raise ValueError(f"AccordionCompressor.load_state_dict: not an AccordionCompressor state_dict of this "
+                             f"version (expected a dict with format={_STATE_FORMAT!r}, got format={found!r})")
         mine = self.config()
         theirs = state.get("config")
         if not isinstance(theirs, dict):

@@ -15,7 +15,10 @@ decision logic), the controller
   Horovod's, else Horovod's own collectives): the window norms (mean over ranks of each
   rank's local norm) and, every step, the learning rates (minimum and maximum over ranks:
   they must agree, and a decrease is seen by all ranks in the same step);
-* hands the policy those reduced numbers and returns its levels to the compressor.
+* hands the policy those reduced numbers and returns its levels to the compressor;
+* for a per-step policy (``policy.per_step``: GraVAC), reduces each step's compression gains
+  and step time over the control plane and hands them to the policy in a ``StepReport``
+  (``choose_step``): the policy's choice applies to that very step.
 
 Every rank runs the same deterministic rule on the same reduced numbers, so all ranks switch
 levels in the same step; a rank-dependent local norm cannot make them disagree.
@@ -25,14 +28,15 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 import zlib
 from typing import Any
 
 import numpy as np
 import torch
 
-from .codecs._common import positive_number
-from .policies import Policy, WindowReport
+from .levels import Level, positive_number
+from .policies import Policy, StepReport, WindowReport
 
 log = logging.getLogger("accordion_hvd.controller")
 
@@ -44,7 +48,7 @@ class RegimeController:
         if not isinstance(accumulate, bool):
             raise TypeError(f"accumulate must be a bool, got {type(accumulate).__name__}")
         self.accumulate = accumulate
-        self.levels: dict[str, str] = {}           # the level each layer uses now
+        self.levels: dict[str, Level] = {}         # the level each layer uses now
         self._sums: dict[str, torch.Tensor] = {}   # accumulate=True: sum of raw gradients
         self._sq: dict[str, float] = {}            # accumulate=False: sum of squared norms
         self._weight: dict[str, float] = {}        # what the sums above are sums of (steps)
@@ -52,11 +56,12 @@ class RegimeController:
         self._lrs: list[float] | None = None       # learning rates agreed at the last step
         self.windows = 0                           # detection points so far
         self._warned_epoch_end = False
+        self._last_step: float | None = None       # per-step policies: when the last step chose
 
     def config(self) -> dict:
         return {**self.policy.config(), "interval": self.interval, "accumulate": self.accumulate}
 
-    def level_of(self, layer: str) -> str:
+    def level_of(self, layer: str) -> Level:
         """The level of a layer (a new layer gets the policy's initial level)."""
         if layer not in self.levels:
             self.levels[layer] = self.policy.initial_level(layer)
@@ -80,7 +85,7 @@ class RegimeController:
             self._sq[layer] = self._sq.get(layer, 0.0) + weight * norm ** 2
 
     def end_step(self, control: Any, layers: list[str], lrs: list[float] | None,
-                 gathered: np.ndarray | None = None) -> dict[str, str] | None:
+                 gathered: np.ndarray | None = None) -> dict[str, Level] | None:
         """At the end of every optimizer step (all ranks, same step). ``lrs``: this rank's
         learning rates (one per param group), or None when unknown (then on every rank);
         ``gathered``: every rank's (ranks x groups), when they travelled with the step's
@@ -97,7 +102,7 @@ class RegimeController:
                      "detection point")
         return self._apply(decided)
 
-    def epoch_end(self, control: Any, layers: list[str]) -> dict[str, str] | None:
+    def epoch_end(self, control: Any, layers: list[str]) -> dict[str, Level] | None:
         """An explicit detection point (windows are epochs when ``interval`` is None)."""
         if self.interval is not None:
             if not self._warned_epoch_end:
@@ -107,8 +112,33 @@ class RegimeController:
             return None
         return self._apply(self._end_window(control, layers)) if self._window_steps else None
 
+    # --- per-step policies --------------------------------------------------------------------
+    def step_levels(self) -> tuple[Level, ...]:
+        """The levels whose gains a per-step policy needs this step."""
+        return self.policy.step_levels()
+
+    def choose_step(self, control: Any, g_sq: float, kept: list[float]) -> Level | None:
+        """A per-step policy's level for this step, on every rank alike. ``g_sq``: this
+        rank's squared norm of gradient plus error feedback over its compressed layers;
+        ``kept[i]``: the squared norm it keeps at ``step_levels()[i]``. Both, and the time
+        since the last step, are summed over ranks in one control collective. Returns None,
+        without consulting the policy, when some rank's numbers are not finite (a non-finite
+        gradient: the step is skipped)."""
+        levels = self.step_levels()
+        if len(kept) != len(levels):
+            raise ValueError(f"choose_step: {len(kept)} kept norms for {len(levels)} levels")
+        now = time.perf_counter()
+        seconds = 0.0 if self._last_step is None else now - self._last_step
+        self._last_step = now
+        totals = control.allreduce([g_sq, *kept, seconds], name=f"acc.step.{len(levels)}", op="sum")
+        if not all(math.isfinite(t) for t in totals[:-1]):
+            return None
+        total_g = totals[0]
+        gains = tuple(t / total_g if total_g > 0 else 1.0 for t in totals[1:-1])
+        return self.policy.choose_step(StepReport(levels, gains, totals[-1] / control.size))
+
     # --- internals --------------------------------------------------------------------------
-    def _apply(self, decided: dict[str, str] | None) -> dict[str, str] | None:
+    def _apply(self, decided: dict[str, Level] | None) -> dict[str, Level] | None:
         if not decided:
             return None
         changed = {layer: level for layer, level in decided.items() if self.levels.get(layer) != level}
@@ -132,7 +162,7 @@ class RegimeController:
         return previous is not None and len(previous) == len(self._lrs) and any(
             new < old for new, old in zip(self._lrs, previous))
 
-    def _end_window(self, control: Any, layers: list[str]) -> dict[str, str]:
+    def _end_window(self, control: Any, layers: list[str]) -> dict[str, Level]:
         steps, self._window_steps = self._window_steps, 0
         self.windows += 1
         if not self.policy.uses_norms:
@@ -148,7 +178,8 @@ class RegimeController:
         norms = {layer: float(v) / control.size for layer, v in zip(layers, total)}
         levels = self.policy.end_window(WindowReport(norms, steps))
         log.debug("window %d (%d steps): norms %s -> levels %s", self.windows, steps,
-                  {k: round(v, 6) for k, v in list(norms.items())[:8]}, dict(list(levels.items())[:8]))
+                  {k: round(v, 6) for k, v in list(norms.items())[:8]},
+                  {k: str(v) for k, v in list(levels.items())[:8]})
         return levels
 
     def _local_norm(self, layer: str) -> float:
@@ -161,14 +192,14 @@ class RegimeController:
 
     # --- state ------------------------------------------------------------------------------
     def state_dict(self) -> dict:
-        return {"levels": dict(self.levels), "window_steps": self._window_steps, "windows": self.windows,
+        return {"levels": {k: v.to_state() for k, v in self.levels.items()}, "window_steps": self._window_steps, "windows": self.windows,
                 "lrs": None if self._lrs is None else list(self._lrs),
                 "sums": {k: v.clone() for k, v in self._sums.items()}, "sq": dict(self._sq),
                 "weight": dict(self._weight),
                 "policy": self.policy.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
-        self.levels = dict(state["levels"])
+        self.levels = {str(k): Level.from_state(v) for k, v in state["levels"].items()}
         self._window_steps = int(state["window_steps"])
         self.windows = int(state["windows"])
         self._lrs = None if state["lrs"] is None else [float(x) for x in state["lrs"]]

@@ -37,7 +37,7 @@ def worker(after: int, reset: str, train_argv: list[str]) -> None:
     """One training run (under horovodrun) with the scheduled policy."""
     from accordion_hvd import train
     from accordion_hvd.codecs import PowerSGD
-    from accordion_hvd.codecs._common import CRITICAL, NORMAL
+    from accordion_hvd.levels import CRITICAL, NORMAL
     from accordion_hvd.codecs.powersgd import _as_transposed
     from accordion_hvd.compressor import AccordionCompressor
     from accordion_hvd.policies.base import Policy

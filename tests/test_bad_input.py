@@ -191,13 +191,13 @@ def report_lr_string():
 @case
 def set_level_unknown_layer():
     return twin_check(lambda: acc.PowerSGD(1, critical_rank=4),
-                      lambda c: refused(KeyError, "nope", action=lambda: c.set_level("nope", "critical")))
+                      lambda c: refused(KeyError, "nope", action=lambda: c.set_level("nope", acc.levels.CRITICAL)))
 
 
 @case
 def set_level_unknown_level():
     return twin_check(lambda: acc.PowerSGD(1, critical_rank=4),
-                      lambda c: refused(ValueError, "level", action=lambda: c.set_level("w", "extreme")))
+                      lambda c: refused(TypeError, "level must be an accordion_hvd.levels.Level", action=lambda: c.set_level("w", "extreme")))
 
 
 def cli_refused(argv, *words) -> str:

@@ -143,7 +143,7 @@ def test_topk_equals_the_reference_over_steps_with_residuals(grad_fn):
     residual = {(r, n): torch.zeros(torch.Size(s).numel()) for r in range(world) for n, s in TOPK_SHAPES.items()}
     for t in range(steps):
         for n, s in TOPK_SHAPES.items():
-            k = codec.level_k("normal", torch.Size(s).numel())
+            k = codec.level_k(acc.levels.NORMAL, torch.Size(s).numel())
             values, indices = [], []
             for r in range(world):
                 v, i, residual[r, n], _, _ = reference.topk_select(grad_fn(r, t)[n].reshape(-1), residual[r, n], k)

@@ -81,7 +81,7 @@ def test_topk_averages_each_ranks_largest_entries():
     world, ratio = 2, 0.05
     results = run_steps(world, lambda: acc.TopK(ratio=ratio), steps=1)
     name = "fc.weight"
-    k = acc.TopK(ratio).level_k("normal", 40 * 64)
+    k = acc.TopK(ratio).level_k(acc.levels.NORMAL, 40 * 64)
     expected = torch.zeros(40 * 64)
     for r in range(world):
         g = grads_for(r, 0)[name].reshape(-1)
@@ -131,12 +131,12 @@ def test_powersgd_level_change_keeps_q_columns_and_is_rank_independent():
     a, b = codec.init_state("w", grad), codec.init_state("w", grad)
     a.q.add_(1.0)  # pretend training moved Q
     before = a.q.clone()
-    codec.set_level(a, "critical")
-    codec.set_level(b, "critical")
+    codec.set_level(a, acc.levels.CRITICAL)
+    codec.set_level(b, acc.levels.CRITICAL)
     assert a.q.shape == (64, 4) and a.rank == 4
     assert torch.equal(a.q[:, :1], before)
     assert torch.equal(a.q[:, 1:], b.q[:, 1:])  # fresh columns depend only on (seed, name, column)
-    codec.set_level(a, "normal")
+    codec.set_level(a, acc.levels.NORMAL)
     assert torch.equal(a.q, before)
 
 

@@ -23,7 +23,8 @@ from dataclasses import dataclass
 import torch
 
 from .. import ops, reference
-from ._common import CRITICAL, NORMAL, check_level, positive_number, residual_dtype
+from ..levels import CRITICAL, NORMAL, Level, check_level, positive_number
+from ._common import residual_dtype
 
 
 @dataclass
@@ -31,7 +32,7 @@ class PowerSGDState:
     """Everything one layer needs between steps (all of it goes into ``state_dict``)."""
     name: str
     shape: torch.Size
-    level: str
+    level: Level
     rank: int                 # the rank in use, clamped to min(n, m)
     residual: torch.Tensor    # e, then M during a step; shape (n, m)
     q: torch.Tensor           # (m, rank), identical on all ranks; a view of contiguous Q^T
@@ -73,6 +74,9 @@ class PowerSGD:
     def adaptive(self) -> bool:
         return self.critical_rank != self.rank
 
+    levels = (NORMAL, CRITICAL)  # the levels this codec has
+    measures_gain = False         # no per-step gain measurement (policies/base.py: per_step)
+
     # --- which layers ---------------------------------------------------------------------
     @staticmethod
     def matrix_shape(shape: torch.Size) -> tuple[int, int]:
@@ -85,16 +89,18 @@ class PowerSGD:
         r = min(self.rank, n, m)
         return n * m >= self.min_compression_rate * (n + m) * r
 
-    def level_rank(self, level: str, shape: torch.Size) -> int:
+    def level_rank(self, level: Level, shape: torch.Size) -> int:
+        """The rank a layer of ``shape`` uses at ``level`` (NORMAL or CRITICAL)."""
         n, m = self.matrix_shape(shape)
-        return min(self.critical_rank if check_level(level) == CRITICAL else self.rank, n, m)
+        check_level("level", level, allowed=self.levels)
+        return min(self.critical_rank if level == CRITICAL else self.rank, n, m)
 
     def floats_sent(self, state: PowerSGDState) -> int:
         n, m = state.residual.shape
         return (n + m) * state.rank
 
     # --- state ------------------------------------------------------------------------------
-    def init_state(self, name: str, grad: torch.Tensor, level: str = NORMAL) -> PowerSGDState:
+    def init_state(self, name: str, grad: torch.Tensor, level: Level = NORMAL) -> PowerSGDState:
         n, m = self.matrix_shape(grad.shape)
         dtype = residual_dtype(grad.dtype)
         rank = self.level_rank(level, grad.shape)
@@ -102,7 +108,7 @@ class PowerSGD:
         q = _as_transposed(self._fresh_columns(name, m, 0, rank, dtype, grad.device))
         return PowerSGDState(name, grad.shape, level, rank, residual, q)
 
-    def set_level(self, state: PowerSGDState, level: str) -> None:
+    def set_level(self, state: PowerSGDState, level: Level) -> None:
         """Change a layer's rank: keep the Q columns it has, add fresh seeded ones (the same on
         every rank) or drop the last ones. Error feedback is kept."""
         rank = self.level_rank(level, state.shape)
@@ -116,13 +122,13 @@ class PowerSGD:
 
     def state_to_dict(self, state: PowerSGDState) -> dict:
         """A layer's state as plain values and tensors (copies), for checkpoints."""
-        return {"shape": list(state.shape), "level": state.level, "rank": state.rank,
+        return {"shape": list(state.shape), "level": state.level.to_state(), "rank": state.rank,
                 "residual": state.residual.clone(), "qt": state.q.t().contiguous()}
 
     def state_from_dict(self, name: str, d: dict) -> PowerSGDState:
         shape = torch.Size(d["shape"])
         n, m = self.matrix_shape(shape)
-        level, rank = check_level(d["level"]), int(d["rank"])
+        level, rank = Level.from_state(d["level"]), int(d["rank"])
         residual, qt = d["residual"], d["qt"]
         if rank != self.level_rank(level, shape) or tuple(residual.shape) != (n, m) or tuple(qt.shape) != (rank, m):
             raise ValueError(f"PowerSGD state of {name!r} does not fit this codec: level {level!r} needs rank "

@@ -15,14 +15,15 @@ from dataclasses import dataclass
 import torch
 
 from .. import ops, reference
-from ._common import CRITICAL, NORMAL, check_level, positive_number, residual_dtype
+from ..levels import CRITICAL, DENSE, NORMAL, Level, check_level, positive_number
+from ._common import residual_dtype
 
 
 @dataclass
 class TopKState:
     name: str
     shape: torch.Size
-    level: str
+    level: Level
     k: int
     residual: torch.Tensor  # flat, numel entries
     g_sq: float = 0.0       # squared norms of the last step: g, and the part sent
@@ -56,19 +57,18 @@ class TopK:
     def adaptive(self) -> bool:
         return self.critical_ratio != self.ratio
 
-    def level_k(self, level: str, numel: int) -> int:
-        ratio = self.critical_ratio if check_level(level) == CRITICAL else self.ratio
+    measures_gain = True  # can measure, per step, the gain of any level (policies/base.py: per_step)
+
+    def level_k(self, level: Level, numel: int) -> int:
+        """Entries kept of a layer of ``numel`` at ``level``: ``ratio`` (NORMAL),
+        ``critical_ratio`` (CRITICAL), ``ceil(numel / f)`` (``Level.factor(f)``), all (DENSE)."""
+        check_level("level", level)
+        if level.kind == "factor":
+            return max(1, min(numel, math.ceil(numel / level.compression_factor)))
+        if level == DENSE:
+            return numel
+        ratio = self.critical_ratio if level == CRITICAL else self.ratio
         return max(1, min(numel, math.ceil(ratio * numel)))
-
-    @staticmethod
-    def factor_k(numel: int, factor: float) -> int:
-        """k for a compression factor (GraVAC's levels, written "<factor>x")."""
-        return max(1, min(numel, math.ceil(numel / factor)))
-
-    def _k_of(self, level: str, numel: int) -> int:
-        if isinstance(level, str) and level.endswith("x"):
-            return self.factor_k(numel, float(level[:-1]))
-        return self.level_k(level, numel)
 
     def compressible(self, shape: torch.Size) -> bool:
         numel = math.prod(shape)
@@ -77,13 +77,12 @@ class TopK:
     def floats_sent(self, state: TopKState) -> int:
         return 2 * state.k
 
-    def init_state(self, name: str, grad: torch.Tensor, level: str = NORMAL) -> TopKState:
+    def init_state(self, name: str, grad: torch.Tensor, level: Level = NORMAL) -> TopKState:
         residual = torch.zeros(grad.numel(), dtype=residual_dtype(grad.dtype), device=grad.device)
-        return TopKState(name, grad.shape, level, self._k_of(level, grad.numel()), residual)
+        return TopKState(name, grad.shape, level, self.level_k(level, grad.numel()), residual)
 
-    def set_level(self, state: TopKState, level: str) -> None:
-        """'normal', 'critical', or a compression factor written '<factor>x'."""
-        state.k = self._k_of(level, state.residual.numel())
+    def set_level(self, state: TopKState, level: Level) -> None:
+        state.k = self.level_k(level, state.residual.numel())
         state.level = level
 
     def trim(self, state: TopKState, values: torch.Tensor, indices: torch.Tensor,
@@ -107,18 +106,17 @@ class TopK:
 
     def state_to_dict(self, state: TopKState) -> dict:
         """A layer's state as plain values and tensors (copies), for checkpoints."""
-        return {"shape": list(state.shape), "level": state.level, "k": state.k, "residual": state.residual.clone(),
+        return {"shape": list(state.shape), "level": state.level.to_state(), "k": state.k, "residual": state.residual.clone(),
                 "g_sq": state.g_sq, "kept_sq": state.kept_sq}
 
     def state_from_dict(self, name: str, d: dict) -> TopKState:
         shape = torch.Size(d["shape"])
-        level, k, residual = str(d["level"]), int(d["k"]), d["residual"]
+        level, k, residual = Level.from_state(d["level"]), int(d["k"]), d["residual"]
         numel = math.prod(shape)
-        if not level.endswith("x") and level != "dense":  # factor levels and "dense": GraVAC's
-            check_level(level)
-        if (level != "dense" and k != self._k_of(level, numel)) or tuple(residual.shape) != (numel,):
+        # A step a per-step policy sent DENSE keeps the k it was encoded at (any k fits then).
+        if (level != DENSE and k != self.level_k(level, numel)) or tuple(residual.shape) != (numel,):
             raise ValueError(f"TopK state of {name!r} does not fit this codec: level {level!r} needs k "
-                             f"{self._k_of(level, numel)}, got k {k}, residual {tuple(residual.shape)} "
+                             f"{self.level_k(level, numel)}, got k {k}, residual {tuple(residual.shape)} "
                              f"(expected {(numel,)})")
         return TopKState(name, shape, level, k, residual.clone(), float(d["g_sq"]), float(d["kept_sq"]))
 

@@ -10,11 +10,12 @@ collective per bucket.
 A layer whose level keeps half its entries or more is sent dense instead: it goes through
 Horovod's ordinary allreduce, and its error feedback is settled at the end of the step.
 
-With the GraVAC policy (policies/gravac.py) the choice of what to send is made per step, once
-every layer is encoded: each layer is encoded at the policy's minimum factor, the gains of
-the minimum and the candidate factor are summed over ranks (one control collective), and the
-selections are trimmed to the candidate, kept, or undone so that every layer goes dense in
-one grouped allreduce.
+With a per-step policy (``policy.per_step``: GraVAC) the choice of what to send is made per
+step, once every layer is encoded: each layer is encoded at the widest of the levels the
+policy asks about, each level's kept squared norm is measured from that selection, the
+controller reduces them over ranks and lets the policy choose (one control collective), and
+the selections are trimmed to the chosen level, kept, or undone so that every layer goes
+dense in one grouped allreduce.
 
 Non-finite gradients: a rank sends NaN values for such a layer, so every rank sees the fault
 in the gathered data; every layer's selection goes back into its error feedback and the
@@ -23,7 +24,6 @@ results are zero.
 
 from __future__ import annotations
 
-import math
 import time
 from typing import Any, Callable
 
@@ -31,7 +31,7 @@ import torch
 
 from ..codecs._common import all_finite
 from ..comm.channel import Channel
-from ..policies.gravac import CANDIDATE, DENSE
+from ..levels import DENSE
 from .buckets import BUCKET_BYTES, FIRST_BUCKET_BYTES, Round1, bytes_of, split_bytes
 
 
@@ -44,20 +44,20 @@ class TopKExchange:
         channel: the data plane.
         before_last: called right after the step's last bucket is issued.
         seconds: accumulates "compress" (math) and "comm" (waits) seconds.
-        gravac: the GraVAC policy, if it is the one deciding; then ``control`` (a callable
-            returning the control plane) and ``sent`` (the adapter's floats sent per layer,
-            corrected for what the per-step choice sends) are needed too.
+        per_step: the regime controller, when its policy decides per step (``step_levels``,
+            ``choose_step``); then ``control`` (a callable returning the control plane) and
+            ``sent`` (the adapter's floats sent per layer, corrected for what the per-step
+            choice sends) are needed too.
     """
 
     def __init__(self, codec, channel: Channel, *, first_cap: int = FIRST_BUCKET_BYTES, cap: int = BUCKET_BYTES,
                  before_last: Callable[[], None] | None = None, seconds: dict[str, float] | None = None,
-                 gravac=None, control: Callable[[], Any] | None = None, sent: dict[str, int] | None = None) -> None:
+                 per_step=None, control: Callable[[], Any] | None = None, sent: dict[str, int] | None = None) -> None:
         self.codec, self.channel = codec, channel
         self.round1 = Round1(channel, "allgather", "acc.topk", first_cap=first_cap, cap=cap)
         self.before_last = before_last
         self.seconds = seconds if seconds is not None else {"compress": 0.0, "comm": 0.0}
-        self.gravac, self.control, self.sent = gravac, control, sent
-        self._last_exchange: float | None = None  # GraVAC: when the previous step's exchange ran
+        self.per_step, self.control, self.sent = per_step, control, sent
         self._begin()
 
     def _begin(self) -> None:
@@ -69,8 +69,9 @@ class TopKExchange:
     def add(self, name: str, state, grad: torch.Tensor, finite: bool) -> torch.Tensor | None:
         """Layer ``name``'s gradient. Returns the tensor Horovod must average instead, when
         the layer is sent dense this step, else None (its bucket's allgather carries it)."""
-        if self.gravac is not None:  # encode at the minimum factor; trimmed later if need be
-            self.codec.set_level(state, f"{self.gravac.min_factor:g}x")
+        if self.per_step is not None:  # encode at the widest level asked about; trimmed later
+            numel = state.residual.numel()
+            self.codec.set_level(state, max(self.per_step.step_levels(), key=lambda lv: self.codec.level_k(lv, numel)))
         if self.codec.sends_dense(state):
             self.round1.ready(name, None, grad)  # nothing in round 1 this step
             if not finite:
@@ -84,7 +85,7 @@ class TopKExchange:
         encoded = self.codec.encode(state, grad) if finite else self.codec.poisoned(state)
         self.seconds["compress"] += time.perf_counter() - started
         self._layers[name] = (state, grad, encoded, finite)
-        if self.gravac is None:  # GraVAC decides what to send once every layer is encoded
+        if self.per_step is None:  # else the policy decides what to send once every layer is encoded
             self.round1.ready(name, bytes_of(*encoded), grad)
         return None
 
@@ -92,8 +93,8 @@ class TopKExchange:
     def results(self) -> dict[str, torch.Tensor]:
         """Wait for the step's exchange; each sparse-sent layer's averaged gradient."""
         names = sorted(self._layers)
-        if self.gravac is not None:
-            done = self._gravac_step(names)
+        if self.per_step is not None:
+            done = self._per_step_choice(names)
             for n in names:  # what the choice left to send (nothing, if dense or skipped)
                 state, grad, encoded, _ = self._layers[n]
                 self.round1.ready(n, None if done is not None else bytes_of(*encoded), grad)
@@ -130,40 +131,33 @@ class TopKExchange:
                 self.codec.restore(state, *encoded)
         return {n: torch.zeros_like(grad) for n, state, grad, *_ in layers}
 
-    def _gravac_step(self, names: list[str]) -> dict[str, torch.Tensor] | None:
-        """GraVAC's per-step choice. Both gains come from the selection at the minimum factor
-        (the candidate's is its top); the model's squared norms and the step's time are summed
-        over ranks, so every rank chooses alike. Returns the results if the step's exchange is
-        done (dense, or skipped), else None: the (trimmed) selections are to be sent."""
-        candidate, _ = self.gravac.factors()
-        now = time.perf_counter()
-        seconds = 0.0 if self._last_exchange is None else now - self._last_exchange
-        self._last_exchange = now
+    def _per_step_choice(self, names: list[str]) -> dict[str, torch.Tensor] | None:
+        """The per-step policy's choice. Every level's gain comes from the selection at the
+        widest one (a narrower level's is its top); the model's squared norms are summed over
+        ranks by the controller, so every rank chooses alike. Returns the results if the
+        step's exchange is done (dense, or skipped), else None: the (trimmed) selections are
+        to be sent."""
+        levels = self.per_step.step_levels()
         layers = [(n, *self._layers[n]) for n in names]
-        g_sq = kept_min = kept_cand = 0.0
+        g_sq, kept = 0.0, [0.0] * len(levels)
         for n, state, grad, (values, _), _ in layers:
-            k = self.codec.factor_k(state.residual.numel(), candidate)
-            g_sq, kept_min = g_sq + state.g_sq, kept_min + state.kept_sq
-            top = values.abs().topk(k).values if k < values.numel() else values
-            kept_cand += top.double().square().sum().item()
-        control = self.control()
-        totals = control.allreduce([g_sq, kept_min, kept_cand, seconds], name="acc.gravac", op="sum")
-        if not all(math.isfinite(t) for t in totals[:3]):  # a rank's gradient was not finite
+            g_sq += state.g_sq
+            for i, level in enumerate(levels):
+                k = self.codec.level_k(level, state.residual.numel())
+                top = values.abs().topk(k).values if k < values.numel() else None
+                kept[i] += state.kept_sq if top is None else top.double().square().sum().item()
+        choice = self.per_step.choose_step(self.control(), g_sq, kept)
+        if choice is None:  # a rank's gradient was not finite
             return self._skip(layers)
-        total_g = totals[0]
-        gains = (totals[2] / total_g, totals[1] / total_g) if total_g > 0 else (1.0, 1.0)
-        choice = self.gravac.choose(*gains)
-        self.gravac.end_step(totals[3] / control.size)
         for n, state, grad, (values, indices), finite in layers:
             numel = state.residual.numel()
             before = self.codec.floats_sent(state)
-            if choice == CANDIDATE:
-                trimmed = self.codec.trim(state, values, indices, self.codec.factor_k(numel, candidate))
-                self._layers[n] = (state, grad, trimmed, finite)
-                state.level = f"{candidate:g}x"
-            elif choice == DENSE:
+            if choice == DENSE:
                 self.codec.restore(state, values, indices)
-                state.level = DENSE
+            else:
+                trimmed = self.codec.trim(state, values, indices, self.codec.level_k(choice, numel))
+                self._layers[n] = (state, grad, trimmed, finite)
+            state.level = choice
             if self.sent is not None:
                 self.sent[n] += (numel if choice == DENSE else self.codec.floats_sent(state)) - before
         if choice != DENSE:

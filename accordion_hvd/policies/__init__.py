@@ -7,11 +7,11 @@ numbers is the controller's job (accordion_hvd/controller.py).
 """
 
 from .accordion import Accordion
-from .base import Policy, WindowReport
+from .base import Policy, StepReport, WindowReport
 from .gravac import GraVAC
 from .static import Static
 
-__all__ = ["Accordion", "GraVAC", "Policy", "Static", "WindowReport", "make_policy"]
+__all__ = ["Accordion", "GraVAC", "Policy", "Static", "StepReport", "WindowReport", "make_policy"]
 
 
 def make_policy(policy, *, eta: float, codec_adaptive: bool) -> Policy:

@@ -22,7 +22,7 @@ from __future__ import annotations
 import logging
 import math
 
-from ..codecs._common import CRITICAL, NORMAL, positive_number
+from ..levels import CRITICAL, NORMAL, Level, positive_number
 from .base import Policy, WindowReport
 
 log = logging.getLogger("accordion_hvd.policies")
@@ -38,7 +38,7 @@ class Accordion(Policy):
     def __init__(self, eta: float = 0.5) -> None:
         self.eta = float(positive_number("eta", eta))
         self._prev: dict[str, float] = {}    # each layer's norm over the last window
-        self._levels: dict[str, str] = {}    # each layer's level from the last decision
+        self._levels: dict[str, Level] = {}    # each layer's level from the last decision
 
     def __repr__(self) -> str:
         return f"Accordion(eta={self.eta})"
@@ -46,10 +46,10 @@ class Accordion(Policy):
     def config(self) -> dict:
         return {"policy": self.name, "eta": self.eta}
 
-    def initial_level(self, layer: str) -> str:
+    def initial_level(self, layer: str) -> Level:
         return CRITICAL
 
-    def end_window(self, report: WindowReport) -> dict[str, str]:
+    def end_window(self, report: WindowReport) -> dict[str, Level]:
         bad = sorted(layer for layer, norm in report.norms.items() if not math.isfinite(norm))
         if bad:
             log.warning("Accordion: window of %d steps skipped, non-finite gradient norm in %s; levels unchanged",
@@ -62,12 +62,12 @@ class Accordion(Policy):
             self._prev[layer] = new
         return {layer: self._levels[layer] for layer in report.norms}
 
-    def lr_decreased(self, layers: list[str]) -> dict[str, str]:
+    def lr_decreased(self, layers: list[str]) -> dict[str, Level]:
         return {layer: CRITICAL for layer in layers}
 
     def state_dict(self) -> dict:
-        return {"prev": dict(self._prev), "levels": dict(self._levels)}
+        return {"prev": dict(self._prev), "levels": {k: v.to_state() for k, v in self._levels.items()}}
 
     def load_state_dict(self, state: dict) -> None:
         self._prev = {str(k): float(v) for k, v in state["prev"].items()}
-        self._levels = {str(k): str(v) for k, v in state["levels"].items()}
+        self._levels = {str(k): Level.from_state(v) for k, v in state["levels"].items()}

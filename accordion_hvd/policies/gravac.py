@@ -14,14 +14,19 @@ of the two.
 
 The gains are the whole model's, summed over every layer and every rank before the rule
 runs, so all ranks choose alike. One model-wide factor, as in the paper.
+
+GraVAC is a per-step policy (policies/base.py): each step it asks for the gains of
+``Level.factor(candidate)`` and ``Level.factor(min_factor)`` (``step_levels``), and the
+controller hands them back, reduced over ranks, in a ``StepReport`` (``choose_step``).
 """
 
 from __future__ import annotations
 
 import math
 
-from ..codecs._common import positive_number
-from .base import Policy
+from ..levels import DENSE as DENSE_LEVEL
+from ..levels import Level, positive_number
+from .base import Policy, StepReport
 
 CANDIDATE, MINIMUM, DENSE = "candidate", "minimum", "dense"
 
@@ -39,6 +44,7 @@ class GraVAC(Policy):
     name = "gravac"
     uses_norms = False
     reacts_to_lr = False
+    per_step = True
 
     def __init__(self, min_factor: float = 10.0, max_factor: float = 1000.0, *, window: int = 500,
                  epsilon: float = 0.7, omega: float = 0.01, growth: str = "exponential",
@@ -73,11 +79,23 @@ class GraVAC(Policy):
                 "window": self.window, "epsilon": self.epsilon, "omega": self.omega, "growth": self.growth,
                 "smoothing": self.smoothing}
 
-    def initial_level(self, layer: str) -> str:
-        return f"{self.min_factor:g}x"
+    def initial_level(self, layer: str) -> Level:
+        return Level.factor(self.min_factor)
 
-    def end_window(self, report) -> dict[str, str]:
-        return {}  # GraVAC decides every step (``choose``), not at detection windows
+    def end_window(self, report) -> dict[str, Level]:
+        return {}  # GraVAC decides every step (``choose_step``), not at detection windows
+
+    def step_levels(self) -> tuple[Level, Level]:
+        """The candidate factor and the minimum one, whose gains each step's choice needs."""
+        return Level.factor(self.candidate), Level.factor(self.min_factor)
+
+    def choose_step(self, report: StepReport) -> Level:
+        """This step's level from the gains of ``step_levels()`` (then the step counts
+        towards the candidate's window, with the step's time)."""
+        candidate, minimum = report.levels
+        choice = self.choose(*report.gains)
+        self.end_step(report.seconds)
+        return {CANDIDATE: candidate, MINIMUM: minimum, DENSE: DENSE_LEVEL}[choice]
 
     def factors(self) -> tuple[float, float]:
         """The (candidate, minimum) factors to try this step."""

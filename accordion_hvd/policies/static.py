@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ..codecs._common import NORMAL
+from ..levels import NORMAL, Level
 from .base import Policy, WindowReport
 
 
@@ -14,8 +14,8 @@ class Static(Policy):
     def __repr__(self) -> str:
         return "Static()"
 
-    def initial_level(self, layer: str) -> str:
+    def initial_level(self, layer: str) -> Level:
         return NORMAL
 
-    def end_window(self, report: WindowReport) -> dict[str, str]:
+    def end_window(self, report: WindowReport) -> dict[str, Level]:
         return {layer: NORMAL for layer in report.norms}

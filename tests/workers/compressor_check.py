@@ -82,8 +82,8 @@ for name, p in model.named_parameters():
     if codec.compressible(p.shape):
         # The class's default codec has two levels: Accordion keeps its first window (100
         # steps, longer than this run) critical. The others are static.
-        level = "critical" if use_class else "normal"
-        check(layer["level"] == level, f"{name} level {layer['level']}")
+        level = acc.levels.CRITICAL if use_class else acc.levels.NORMAL
+        check(layer["level"] == str(level), f"{name} level {layer['level']}")
         per_step = ((p.shape[0] + p.shape[1]) * codec.level_rank(level, p.shape) if isinstance(codec, acc.PowerSGD)
                     else 2 * codec.level_k(level, p.numel()))
     else:
