@@ -35,9 +35,8 @@ import torch
 
 REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "benchmarks" / "results"
-sys.path.insert(0, str(REPO / "tests"))
 sys.path.insert(0, str(REPO / "benchmarks" / "cluster"))
-from launch import horovodrun  # noqa: E402
+from localrun import horovodrun  # noqa: E402
 from machine import cpu_model  # noqa: E402
 
 PY = f"{Path(sys.executable).relative_to(REPO) if Path(sys.executable).is_relative_to(REPO) else sys.executable}"

@@ -26,6 +26,7 @@ CLUSTER_DIR = REPO / "benchmarks" / "cluster"
 CLUSTER_SH = CLUSTER_DIR / "cluster.sh"
 PREFIX = "acctest-"
 
+sys.path.insert(0, str(CLUSTER_DIR))  # cluster.py imports its sibling localrun.py
 _spec = importlib.util.spec_from_file_location("acc_cluster", CLUSTER_DIR / "cluster.py")
 acc_cluster = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(acc_cluster)

@@ -23,15 +23,14 @@ import threading
 from pathlib import Path
 from typing import Callable, Mapping, Sequence
 
+from localrun import MPI_ARGS  # benchmarks/cluster is on sys.path wherever cluster.py is imported
+
 CLUSTER_DIR = Path(__file__).resolve().parent
 CLUSTER_SH = CLUSTER_DIR / "cluster.sh"
 DISCOVER_HOSTS = CLUSTER_DIR / "discover_hosts.sh"
 REPO = CLUSTER_DIR.parent.parent
 IFACE = "hvd0"
 
-# Open MPI refuses to run as root without the first; several ranks on a 2-core machine
-# need the second. Harmless elsewhere (same as tests/launch.py).
-MPI_ARGS = "--allow-run-as-root --oversubscribe"
 
 
 def run_with_timeout(cmd: Sequence[str], *, timeout: float, env: Mapping[str, str] | None = None,
