@@ -71,6 +71,21 @@ DATA_PLANE_ENV = "ACCORDION_DATA_PLANE"
 
 log = logging.getLogger("accordion_hvd.compressor")
 
+try:  # what hvd.DistributedOptimizer(compression=...) and code that checks for it expect
+    from horovod.torch.compression import Compressor as HorovodCompressor
+except ImportError:  # no Horovod: the DDP front end and the simulated world need none
+    class HorovodCompressor:
+        """Horovod's ``Compressor`` interface (``horovod.torch.compression``), when Horovod is
+        not installed."""
+
+        @staticmethod
+        def compress(tensor):
+            raise NotImplementedError
+
+        @staticmethod
+        def decompress(tensor, ctx):
+            raise NotImplementedError
+
 
 class _DefaultInstanceMethod:
     """Lets Horovod use the class itself as ``compression=``: on the class, the method binds
@@ -86,8 +101,10 @@ class _DefaultInstanceMethod:
         return self.fn.__get__(obj, cls)
 
 
-class AccordionCompressor:
-    """Adaptive gradient compression for ``hvd.DistributedOptimizer(..., compression=...)``.
+class AccordionCompressor(HorovodCompressor):
+    """Adaptive gradient compression for ``hvd.DistributedOptimizer(..., compression=...)``: a
+    Horovod ``Compressor`` whose ``compress``/``decompress`` are instance methods (the class
+    itself also works as ``compression=``: it then uses one default instance).
 
     Args:
         codec: ``acc.PowerSGD(...)`` or ``acc.TopK(...)``; default ``PowerSGD(rank=1,

@@ -175,3 +175,13 @@ def test_empty_integer_and_complex_gradients_pass_through_uncompressed(make_code
     assert sent is tensor
     assert comp.decompress(sent, ctx) is tensor
     assert comp.stats()["layers"]["w"]["level"] == "dense"
+
+
+def test_it_is_a_horovod_compressor():
+    """Code that checks for a Horovod Compressor accepts ours, the instance and the class."""
+    compression = pytest.importorskip("horovod.torch.compression")
+    assert isinstance(acc.AccordionCompressor(), compression.Compressor)
+    assert issubclass(acc.AccordionCompressor, compression.Compressor)
+    # compress/decompress are ours, bound to the instance (not Horovod's static no-ops)
+    comp = acc.AccordionCompressor()
+    assert comp.compress.__self__ is comp and comp.decompress.__self__ is comp
