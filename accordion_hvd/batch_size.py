@@ -36,7 +36,7 @@ import torch
 
 from .levels import CRITICAL, Level, positive_number
 from .controller import RegimeController
-from .policies import Accordion
+from .policies import make_policy
 
 _MODEL = "model"  # the controller's one pseudo-layer: the whole model
 
@@ -62,7 +62,8 @@ class AccordionBatchSize:
             raise ValueError(f"large must be >= small, got small={small}, large={large}")
         self.optimizer = optimizer
         self.scale_lr = bool(scale_lr)
-        self.controller = RegimeController(Accordion(eta), interval, accumulate=True)
+        self.controller = RegimeController(make_policy("accordion", eta=eta, codec_adaptive=True), interval,
+                                           accumulate=True)
         self._control = control
         self._scale = 1.0        # the factor our learning rates carry now
         self._micro = 0          # micro-batches done in this step

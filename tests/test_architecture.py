@@ -1,0 +1,102 @@
+"""The layer rules of the README's "Architecture" section, checked on the source.
+
+Every import in the package (module level or inside a function, absolute or relative) is
+resolved to the project module it names, and each layer may reach only what the rules allow.
+A rule broken here is a design change: change the README's rules first, in the same commit.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parent.parent / "accordion_hvd"
+
+KERNELS = ("accordion_hvd.ops", "accordion_hvd._C", "accordion_hvd._extension")
+COMMUNICATION = ("accordion_hvd.comm", "accordion_hvd.exchange")
+POLICIES = ("accordion_hvd.policies",)
+CODECS = ("accordion_hvd.codecs",)
+CONCRETE_POLICIES = ("accordion_hvd.policies.accordion", "accordion_hvd.policies.static",
+                     "accordion_hvd.policies.gravac",  # the modules, and the classes the package exports:
+                     "accordion_hvd.policies.Accordion", "accordion_hvd.policies.Static",
+                     "accordion_hvd.policies.GraVAC")
+CLI = ("accordion_hvd.train", "accordion_hvd.data", "accordion_hvd.models", "accordion_hvd.metrics",
+       "accordion_hvd.plots", "accordion_hvd.cli")
+ADAPTERS = ("accordion_hvd.compressor", "accordion_hvd.ddp", "accordion_hvd.batch_size", "accordion_hvd.elastic",
+            "accordion_hvd.controller", "accordion_hvd.exchange")
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def imports_of(path: Path) -> set[str]:
+    """The modules ``path`` imports: for ``from X import a`` both X and X.a (a may be a module)."""
+    name = module_name(path)
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")
+                base = base[:len(base) - node.level + 1]
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module
+            found.add(target)
+            found.update(f"{target}.{alias.name}" for alias in node.names)
+    return found
+
+
+def under(module: str, prefixes: tuple[str, ...]) -> bool:
+    return any(module == p or module.startswith(p + ".") for p in prefixes)
+
+
+SOURCES = {module_name(p): imports_of(p) for p in sorted(PACKAGE.rglob("*.py"))}
+
+
+def broken(layer: tuple[str, ...], forbidden: tuple[str, ...]) -> list[str]:
+    return sorted(f"{m} imports {i}" for m, imported in SOURCES.items() if under(m, layer)
+                  for i in imported if under(i, forbidden) and not under(i, layer))
+
+
+def test_the_sources_were_found():
+    assert "accordion_hvd.compressor" in SOURCES and "accordion_hvd.policies.gravac" in SOURCES
+    assert "accordion_hvd.levels" in SOURCES["accordion_hvd.policies.accordion"]  # relative imports resolve
+
+
+@pytest.mark.parametrize("rule,layer,forbidden", [
+    ("codecs import neither communication nor policies", CODECS, COMMUNICATION + POLICIES + ADAPTERS),
+    ("policies import neither codecs, kernels nor communication", POLICIES,
+     CODECS + KERNELS + COMMUNICATION + ADAPTERS),
+    ("levels import nothing of the project", ("accordion_hvd.levels",), ("accordion_hvd",)),
+    ("the adapters import no concrete policy", ADAPTERS, CONCRETE_POLICIES),
+    ("communication imports no policy and no adapter", ("accordion_hvd.comm",), POLICIES + ADAPTERS),
+    ("nothing in the library imports the CLI", tuple(m for m in SOURCES if not under(m, CLI)), CLI),
+])
+def test_layer_rule(rule, layer, forbidden):
+    assert not broken(layer, forbidden), f"{rule}: " + "; ".join(broken(layer, forbidden))
+
+
+def test_nothing_in_the_package_imports_the_benchmarks_or_the_tests():
+    offending = sorted(f"{m} imports {i}" for m, imported in SOURCES.items() for i in imported
+                       if i.split(".")[0] in ("benchmarks", "tests", "launch", "cluster", "localrun"))
+    assert not offending, offending
+
+
+def test_benchmarks_import_nothing_from_the_tests():
+    root = PACKAGE.parent / "benchmarks"
+    offending = []
+    for path in sorted(root.rglob("*.py")):
+        text = path.read_text()
+        tree = ast.parse(text, str(path))
+        names = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+        names |= {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
+        if {"tests", "launch", "conftest"} & {n.split(".")[0] for n in names} or '"tests")' in text:
+            offending.append(str(path.relative_to(root.parent)))
+    assert not offending, offending
