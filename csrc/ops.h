@@ -1,14 +1,26 @@
-// The accordion:: operators: schemas live in ops.cpp, one TORCH_LIBRARY block; CPU kernels in
-// cpu/, CUDA kernels in cuda/ (pure CUDA) with their torch glue in cuda/*_glue.cpp.
-// Argument checks shared by every backend live here, so CPU and CUDA reject the same
-// inputs with the same messages.
+// The accordion:: operators, shared by every backend: the argument checks (so that CPU and
+// CUDA reject the same inputs with the same messages) and the parts of an op that do not
+// depend on the device. Schemas: ops.cpp (one TORCH_LIBRARY block). Implementations: one
+// TORCH_LIBRARY_IMPL per backend, cpu/ops_cpu.cpp and cuda/ops_cuda.cpp, each beside its
+// kernels. Python entry points and fake (meta) implementations: accordion_hvd/ops.py.
 #pragma once
 
 #include <ATen/ATen.h>
 
-#include <vector>
+#include <limits>
 
 namespace accordion {
+
+inline void check_same_device(const at::Tensor& a, const at::Tensor& b, const char* op, const char* names) {
+  TORCH_CHECK(a.device() == b.device(), op, ": ", names, " must be on the same device, got ", a.device(), " and ",
+              b.device());
+}
+
+inline void check_contiguous_float(const at::Tensor& t, const char* op, const char* name) {
+  TORCH_CHECK(t.layout() == at::kStrided, op, ": ", name, " must be a dense (strided) tensor, got ", t.layout());
+  TORCH_CHECK(t.scalar_type() == at::kFloat, op, ": ", name, " must be float32, got ", t.scalar_type());
+  TORCH_CHECK(t.is_contiguous(), op, ": ", name, " must be contiguous, got strides ", t.strides());
+}
 
 // ef_add: the error-feedback add shared by both codecs, out = grad + residual.
 // The residual may be kept in float32 for half/bfloat16 gradients, so that small
@@ -18,9 +30,7 @@ inline void check_ef_add_args(const at::Tensor& grad, const at::Tensor& residual
   TORCH_CHECK(grad.layout() == at::kStrided && residual.layout() == at::kStrided,
               op, ": grad and residual must be dense (strided) tensors, got ", grad.layout(),
               " and ", residual.layout());
-  TORCH_CHECK(grad.device() == residual.device(), op,
-              ": grad and residual must be on the same device, got ", grad.device(), " and ",
-              residual.device());
+  check_same_device(grad, residual, op, "grad and residual");
   TORCH_CHECK(grad.sizes() == residual.sizes(), op,
               ": grad and residual must have the same shape, got ", grad.sizes(), " and ",
               residual.sizes());
@@ -31,29 +41,90 @@ inline void check_ef_add_args(const at::Tensor& grad, const at::Tensor& residual
               g, " and residual ", r);
 }
 
-// Computes out = grad + residual elementwise over contiguous tensors; out may alias residual.
-void ef_add_out_cpu(const at::Tensor& grad, const at::Tensor& residual, at::Tensor& out);
+// ef_add and ef_add_ on a backend whose kernel is EfAddOut(grad, residual, out): out =
+// grad + residual over contiguous tensors, out may alias residual.
+using EfAddOut = void (*)(const at::Tensor& grad, const at::Tensor& residual, at::Tensor& out);
 
-// topk_ef: see cpu/topk_ef.cpp. residual (float32, contiguous) is updated in place; values
-// (float32) and indices (int32) have k entries, preallocated by the caller.
-void topk_ef_cpu(const at::Tensor& grad, const at::Tensor& residual, int64_t k, at::Tensor& values,
-                 at::Tensor& indices, double& g_sq, double& kept_sq);
-// sparse_average: see cpu/sparse_average.cpp.
-at::Tensor sparse_average_cpu(const at::Tensor& values, const at::Tensor& indices, int64_t numel,
-                              int64_t world_size, at::ScalarType out_dtype);
-// orthogonalize_ and error_update_: see cpu/powersgd.cpp.
-void orthogonalize_cpu(const std::vector<at::Tensor>& ps, double eps);
-at::Tensor error_update_cpu(const at::Tensor& residual, const at::Tensor& approx, at::ScalarType out_dtype);
+// Functional form: returns grad + residual, in the residual's dtype.
+template <EfAddOut kernel>
+at::Tensor ef_add(const at::Tensor& grad, const at::Tensor& residual) {
+  check_ef_add_args(grad, residual, "accordion::ef_add");
+  at::Tensor out = at::empty(residual.sizes(), residual.options().memory_format(at::MemoryFormat::Contiguous));
+  kernel(grad.contiguous(), residual.contiguous(), out);  // contiguous: e.g. a channels-last gradient
+  return out;
+}
 
-#ifdef ACCORDION_WITH_CUDA
-// The same five ops on CUDA (cuda/*_glue.cpp); g_sq and kept_sq are 0-d float64 device tensors.
-void ef_add_out_cuda(const at::Tensor& grad, const at::Tensor& residual, at::Tensor& out);
-void topk_ef_cuda(const at::Tensor& grad, const at::Tensor& residual, int64_t k, at::Tensor& values,
-                  at::Tensor& indices, at::Tensor& g_sq, at::Tensor& kept_sq);
-at::Tensor sparse_average_cuda(const at::Tensor& values, const at::Tensor& indices, int64_t numel,
-                               int64_t world_size, at::ScalarType out_dtype);
-void orthogonalize_cuda(const std::vector<at::Tensor>& ps, double eps);
-at::Tensor error_update_cuda(const at::Tensor& residual, const at::Tensor& approx, at::ScalarType out_dtype);
-#endif
+// In-place form used by the codecs: residual += grad, turning the error-feedback buffer into
+// the tensor to compress without allocating another gradient-sized buffer.
+template <EfAddOut kernel>
+void ef_add_(const at::Tensor& grad, const at::Tensor& residual) {
+  check_ef_add_args(grad, residual, "accordion::ef_add_");
+  TORCH_CHECK(residual.is_contiguous(), "accordion::ef_add_: residual must be contiguous, got strides ",
+              residual.strides());
+  at::Tensor out = residual;
+  kernel(grad.contiguous(), residual, out);
+}
+
+// topk_ef: fused TopK with error feedback; residual <- (grad + residual) with the kept
+// entries zeroed. Returns the preallocated (values, indices) the kernels fill.
+inline std::tuple<at::Tensor, at::Tensor> topk_ef_outputs(const at::Tensor& grad, const at::Tensor& residual,
+                                                          int64_t k) {
+  constexpr const char* op = "accordion::topk_ef";
+  check_ef_add_args(grad, residual, op);
+  check_contiguous_float(residual, op, "residual");
+  const int64_t n = residual.numel();
+  TORCH_CHECK(n <= std::numeric_limits<int32_t>::max(), op, ": at most 2^31 - 1 entries (int32 indices), got ", n);
+  TORCH_CHECK(k >= 0 && k <= n, op, ": k must be in [0, numel = ", n, "], got ", k);
+  return {at::empty({k}, residual.options()), at::empty({k}, residual.options().dtype(at::kInt))};
+}
+
+// sparse_average: TopK's decode, the average over ranks of their sparse vectors, densely.
+inline void check_sparse_average_args(const at::Tensor& values, const at::Tensor& indices, int64_t numel,
+                                      int64_t world_size, at::ScalarType dtype) {
+  constexpr const char* op = "accordion::sparse_average";
+  check_contiguous_float(values, op, "values");
+  TORCH_CHECK(indices.layout() == at::kStrided && indices.scalar_type() == at::kInt && indices.is_contiguous(),
+              op, ": indices must be a contiguous int32 tensor, got ", indices.scalar_type());
+  check_same_device(values, indices, op, "values and indices");
+  TORCH_CHECK(values.dim() == 1 && indices.dim() == 1 && values.numel() == indices.numel(), op,
+              ": values and indices must be 1-d of the same length, got ", values.sizes(), " and ", indices.sizes());
+  TORCH_CHECK(numel >= 0 && numel <= std::numeric_limits<int32_t>::max(), op,
+              ": numel must be in [0, 2^31 - 1], got ", numel);
+  TORCH_CHECK(world_size >= 1, op, ": world_size must be >= 1, got ", world_size);
+  TORCH_CHECK(at::isFloatingType(dtype), op, ": dtype must be a floating-point type, got ", dtype);
+}
+
+// orthogonalize_: Gram-Schmidt on the columns of every matrix in ps, in place, in one call.
+// Returns the non-empty matrices, for the kernel.
+inline std::vector<at::Tensor> orthogonalize_matrices(at::TensorList ps, double eps) {
+  constexpr const char* op = "accordion::orthogonalize_";
+  TORCH_CHECK(eps >= 0, op, ": eps must be >= 0, got ", eps);
+  std::vector<at::Tensor> mats;
+  mats.reserve(ps.size());
+  for (size_t i = 0; i < ps.size(); ++i) {
+    const at::Tensor& p = ps[i];
+    TORCH_CHECK(p.layout() == at::kStrided && p.dim() == 2, op, ": ps[", i, "] must be a dense 2-d tensor, got ",
+                p.dim(), "-d ", p.layout());
+    TORCH_CHECK(p.scalar_type() == at::kFloat || p.scalar_type() == at::kDouble, op, ": ps[", i,
+                "] must be float32 or float64, got ", p.scalar_type());
+    TORCH_CHECK(p.is_contiguous(), op, ": ps[", i, "] must be contiguous, got strides ", p.strides());
+    TORCH_CHECK(p.device() == ps[0].device(), op, ": every matrix must be on one device, got ps[0] on ",
+                ps[0].device(), " and ps[", i, "] on ", p.device());
+    if (p.numel() > 0) mats.push_back(p);
+  }
+  return mats;
+}
+
+// error_update_: residual -= approx (float32); returns approx in `dtype`, in one pass.
+inline void check_error_update_args(const at::Tensor& residual, const at::Tensor& approx, at::ScalarType dtype) {
+  constexpr const char* op = "accordion::error_update_";
+  check_contiguous_float(residual, op, "residual");
+  check_contiguous_float(approx, op, "approx");
+  TORCH_CHECK(residual.sizes() == approx.sizes(), op, ": residual and approx must have the same shape, got ",
+              residual.sizes(), " and ", approx.sizes());
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kHalf || dtype == at::kBFloat16, op,
+              ": dtype must be float32, float16 or bfloat16, got ", dtype);
+  check_same_device(residual, approx, op, "residual and approx");
+}
 
 }  // namespace accordion

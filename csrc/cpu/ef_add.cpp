@@ -6,7 +6,7 @@
 #include <ATen/Parallel.h>
 
 #include "cpu/ef_add_block.h"
-#include "ops.h"
+#include "cpu/kernels.h"
 
 namespace accordion {
 namespace {

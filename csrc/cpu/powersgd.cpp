@@ -15,7 +15,7 @@
 #include <cmath>
 #include <vector>
 
-#include "ops.h"
+#include "cpu/kernels.h"
 
 namespace accordion {
 namespace {

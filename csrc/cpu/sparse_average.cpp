@@ -7,7 +7,7 @@
 // rounding; a parallel scatter would need atomics and lose that). It touches only the
 // world * k gathered entries, with a bounds check on each index (a bad index from another
 // rank must not write outside the output).
-#include "ops.h"
+#include "cpu/kernels.h"
 
 namespace accordion {
 

@@ -45,7 +45,7 @@
 
 #include "cpu/topk_pass1.h"
 #include "cpu/topk_write.h"
-#include "ops.h"
+#include "cpu/kernels.h"
 
 namespace accordion {
 namespace {

@@ -2,8 +2,8 @@
 //
 // This header and the .cu files use only the CUDA runtime (and CUB): no ATen, no c10/cuda.
 // That keeps them compilable with nvcc on machines whose torch is a CPU build (CI compiles
-// every .cu for sm_80 and sm_90 with `make cuda-check`). The torch glue that picks the
-// current stream and maps dtypes lives in *_glue.cpp, built only when torch has CUDA.
+// every .cu for sm_80 and sm_90 with `make cuda-check`). The torch side (checks, current
+// stream, dtype mapping, registration) is ops_cuda.cpp, built only when torch has CUDA.
 #pragma once
 
 #include <cstddef>

@@ -10,10 +10,13 @@
 //
 //   sample       (one block)  the keys of 8Ki entries of g = grad + residual, spread over the
 //                tensor; the key L that a little more than k entries reach, with high
-//                probability (k/n of the sample plus four standard deviations).
+//                probability (k/n of the sample plus four standard deviations), and the key
+//                U that a little fewer than k reach (four standard deviations below).
 //   ef_capture   (the one full pass)  g = grad + residual written back into the residual,
 //                per-block sums of g^2, and every entry with key >= L copied as (value,
-//                index) into its block's slice of a candidate list, in index order.
+//                index) into its block's slice of a candidate list, in index order. Entries
+//                with key >= U are written back as 0: they are kept with high probability,
+//                and zeroing them here saves scattered writes later.
 //   decide       (one block)  fast path if the candidates number at least k and no slice
 //                overflowed; otherwise every later kernel reads g itself instead (same
 //                code, the "source" switches), which is exact but makes four more passes.
@@ -26,6 +29,18 @@
 //                kept entries of the residual, and sum kept^2 per block.
 //   finish_norms (one block)  both partial sums in a fixed order: g_sq and kept_sq are the
 //                same bits run after run (no floating-point atomics anywhere).
+//
+// The kernels pass their decisions to each other in a control block in device memory
+// (`Control`, zeroed with the workspace): L (`lower_key`) and U (`upper_key`) from sample;
+// `overflow` (a block's candidate slice was too small) from ef_capture; `fast` (1: the
+// candidates are the source, 0: g is) from decide; `prefix` (the key bits resolved so far,
+// at the end the threshold T) and `remaining` (what is still to take inside the current
+// bucket, at the end how many entries equal to T are kept) from the pick_bucket kernels.
+// U is why the fallback and write_kept must put values back: every entry with key >= U was
+// zeroed in the residual by the one pass; write_kept restores those that end up not kept
+// (key >= U but below T, or ties past the count), and on the fallback path `restore`
+// puts all of them back before g is read as the source. U = 0xffffffff (above every key)
+// when the sample says too few entries are sure to be kept: nothing is zeroed early then.
 //
 // Memory traffic on the fast path: grad and residual read once and residual written once
 // (the floor), plus about 8 bytes per candidate written and read four times (the candidates

@@ -1,0 +1,122 @@
+// The accordion:: operators on CUDA tensors: the shared checks (ops.h), then the pure-CUDA
+// kernels of this directory (kernels.h), on the current stream under a device guard, with
+// outputs and workspaces from torch's caching allocator. Built only when torch has CUDA
+// (see CMakeLists.txt); `make cuda-check` compiles it, syntax only, on machines without.
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <torch/library.h>
+
+#include <limits>
+
+#include "cuda/kernels.h"
+#include "ops.h"
+
+namespace accordion {
+namespace {
+
+cuda::DType to_kernel_dtype(at::ScalarType t) {
+  switch (t) {
+    case at::kFloat: return cuda::DType::kFloat32;
+    case at::kDouble: return cuda::DType::kFloat64;
+    case at::kHalf: return cuda::DType::kFloat16;
+    case at::kBFloat16: return cuda::DType::kBFloat16;
+    default: TORCH_CHECK(false, "accordion: unsupported dtype on CUDA: ", t);
+  }
+}
+
+cudaStream_t current_stream() { return c10::cuda::getCurrentCUDAStream(); }
+
+void ef_add_out_cuda(const at::Tensor& grad, const at::Tensor& residual, at::Tensor& out) {
+  const c10::cuda::CUDAGuard guard(residual.device());
+  C10_CUDA_CHECK(cuda::ef_add(grad.const_data_ptr(), to_kernel_dtype(grad.scalar_type()), residual.const_data_ptr(),
+                              out.mutable_data_ptr(), to_kernel_dtype(residual.scalar_type()), residual.numel(),
+                              current_stream()));
+}
+
+// g_sq and kept_sq stay on the device (0-d float64): no synchronization.
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> topk_ef(const at::Tensor& grad,
+                                                                   const at::Tensor& residual, int64_t k) {
+  auto [values, indices] = topk_ef_outputs(grad, residual, k);
+  const c10::cuda::CUDAGuard guard(residual.device());
+  const auto scalar = residual.options().dtype(at::kDouble);
+  at::Tensor g_sq = at::empty({}, scalar), kept_sq = at::empty({}, scalar);
+  const at::Tensor g = grad.contiguous();
+  const int64_t n = residual.numel();
+  const size_t bytes = cuda::topk_ef_workspace_bytes(n, k);
+  // Freed (back to the caching allocator) when this returns; the allocator keeps it for the
+  // stream's later work, so that is safe while the kernels still run.
+  at::Tensor workspace = at::empty({static_cast<int64_t>(bytes)}, residual.options().dtype(at::kByte));
+  C10_CUDA_CHECK(cuda::topk_ef(g.const_data_ptr(), to_kernel_dtype(g.scalar_type()),
+                               residual.mutable_data_ptr<float>(), n, k, values.mutable_data_ptr<float>(),
+                               indices.mutable_data_ptr<int32_t>(), g_sq.mutable_data_ptr<double>(),
+                               kept_sq.mutable_data_ptr<double>(), workspace.mutable_data_ptr(), bytes,
+                               current_stream()));
+  return {values, indices, g_sq, kept_sq};
+}
+
+at::Tensor sparse_average(const at::Tensor& values, const at::Tensor& indices, int64_t numel, int64_t world_size,
+                          at::ScalarType dtype) {
+  check_sparse_average_args(values, indices, numel, world_size, dtype);
+  const c10::cuda::CUDAGuard guard(values.device());
+  const cudaStream_t stream = current_stream();
+  at::Tensor sum = at::zeros({numel}, values.options());
+  at::Tensor bad = at::full({1}, -1, values.options().dtype(at::kLong));  // all bits set: UINT64_MAX
+  const int64_t count = values.numel();
+  // One segment per rank when the entries split evenly (TopK: every rank sends k), so
+  // overlapping indices add in rank order; else one segment.
+  const int64_t segments = count % world_size == 0 ? world_size : 1;
+  C10_CUDA_CHECK(cuda::sparse_scatter_add(values.const_data_ptr<float>(), indices.const_data_ptr<int32_t>(), count,
+                                          segments, sum.mutable_data_ptr<float>(), numel,
+                                          reinterpret_cast<unsigned long long*>(bad.mutable_data_ptr<int64_t>()),
+                                          stream));
+  // A bad index from another rank must be an error, as on the CPU: this costs one
+  // synchronization, which the decode (right after a blocking allgather) can afford.
+  const uint64_t first_bad = static_cast<uint64_t>(bad.item<int64_t>());
+  TORCH_CHECK(first_bad == std::numeric_limits<uint64_t>::max(), "accordion::sparse_average: indices[",
+              first_bad >> 32, "] = ", static_cast<int32_t>(first_bad & 0xffffffffu), " is outside [0, numel = ",
+              numel, ")");
+  const bool direct = dtype == at::kFloat || dtype == at::kHalf || dtype == at::kBFloat16;
+  at::Tensor out = dtype == at::kFloat || !direct ? sum : at::empty({numel}, values.options().dtype(dtype));
+  C10_CUDA_CHECK(cuda::divide_convert(sum.const_data_ptr<float>(), numel, world_size, out.mutable_data_ptr(),
+                                      to_kernel_dtype(out.scalar_type()), stream));
+  return direct ? out : out.to(dtype);
+}
+
+void orthogonalize_(at::TensorList ps, double eps) {
+  const std::vector<at::Tensor> mats = orthogonalize_matrices(ps, eps);
+  if (mats.empty()) return;
+  const c10::cuda::CUDAGuard guard(mats[0].device());
+  // One launch per dtype present (float32 and float64 are never mixed in practice).
+  for (const at::ScalarType dtype : {at::kFloat, at::kDouble}) {
+    std::vector<cuda::MatrixRef> refs;
+    for (const at::Tensor& p : mats)
+      if (p.scalar_type() == dtype) refs.push_back({p.data_ptr(), p.size(0), p.size(1)});
+    if (refs.empty()) continue;
+    C10_CUDA_CHECK(cuda::orthogonalize(refs.data(), static_cast<int>(refs.size()), to_kernel_dtype(dtype), eps,
+                                       current_stream()));
+  }
+}
+
+at::Tensor error_update_(const at::Tensor& residual, const at::Tensor& approx, at::ScalarType dtype) {
+  check_error_update_args(residual, approx, dtype);
+  const c10::cuda::CUDAGuard guard(residual.device());
+  at::Tensor out = at::empty(approx.sizes(), approx.options().dtype(dtype));
+  C10_CUDA_CHECK(cuda::error_update(residual.mutable_data_ptr<float>(), approx.const_data_ptr<float>(),
+                                    approx.numel(), out.mutable_data_ptr(), to_kernel_dtype(dtype),
+                                    current_stream()));
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(accordion, CUDA, m) {
+  m.impl("ef_add", &ef_add<ef_add_out_cuda>);
+  m.impl("ef_add_", &ef_add_<ef_add_out_cuda>);
+  m.impl("topk_ef", &topk_ef);
+  m.impl("sparse_average", &sparse_average);
+  m.impl("orthogonalize_", &orthogonalize_);
+  m.impl("error_update_", &error_update_);
+}
+
+}  // namespace accordion
