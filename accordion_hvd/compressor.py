@@ -20,10 +20,9 @@ The adapter does not know the codec's rounds: it drives the exchange object with
 protocol and the step's bookkeeping.
 
 Which parameter a ``compress(tensor)`` call is about: Horovod passes only the tensor, and
-with torch 2.x gradients are new tensors every step. We read the parameter from Horovod's
-calling frame (``_allreduce_grad_async(self, p)``) and take its name from the optimizer's
-own ``_parameter_names``, the name Horovod itself uses for the collective. That is exact,
-independent of hook order, and fails loudly if called from anywhere else.
+with torch 2.x gradients are new tensors every step. With ``named_parameters=`` (the same as
+Horovod's optimizer gets) it is the parameter whose ``.grad`` is the tensor; without, it is
+read from Horovod's calling frame (accordion_hvd/horovod_seam.py has both).
 
 Levels: a regime controller (accordion_hvd/controller.py) watches each compressed layer's raw
 gradient and the optimizer's learning rates; at the end of every step (when the step's last
@@ -49,7 +48,6 @@ import hashlib
 import json
 import logging
 import os
-import sys
 import time
 import weakref
 from typing import Any
@@ -59,7 +57,9 @@ import torch
 from .codecs import PowerSGD, TopK
 from .codecs._common import all_finite, residual_dtype
 from .controller import RegimeController
+from .comm.horovod import check_wait, install_polite_wait
 from .exchange import BUCKET_BYTES, FIRST_BUCKET_BYTES, Round1, make_exchange
+from .horovod_seam import GradientNames, find_optimizer, horovod_parameter
 from .levels import DENSE, Level, check_level, positive_number
 from .policies import make_policy
 
@@ -124,13 +124,21 @@ class AccordionCompressor(HorovodCompressor):
         bucket_cap_mb: megabytes of gradient per bucket of the first round (DDP's default,
             25; the first bucket closes at 1 MB or this, whichever is smaller). A bucket's
             collective starts as soon as all its layers are encoded (accordion_hvd/exchange/).
+        named_parameters: the model's ``named_parameters()``, as given to
+            ``hvd.DistributedOptimizer``: each gradient's name is then that of the parameter
+            whose ``.grad`` it is. Without it, names are read from Horovod's calling frame
+            (the one-line usage; accordion_hvd/horovod_seam.py).
+        wait: how Horovod's optimizer waits for its collectives, installed process-wide when
+            Horovod first calls ``compress``: "sleep" (default: poll with growing sleeps, at
+            most 1 ms late, leaving the CPU to ranks still in backward) or "spin" (Horovod's
+            own busy wait). $ACCORDION_HOROVOD_WAIT overrides it.
     """
 
     _default = None
 
     def __init__(self, codec: PowerSGD | TopK | None = None, *, eta: float = 0.5, interval: int | None = 100,
                  policy: Any = None, accumulate: bool = True, channel: Any = None, control: Any = None,
-                 bucket_cap_mb: float = BUCKET_BYTES / 2**20) -> None:
+                 bucket_cap_mb: float = BUCKET_BYTES / 2**20, named_parameters=None, wait: str = "sleep") -> None:
         if codec is None:
             codec = PowerSGD(rank=1, critical_rank=4)
         if not isinstance(codec, (PowerSGD, TopK)):
@@ -144,6 +152,9 @@ class AccordionCompressor(HorovodCompressor):
                              f"compression gain, which only TopK measures; got {codec!r}")
         self.bucket_cap = int(positive_number("bucket_cap_mb", bucket_cap_mb) * 2**20)
         self.controller = RegimeController(self.policy, self.interval, accumulate=accumulate)
+        self._names = None if named_parameters is None else GradientNames(named_parameters)
+        self.wait = check_wait(wait)
+        self._met_horovod = False                    # compress() was called by Horovod: wait installed
         self._channel = channel
         self._channel_given = channel is not None
         self._control = control
@@ -246,9 +257,20 @@ class AccordionCompressor(HorovodCompressor):
     @_DefaultInstanceMethod
     def compress(self, tensor: torch.Tensor):
         """Called by Horovod for each gradient; returns (tensor to allreduce, context)."""
-        name, optimizer = _horovod_parameter()
-        if self._optimizer is None:
+        if self._names is not None:
+            name = self._names.name_of(tensor)
+            optimizer = find_optimizer() if not self._met_horovod else None
+        else:
+            name, optimizer = horovod_parameter()
+        if not self._met_horovod:
+            self._met_horovod = True
+            install_polite_wait(self.wait)
+        if self._optimizer is None and optimizer is not None:
             self._optimizer = weakref.ref(optimizer)
+        elif self._optimizer is None and self.policy.reacts_to_lr and self._reported_lrs is None and self.steps == 0 \
+                and not self._in_step:
+            log.warning("AccordionCompressor: Horovod's optimizer was not found in the calling frames, so the policy "
+                        "does not see learning-rate decreases; call compression.report_lr(lr) after each change")
         return self.compress_named(name, tensor)
 
     @_DefaultInstanceMethod
@@ -366,6 +388,8 @@ class AccordionCompressor(HorovodCompressor):
         self.step_skipped = self._fault
         lr_gather = self._lr_gather
         self._new_step()
+        if self._names is not None:
+            self._names.end_step()
         self.steps += 1
         lrs = self._learning_rates()
         gathered = None if lr_gather is None else self._wait(lr_gather).view(self.channel.size, -1).numpy()
@@ -419,6 +443,8 @@ class AccordionCompressor(HorovodCompressor):
         self._in_step.clear()
         if self._exchange is not None:
             self._exchange.abort()
+        if self._names is not None:
+            self._names.forget_step()
         self._new_step()
 
     def world_changed(self) -> None:
@@ -548,25 +574,3 @@ def _config_mismatch_message(configs: list[dict]) -> str:
             "must create AccordionCompressor with the same codec and arguments. Differing: "
             + "; ".join(differences) + ".")
 
-
-def _horovod_parameter(max_depth: int = 6) -> tuple[str, Any]:
-    """The name of the parameter whose gradient Horovod is compressing, and Horovod's
-    optimizer (see module doc)."""
-    frame = sys._getframe(2)  # skip this function and compress()
-    param = None
-    for _ in range(max_depth):
-        if frame is None:
-            break
-        local = frame.f_locals
-        if param is None and isinstance(local.get("p"), torch.Tensor):
-            param = local["p"]
-        owner = local.get("self")
-        if param is not None and owner is not None and hasattr(owner, "_parameter_names"):
-            name = owner._parameter_names.get(param)
-            if name is not None:
-                return name, owner
-        frame = frame.f_back
-    raise RuntimeError(
-        "AccordionCompressor.compress() must be called by horovod.torch.DistributedOptimizer "
-        "(pass it as compression=...): it could not find which parameter this gradient belongs to. "
-        "Use compress_named(name, tensor) to call it directly.")

@@ -24,8 +24,8 @@ CONCRETE_POLICIES = ("accordion_hvd.policies.accordion", "accordion_hvd.policies
                      "accordion_hvd.policies.GraVAC")
 CLI = ("accordion_hvd.train", "accordion_hvd.data", "accordion_hvd.models", "accordion_hvd.metrics",
        "accordion_hvd.plots", "accordion_hvd.cli")
-ADAPTERS = ("accordion_hvd.compressor", "accordion_hvd.ddp", "accordion_hvd.batch_size", "accordion_hvd.elastic",
-            "accordion_hvd.controller", "accordion_hvd.exchange")
+ADAPTERS = ("accordion_hvd.compressor", "accordion_hvd.horovod_seam", "accordion_hvd.ddp", "accordion_hvd.batch_size",
+            "accordion_hvd.elastic", "accordion_hvd.controller", "accordion_hvd.exchange")
 
 
 def module_name(path: Path) -> str:

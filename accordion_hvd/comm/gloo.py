@@ -39,7 +39,7 @@ import struct
 import torch.distributed as dist
 
 from .channel import collective_timeout
-from .horovod import check_horovod_cycle, install_polite_wait
+from .horovod import check_horovod_cycle
 from .process_group import ProcessGroupChannel, timeout_delta
 
 log = logging.getLogger("accordion_hvd.comm")
@@ -59,7 +59,6 @@ class GlooChannel(ProcessGroupChannel):
     def __init__(self, timeout: float | None = None) -> None:
         import horovod.torch as hvd
 
-        install_polite_wait()  # Horovod still carries the uncompressed tensors
         check_horovod_cycle()
         timeout = collective_timeout(timeout)
         rank, size = hvd.rank(), hvd.size()

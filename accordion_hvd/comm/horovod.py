@@ -6,8 +6,10 @@ CPU in a 0.51 s wait for a late rank). ``DistributedOptimizer.synchronize()`` wa
 gradient's handle that way. On a machine whose cores are shared (several workers per node,
 data-loader processes, the emulated cluster) a rank that waits steals the CPU that the
 ranks it waits for need to finish their backward pass, so every step is slower.
-``install_polite_wait()`` makes the optimizer poll with growing sleeps instead (``poll_until``:
-at most 1 ms late); results and errors are Horovod's own.
+``install_polite_wait("sleep")`` makes the optimizer poll with growing sleeps instead
+(``poll_until``: at most 1 ms late); results and errors are Horovod's own. It is process-wide
+(Horovod's optimizer module calls one ``synchronize``): ``AccordionCompressor(wait=...)``
+installs it when Horovod first calls the compressor, and the training CLI for every method.
 """
 
 from __future__ import annotations
@@ -20,7 +22,8 @@ import torch
 
 from .channel import collective_timeout, poll_until, wait_for
 
-WAIT_ENV = "ACCORDION_HOROVOD_WAIT"  # "poll" (default) or "spin" (leave Horovod as it is)
+WAIT_ENV = "ACCORDION_HOROVOD_WAIT"  # overrides wait=: "sleep" ("poll" too) or "spin" (Horovod's own)
+WAIT_MODES = ("sleep", "spin")
 CYCLE_ENV = "HOROVOD_CYCLE_TIME"     # Horovod's own setting, read once by hvd.init()
 # Horovod's background loop wakes every cycle and runs a small collective with every other
 # rank, work or not: at Horovod's default of 1 ms that cost 15-25% of a core per worker on
@@ -73,21 +76,32 @@ def check_horovod_cycle() -> None:
         _cycle_note = None
 
 
-def install_polite_wait() -> bool:
-    """Make ``hvd.DistributedOptimizer`` wait on its collectives with ``polite_synchronize``
-    (idempotent). Skipped when $ACCORDION_HOROVOD_WAIT is "spin". Returns whether it is on."""
-    mode = os.environ.get(WAIT_ENV, "poll").strip().lower() or "poll"
-    if mode not in ("poll", "spin"):
-        raise ValueError(f"{WAIT_ENV} must be 'poll' or 'spin', got {mode!r}")
-    import horovod.torch.optimizer as hvd_optimizer
+def check_wait(wait: str) -> str:
+    if wait not in WAIT_MODES:
+        raise ValueError(f"wait must be 'sleep' or 'spin', got {wait!r}")
+    return wait
 
-    if mode == "spin":
-        return False
-    if hvd_optimizer.synchronize is not polite_synchronize:
-        hvd_optimizer.synchronize = polite_synchronize
-        log.info("Horovod's DistributedOptimizer now sleeps between polls while it waits for a collective "
-                 "instead of spinning (set %s=spin to keep Horovod's busy wait)", WAIT_ENV)
-    return True
+
+def install_polite_wait(wait: str = "sleep") -> bool:
+    """How ``hvd.DistributedOptimizer`` waits on its collectives, process-wide: "sleep"
+    (``polite_synchronize``) or "spin" (Horovod's own busy wait); $ACCORDION_HOROVOD_WAIT
+    overrides ``wait``. Idempotent. Returns whether the polite wait is on."""
+    env = os.environ.get(WAIT_ENV, "").strip().lower()
+    if env:
+        if env not in ("sleep", "poll", "spin"):
+            raise ValueError(f"{WAIT_ENV} must be 'sleep' (or 'poll') or 'spin', got {env!r}")
+        wait = "sleep" if env == "poll" else env
+    check_wait(wait)
+    import horovod.torch.optimizer as hvd_optimizer
+    import horovod.torch.mpi_ops as hvd_mpi_ops
+
+    polite = wait == "sleep"
+    wanted = polite_synchronize if polite else hvd_mpi_ops.synchronize
+    if hvd_optimizer.synchronize is not wanted:
+        hvd_optimizer.synchronize = wanted
+        log.info("Horovod's DistributedOptimizer now %s while it waits for a collective (wait=%r; $%s overrides)",
+                 "sleeps between polls" if polite else "spins", wait, WAIT_ENV)
+    return polite
 
 
 class HorovodChannel:
@@ -103,7 +117,6 @@ class HorovodChannel:
         import horovod.torch as hvd  # imported here: the math and the tests need no Horovod
 
         self._hvd = hvd
-        install_polite_wait()
         self.timeout = collective_timeout(timeout)
         self._names: dict[int, str] = {}  # handle -> collective name, until waited on
 

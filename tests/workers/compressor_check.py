@@ -8,7 +8,11 @@ built to expose the adapter's weak points:
   * torch 2.x's zero_grad sets grads to None every step.
 Then checks: identical parameters on all ranks, identical floats counts on all ranks equal
 to the codec's formula, the loss went down.
-Usage: compressor_check.py CODEC STEPS [class]   (CODEC: powersgd | topk)
+Usage: compressor_check.py CODEC STEPS [MODE]   (CODEC: powersgd | topk)
+MODE: "frame" (default: names from Horovod's calling frame), "class" (the class itself as
+compression=), "named" (named_parameters= given to the compressor; the frame lookup is
+disabled), "groups" (DistributedOptimizer(groups=2): Horovod's grouped allreduce path),
+"named-groups" (both).
 """
 
 import sys
@@ -21,7 +25,8 @@ import accordion_hvd as acc
 from worker_util import checker
 
 codec_name, steps = sys.argv[1], int(sys.argv[2])
-use_class = len(sys.argv) > 3 and sys.argv[3] == "class"
+mode = sys.argv[3] if len(sys.argv) > 3 else "frame"
+use_class = mode == "class"
 hvd.init()
 rank, size = hvd.rank(), hvd.size()
 
@@ -39,7 +44,9 @@ class TwoBranch(torch.nn.Module):
     def forward(self, x, step):
         first, second = (self.a, self.b) if rank % 2 == 0 else (self.b, self.a)
         h = torch.relu(first(x)) + torch.relu(second(x))
-        if not (rank == 1 and step % 2 == 1):
+        # (Not with groups=: Horovod itself pairs a group's grouped allreduce on one rank with
+        # single allreduces on a rank where a member has no gradient, and hangs, dense or not.)
+        if not (rank == 1 and step % 2 == 1 and not mode.endswith("groups")):
             h = h + torch.relu(self.sometimes(h))
         return self.head(h)
 
@@ -51,9 +58,15 @@ if use_class:
     codec = compression.default_instance().codec
 else:
     codec = acc.PowerSGD(rank=2) if codec_name == "powersgd" else acc.TopK(ratio=0.1)
-    compression = acc.AccordionCompressor(codec)
+    named = model.named_parameters() if mode.startswith("named") else None
+    compression = acc.AccordionCompressor(codec, named_parameters=named)
+if mode.startswith("named"):
+    def no_frames():
+        raise AssertionError("named_parameters were given: the frame lookup must not run")
+    acc.compressor.horovod_parameter = no_frames
 opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
-                               named_parameters=model.named_parameters(), compression=compression)
+                               named_parameters=model.named_parameters(), compression=compression,
+                               groups=2 if mode.endswith("groups") else None)
 hvd.broadcast_parameters(model.state_dict(), root_rank=0)
 
 gen = torch.Generator().manual_seed(rank)
@@ -72,6 +85,8 @@ everyone = hvd.allgather(flat.unsqueeze(0), name="check.params")
 check(all(torch.equal(everyone[0], everyone[r]) for r in range(size)), "parameters differ across ranks")
 
 stats = compression.stats()
+instance = compression.default_instance() if use_class else compression
+check(instance._learning_rates() == [0.05], f"the learning rates were not found: {instance._learning_rates()}")
 counts = hvd.allgather(torch.tensor([[stats["floats_sent"], stats["floats_dense"]]], dtype=torch.float64),
                        name="check.stats")
 check(all(torch.equal(counts[0], counts[r]) for r in range(size)), f"floats counts differ across ranks: {counts}")

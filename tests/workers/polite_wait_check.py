@@ -1,6 +1,6 @@
 """Worker run by tests/test_horovod.py under horovodrun: Horovod's DistributedOptimizer, with
 accordion_hvd's polite wait installed, waits for a late rank without spinning a core, and
-its results are Horovod's own.
+its results are Horovod's own; AccordionCompressor(wait=...) installs the wait it names.
 
 Rank 1 arrives one second late to each collective; rank 0 measures the CPU time its main
 thread spends waiting (a busy wait costs about as much CPU as wall time, a polite one a
@@ -11,9 +11,11 @@ import os
 import time
 
 import horovod.torch as hvd
+import horovod.torch.mpi_ops as hvd_mpi_ops
 import horovod.torch.optimizer as hvd_optimizer
 import torch
 
+import accordion_hvd as acc
 from accordion_hvd.comm.horovod import WAIT_ENV, install_polite_wait, polite_synchronize
 from worker_util import checker, say
 
@@ -28,13 +30,27 @@ try:
     install_polite_wait()
     check(False, f"{WAIT_ENV}=busy was accepted")
 except ValueError as e:
-    check(WAIT_ENV in str(e) and "'poll' or 'spin'" in str(e), f"unclear error: {e}")
+    check(WAIT_ENV in str(e) and "'sleep'" in str(e) and "'spin'" in str(e), f"unclear error: {e}")
 check(hvd_optimizer.synchronize is not polite_synchronize, "installed despite a bad setting")
 os.environ[WAIT_ENV] = "spin"
 check(install_polite_wait() is False, "spin mode installed the polite wait")
 del os.environ[WAIT_ENV]
 check(install_polite_wait() and install_polite_wait(), "install_polite_wait is not idempotent")
 check(hvd_optimizer.synchronize is polite_synchronize, "DistributedOptimizer does not use the polite wait")
+
+# The compressor's visible option: installed when Horovod first calls the compressor.
+try:
+    acc.AccordionCompressor(wait="busy")
+    check(False, "wait='busy' was accepted")
+except ValueError as e:
+    check("wait must be 'sleep' or 'spin'" in str(e), f"unclear error: {e}")
+small = torch.nn.Linear(64, 64)
+spinning = hvd.DistributedOptimizer(torch.optim.SGD(small.parameters(), lr=0.1), named_parameters=small.named_parameters(),
+                                    compression=acc.AccordionCompressor(acc.PowerSGD(1), wait="spin"))
+small(torch.randn(4, 64)).sum().backward()
+spinning.step()
+check(hvd_optimizer.synchronize is hvd_mpi_ops.synchronize, "wait='spin' left the polite wait installed")
+check(install_polite_wait("sleep"), "the polite wait did not come back")
 
 # 1. A lone collective: same result as Horovod's, little CPU while waiting.
 if rank == 1:
