@@ -8,7 +8,7 @@ Same data, sharding, model, seed, optimizer and schedule as our CLI (SGD with mo
 lr per rank times the world size, decays at --lr-milestones); Gloo backend. The hook is
 ``torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook`` with error feedback and warm
 start, PowerSGD from step 2 (its earliest), ``min_compression_rate`` 2 as ours. Rank 0 writes
-``steps.csv`` and ``eval.csv`` in our CLI's format (``accordion_hvd.metrics``), floats sent
+``steps.csv`` and ``eval.csv`` in our CLI's format (``accordion_hvd.cli.metrics``), floats sent
 counted by the hook's own rule (a matrix is compressed when (n + m) r * 2 < n m).
 """
 
@@ -28,8 +28,8 @@ from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersg
 from torch.nn.parallel import DistributedDataParallel
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from accordion_hvd import data, models  # noqa: E402
-from accordion_hvd.metrics import MetricsLogger  # noqa: E402
+from accordion_hvd.cli import data, models  # noqa: E402
+from accordion_hvd.cli.metrics import MetricsLogger  # noqa: E402
 
 START_ITER, MIN_RATE = 2, 2.0
 

@@ -34,7 +34,7 @@ REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "benchmarks" / "results"
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks" / "cluster"))
-from accordion_hvd.plots import plot_curves  # noqa: E402
+from accordion_hvd.cli.plots import plot_curves  # noqa: E402
 from machine import cpu_model  # noqa: E402
 from report import kept_analysis  # noqa: E402
 

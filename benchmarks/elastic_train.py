@@ -35,7 +35,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import accordion_hvd as acc  # noqa: E402
 import accordion_hvd.elastic  # noqa: E402,F401  (lets TorchState hold the compressor)
-from accordion_hvd import data, models  # noqa: E402
+from accordion_hvd.cli import data, models  # noqa: E402
 
 
 def parse_args():

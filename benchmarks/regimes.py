@@ -94,7 +94,7 @@ def main(argv=None) -> None:
 
 
 def write_report(args, common, seeds, results, out_dir: Path) -> None:
-    from accordion_hvd.plots import compare_runs
+    from accordion_hvd.cli.plots import compare_runs
 
     rows, table = [], []
     for label, runs in results.items():

@@ -42,7 +42,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from accordion_hvd import models  # noqa: E402
+from accordion_hvd.cli import models  # noqa: E402
 
 HVD = ("hvd-idle", "hvd-fp32", "hvd-fp16", "ours-r1", "ours-r4", "ours-accordion", "ours-topk1", "plain-topk1")
 DDP = ("ddp-fp32", "ddp-fp16", "ddp-r1", "ddp-r4", "ddp-ours-r1", "ddp-ours-r4", "ddp-ours-accordion")

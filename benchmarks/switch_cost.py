@@ -35,7 +35,7 @@ VARIANTS = {  # label -> (epochs at rank 4 first, what is reset at the switch)
 
 def worker(after: int, reset: str, train_argv: list[str]) -> None:
     """One training run (under horovodrun) with the scheduled policy."""
-    from accordion_hvd import train
+    from accordion_hvd.cli import train
     from accordion_hvd.codecs import PowerSGD
     from accordion_hvd.levels import CRITICAL, NORMAL
     from accordion_hvd.codecs.powersgd import _as_transposed

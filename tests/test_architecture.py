@@ -22,8 +22,7 @@ CONCRETE_POLICIES = ("accordion_hvd.policies.accordion", "accordion_hvd.policies
                      "accordion_hvd.policies.gravac",  # the modules, and the classes the package exports:
                      "accordion_hvd.policies.Accordion", "accordion_hvd.policies.Static",
                      "accordion_hvd.policies.GraVAC")
-CLI = ("accordion_hvd.train", "accordion_hvd.data", "accordion_hvd.models", "accordion_hvd.metrics",
-       "accordion_hvd.plots", "accordion_hvd.cli")
+CLI = ("accordion_hvd.train", "accordion_hvd.cli")  # train.py: the `python -m accordion_hvd.train` entry point
 ADAPTERS = ("accordion_hvd.compressor", "accordion_hvd.horovod_seam", "accordion_hvd.ddp", "accordion_hvd.batch_size",
             "accordion_hvd.elastic", "accordion_hvd.controller", "accordion_hvd.exchange")
 

@@ -19,7 +19,8 @@ import pytest
 import torch
 
 import accordion_hvd as acc
-from accordion_hvd import ops, reference, train
+from accordion_hvd import ops, reference
+from accordion_hvd.cli import train
 from accordion_hvd.comm import SimulatedWorld
 from accordion_hvd.policies import Accordion, GraVAC
 

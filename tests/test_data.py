@@ -2,7 +2,7 @@
 
 import torch
 
-from accordion_hvd import data
+from accordion_hvd.cli import data
 
 
 def test_synthetic_is_the_same_for_the_same_seed_and_differs_across_seeds():

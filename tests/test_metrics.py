@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 from matplotlib.image import imread
 
-from accordion_hvd import metrics, plots
-from accordion_hvd.metrics import LEVEL_CODES, MetricsLogger, progress
+from accordion_hvd.cli import metrics, plots
+from accordion_hvd.cli.metrics import LEVEL_CODES, MetricsLogger, progress
 
 ROOT = Path(__file__).resolve().parents[1]
 LAYERS = ["conv1.weight", "conv2.weight", "fc.weight", "fc.bias"]
@@ -128,7 +128,7 @@ def test_tensorboard_off_or_missing(tmp_path, monkeypatch, caplog):
 
 
 def test_killed_run_leaves_valid_csvs(tmp_path):
-    script = (f"from accordion_hvd.metrics import MetricsLogger\nimport os, signal\n"
+    script = (f"from accordion_hvd.cli.metrics import MetricsLogger\nimport os, signal\n"
               f"m = MetricsLogger({str(tmp_path / 'run')!r}, layers=['a'], tensorboard=False)\n"
               "for s in range(20):\n"
               "    m.log_step(s, epoch=0, loss=1.5, lr=0.1, floats_sent=s, floats_dense=s, levels={'a': 'normal'},"

@@ -1,6 +1,6 @@
 """What a training run records (rank 0 only): CSV files, TensorBoard scalars, a progress bar.
 
-The CSV files are the record of a run: ``accordion_hvd.plots`` draws the figures of the
+The CSV files are the record of a run: ``accordion_hvd.cli.plots`` draws the figures of the
 results section from them alone, and they are flushed row by row so that a killed run
 still leaves valid files. TensorBoard is a live view on top and optional.
 

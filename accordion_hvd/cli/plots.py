@@ -1,7 +1,7 @@
-"""Figures from the CSV files that ``MetricsLogger`` writes: ``python -m accordion_hvd.plots``.
+"""Figures from the CSV files that ``MetricsLogger`` writes: ``python -m accordion_hvd.cli.plots``.
 
-    python -m accordion_hvd.plots runs/accordion                   # into runs/accordion/
-    python -m accordion_hvd.plots --compare low=runs/low high=runs/high accordion=runs/acc --out figs
+    python -m accordion_hvd.cli.plots runs/accordion                   # into runs/accordion/
+    python -m accordion_hvd.cli.plots --compare low=runs/low high=runs/high accordion=runs/acc --out figs
 
 One run: test accuracy against cumulative floats sent and against wall-clock time, and a
 timeline of every layer's compression level. Several runs (the results section: static
@@ -187,7 +187,7 @@ def compare_runs(runs: dict, out_dir) -> list[Path]:
 
 
 def main(argv=None) -> list[Path]:
-    p = argparse.ArgumentParser(prog="python -m accordion_hvd.plots", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m accordion_hvd.cli.plots", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("logdir", nargs="?", help="a run's logdir: draw its figures")
     p.add_argument("--out", help="where to write the PNGs (default: LOGDIR; with only --compare: .)")

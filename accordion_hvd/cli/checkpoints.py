@@ -1,0 +1,58 @@
+"""``--checkpoint`` and ``--resume``: one file per rank (error feedback is per rank), written
+atomically, read back on any device; every problem ends the run with one line naming the
+file and what is wrong with it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import horovod.torch as hvd
+import torch
+
+
+def checkpoint_path(base: Path, rank: int) -> Path:
+    return base.with_name(f"{base.name}.rank{rank}")
+
+
+def save_checkpoint(path: Path, epoch: int, step: int, model, opt, compression, batch) -> None:
+    state = {"epoch": epoch, "step": step, "world_size": hvd.size(), "model": model.state_dict(),
+             "optimizer": opt.state_dict(), "compression": compression.state_dict(),
+             "batch": batch.state_dict() if batch is not None else None}
+    target = checkpoint_path(path, hvd.rank())
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.with_name(target.name + ".tmp")
+    torch.save(state, tmp)
+    tmp.replace(target)  # never a half-written checkpoint
+
+
+def read_checkpoint(path: Path, source: Path, device: torch.device | None = None) -> dict:
+    """One rank's checkpoint file, its tensors on ``device`` (a run saved on a GPU resumes
+    on the CPU and back), or SystemExit naming the file and what is wrong with it."""
+    try:
+        state = torch.load(source, map_location=device, weights_only=False)
+        if not isinstance(state, dict) or not {"epoch", "step", "world_size", "model", "optimizer"} <= set(state):
+            raise ValueError("not a checkpoint written by --checkpoint")
+    except Exception as exc:  # truncated, corrupted, or another program's file
+        raise SystemExit(f"--resume {path}: cannot read {source}: {type(exc).__name__}: {exc}") from None
+    return state
+
+
+def load_checkpoint(path: Path, model, opt, compression, batch, device: torch.device) -> tuple[int, int]:
+    """Restore everything ``save_checkpoint`` wrote; returns (epoch, step) to continue from."""
+    source = checkpoint_path(path, hvd.rank())
+    if not source.is_file():
+        raise SystemExit(f"--resume {path}: {source} not found (one file per rank; same world size needed)")
+    state = read_checkpoint(path, source, device)
+    if state["world_size"] != hvd.size():
+        raise SystemExit(f"--resume {path}: saved by {state['world_size']} ranks, this run has {hvd.size()}")
+    model.load_state_dict(state["model"])
+    opt.load_state_dict(state["optimizer"])
+    try:
+        compression.load_state_dict(state.get("compression"))
+    except ValueError as exc:
+        raise SystemExit(f"--resume {path}: {exc}") from None
+    if batch is not None:
+        if state.get("batch") is None:
+            raise SystemExit(f"--resume {path}: that run had no --batch-mode")
+        batch.load_state_dict(state["batch"])
+    return state["epoch"], state["step"]

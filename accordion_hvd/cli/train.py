@@ -1,0 +1,362 @@
+"""Data-parallel training under horovodrun: ``python -m accordion_hvd.train``.
+
+    horovodrun -np 2 -H localhost:2 python -m accordion_hvd.train --codec powersgd --rank 1 --critical-rank 4
+
+Every rank trains on its shard of the data with Horovod's DistributedOptimizer and the
+chosen gradient compression. Rank 0 shows a progress bar, logs each epoch's test accuracy
+(over all ranks' shards of the test set), and with ``--logdir`` writes per-step metrics as
+CSV and TensorBoard events and, at the end, PNG plots (accuracy vs floats sent and vs time,
+and the per-layer regime timeline). ``--checkpoint`` saves every epoch (one file per rank:
+error feedback is per rank), ``--resume`` continues such a run exactly.
+
+``--device auto`` (the default) trains on the GPU when torch sees one, each rank on the GPU
+of its local rank (modulo the GPUs there are), as Horovod's examples do; the compressor's
+state lives with the gradients, on that GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import horovod.torch as hvd
+import torch
+import torch.nn.functional as F
+
+from ..batch_size import AccordionBatchSize
+from ..codecs import PowerSGD, TopK
+from ..comm.horovod import install_polite_wait, polite_synchronize
+from ..compressor import AccordionCompressor
+from ..policies import GraVAC
+from . import data, models
+from .baselines import Uncompressed
+from .checkpoints import load_checkpoint, read_checkpoint, save_checkpoint
+from .metrics import progress
+
+log = logging.getLogger("accordion_hvd.train")
+
+CODECS = ("none", "fp16", "powersgd", "topk")
+POLICIES = ("accordion", "static", "gravac")
+DATASETS = ("digits", "synthetic", "cifar10")
+MODELS = ("cnn", "cnn-wide", "resnet18")
+DEVICES = ("auto", "cpu", "cuda")
+
+__all__ = ["main", "make_compression", "parse_args", "read_checkpoint"]
+
+
+def make_codec(args):
+    """Our codec for --codec powersgd/topk (raises on bad levels), else None."""
+    if args.codec == "powersgd":
+        return PowerSGD(args.rank, args.critical_rank)
+    if args.codec == "topk":
+        return TopK(args.ratio, args.critical_ratio)
+    return None
+
+
+def make_compression(args):
+    """Ours for --codec powersgd/topk, else Horovod's own in the same face (baselines.py)."""
+    codec = make_codec(args)
+    if codec is None:
+        return Uncompressed(args.codec)
+    policy = args.policy
+    if policy == "gravac":
+        policy = GraVAC(args.min_factor, args.max_factor, window=args.gravac_window, epsilon=args.epsilon)
+    return AccordionCompressor(codec, policy=policy, eta=args.eta, interval=None if args.interval == 0 else args.interval)
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m accordion_hvd.train", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--codec", choices=CODECS, default="powersgd",
+                   help="gradient compression: none, Horovod's fp16, or ours (default: powersgd)")
+    p.add_argument("--rank", type=int, default=1, help="PowerSGD rank in normal regimes")
+    p.add_argument("--critical-rank", type=int, default=None, help="PowerSGD rank in critical regimes")
+    p.add_argument("--ratio", type=float, default=0.05, help="TopK fraction kept in normal regimes")
+    p.add_argument("--critical-ratio", type=float, default=None, help="TopK fraction kept in critical regimes")
+    p.add_argument("--policy", choices=POLICIES, default=None,
+                   help="level policy (default: accordion when a critical level is given, else static)")
+    p.add_argument("--eta", type=float, default=0.5, help="Accordion threshold on the relative norm change")
+    p.add_argument("--interval", type=int, default=0,
+                   help="detection window in optimizer steps; 0 (default): one window per epoch")
+    p.add_argument("--min-factor", type=float, default=10.0, help="GraVAC: smallest compression factor")
+    p.add_argument("--max-factor", type=float, default=1000.0, help="GraVAC: largest compression factor")
+    p.add_argument("--gravac-window", type=int, default=100, help="GraVAC: steps between candidate growths")
+    p.add_argument("--epsilon", type=float, default=0.7, help="GraVAC: the gain a factor must keep")
+    p.add_argument("--batch-mode", action="store_true",
+                   help="Accordion drives the batch size: --batch-size per step in critical regimes, "
+                        "--large-passes times that (gradient accumulation, lr scaled alike) otherwise")
+    p.add_argument("--large-passes", type=int, default=8, help="micro-batches per step in normal regimes "
+                                                                "with --batch-mode (default 8: 32 -> 256)")
+    p.add_argument("--dataset", choices=DATASETS, default="digits")
+    p.add_argument("--data-dir", type=Path, default=None, help="where cifar10 is (never downloaded)")
+    p.add_argument("--model", choices=MODELS, default=None, help="default: cnn, resnet18 for cifar10; cnn-wide: 2.2 M parameters, for "
+                                                              "bandwidth-bound runs")
+    p.add_argument("--device", choices=DEVICES, default="auto",
+                   help="where to train: cuda if torch sees a GPU (auto), or the one named")
+    p.add_argument("--epochs", type=int, default=15)
+    p.add_argument("--batch-size", type=int, default=32, help="per-rank batch size")
+    p.add_argument("--lr", type=float, default=0.02,
+                   help="learning rate per rank (scaled by world size); 0.02 keeps the last epochs of a "
+                        "compressed run on digits steady, higher rates make them swing by several points")
+    p.add_argument("--lr-milestones", default="", help="epochs at which the lr is multiplied by --lr-gamma, "
+                                                       "comma-separated (e.g. 10,15)")
+    p.add_argument("--lr-gamma", type=float, default=0.1)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--logdir", type=Path, default=None, help="write steps.csv, eval.csv, TensorBoard events, PNGs")
+    p.add_argument("--checkpoint", type=Path, default=None, help="save here every epoch (PATH.rank<r> per rank)")
+    p.add_argument("--resume", type=Path, default=None, help="continue from this --checkpoint PATH")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--inject-nonfinite", type=_fault, action="append", default=[], metavar="STEP@RANK",
+                   help="fault injection (reliability tests): rank RANK's loss is NaN in optimizer step STEP "
+                        "(1-based), so all its gradients are; the step is skipped on every rank. Repeatable")
+    args = p.parse_args(argv)
+    for name in ("epochs", "batch_size"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
+    if args.lr <= 0:
+        p.error(f"--lr must be positive, got {args.lr}")
+    if args.large_passes < 1:
+        p.error(f"--large-passes must be at least 1, got {args.large_passes}")
+    if args.interval < 0:
+        p.error(f"--interval must be 0 (per epoch) or a positive number of steps, got {args.interval}")
+    try:
+        args.lr_milestones = sorted(int(m) for m in args.lr_milestones.split(",") if m.strip())
+    except ValueError:
+        p.error(f"--lr-milestones must be comma-separated epoch numbers, got {args.lr_milestones!r}")
+    if args.dataset == "cifar10" and args.data_dir is None:
+        p.error("--dataset cifar10 needs --data-dir (it is never downloaded)")
+    args.model = args.model or ("resnet18" if args.dataset == "cifar10" else "cnn")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        p.error(f"--device cuda: torch {torch.__version__} sees no GPU (use --device cpu or auto)")
+    try:
+        make_codec(args)
+        if args.codec in ("powersgd", "topk"):
+            make_compression(args)
+    except (TypeError, ValueError) as exc:
+        p.error(str(exc))
+    return args
+
+
+def _fault(text: str) -> tuple[int, int]:
+    try:
+        step, rank = (int(part) for part in text.split("@"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected STEP@RANK (e.g. 30@1), got {text!r}") from None
+    if step < 1 or rank < 0:
+        raise argparse.ArgumentTypeError(f"STEP must be >= 1 and RANK >= 0, got {text!r}")
+    return step, rank
+
+
+def pick_device(choice: str) -> torch.device:
+    """The GPU of this rank's local rank (shared round-robin when there are fewer GPUs
+    than ranks on a host), or the CPU."""
+    if choice == "cpu" or (choice == "auto" and not torch.cuda.is_available()):
+        return torch.device("cpu")
+    device = torch.device("cuda", hvd.local_rank() % torch.cuda.device_count())
+    torch.cuda.set_device(device)
+    return device
+
+
+def load_data(args):
+    if args.dataset == "digits":
+        return data.load_digits(seed=args.seed)
+    if args.dataset == "synthetic":
+        if args.model in ("cnn", "cnn-wide"):
+            return data.load_synthetic(seed=args.seed, channels=1, size=8)
+        # 3x32x32 images for ResNet-18 throughput runs: fewer of them (4,096 + 1,024 is 63 MB)
+        return data.load_synthetic(seed=args.seed, n_train=4_096, n_test=1_024)
+    return data.load_cifar10(args.data_dir)
+
+
+def make_model(args, train: data.Split) -> torch.nn.Module:
+    channels = train.x.shape[1]
+    if args.model in ("cnn", "cnn-wide"):
+        if tuple(train.x.shape[2:]) != (8, 8):
+            raise SystemExit(f"--model {args.model} takes 8x8 images; {args.dataset} has {tuple(train.x.shape[2:])}: "
+                             f"use --model resnet18")
+        return (models.SmallCNN if args.model == "cnn" else models.WideCNN)(channels=channels)
+    return models.ResNet18(channels=channels)
+
+
+@torch.no_grad()
+def evaluate(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
+    """Accuracy over all ranks: each rank scores its slice, the counts are summed."""
+    model.eval()
+    mine = slice(hvd.rank(), None, hvd.size())
+    correct = sum((model(xb).argmax(1) == yb).sum() for xb, yb in zip(x[mine].split(512), y[mine].split(512)))
+    handle = hvd.allreduce_async(torch.stack([torch.as_tensor(correct).double().cpu(),
+                                              torch.tensor(float(len(y[mine])), dtype=torch.float64)]),
+                                 op=hvd.Sum, name="eval.accuracy")
+    totals = polite_synchronize(handle)  # ranks still scoring keep the CPU
+    model.train()
+    return (totals[0] / totals[1]).item()
+
+
+@dataclass
+class Run:
+    """What one training run holds, on every rank."""
+    args: argparse.Namespace
+    device: torch.device
+    train: data.Split
+    test: data.Split
+    model: torch.nn.Module
+    opt: torch.optim.Optimizer
+    compression: object          # AccordionCompressor or Uncompressed: the same face
+    batch: AccordionBatchSize | None
+    base_lr: float
+    epoch: int = 0
+    step: int = 0
+    metrics: object = None       # MetricsLogger on rank 0 with --logdir
+    started: float = 0.0
+    seconds_before: dict | None = None
+
+
+def main(argv=None) -> float:
+    args = parse_args(argv)
+    hvd.init()
+    rank0 = hvd.rank() == 0
+    logging.basicConfig(level=logging.INFO if rank0 else logging.WARNING,
+                        format="%(asctime)s %(name)s: %(message)s")
+    install_polite_wait()  # every method alike, the uncompressed baselines included
+    run = set_up(args)
+    micro_per_epoch = (len(run.train.y) // hvd.size()) // args.batch_size
+    bar = progress(micro_per_epoch * (args.epochs - run.epoch), enabled=rank0 and not args.no_progress,
+                   desc="training (micro-batches)" if run.batch else "training")
+    run.metrics = _metrics_logger(args, run.model) if rank0 and args.logdir else None
+    run.started, run.seconds_before = time.perf_counter(), dict(run.compression.seconds)
+    acc = float("nan")
+    for epoch in range(run.epoch, args.epochs):
+        loss = train_epoch(run, epoch, micro_per_epoch, bar)
+        acc = end_epoch(run, epoch, loss, bar)
+    bar.close()
+    finish(run, acc)
+    return acc
+
+
+def set_up(args) -> Run:
+    """Data, model, Horovod's optimizer with the compression, batch-size mode, resume."""
+    device = pick_device(args.device)
+    torch.manual_seed(args.seed)
+    train, test = (data.Split(split.x.to(device), split.y.to(device)) for split in load_data(args))
+    model = make_model(args, train).to(device)  # initialized on the CPU: the same weights on any device
+    base_lr = args.lr * hvd.size()
+    opt = torch.optim.SGD(model.parameters(), lr=base_lr, momentum=0.9)
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    hvd.broadcast_optimizer_state(opt, root_rank=0)
+    compression = make_compression(args)
+    opt = hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters(), compression=compression)
+    batch = (AccordionBatchSize(opt, small=1, large=args.large_passes, eta=args.eta,
+                                interval=None if args.interval == 0 else args.interval)
+             if args.batch_mode else None)
+    run = Run(args, device, train, test, model, opt, compression, batch, base_lr)
+    if args.resume is not None:
+        run.epoch, run.step = load_checkpoint(args.resume, model, opt, compression, batch, device)
+        log.info("resumed from %s at epoch %d, step %d", args.resume, run.epoch, run.step)
+    log.info("training %s (%s parameters) on %s, %d ranks on %s, compression %s, %d train / %d test samples",
+             args.model, f"{sum(p.numel() for p in model.parameters()):,}", args.dataset, hvd.size(),
+             device.type, compression, len(train.y), len(test.y))
+    if hvd.size() == 1 and args.codec != "none":
+        log.warning("1 rank: Horovod's DistributedOptimizer exchanges nothing and never calls the "
+                    "compressor, so --codec %s has no effect (launch 2 or more ranks)", args.codec)
+    return run
+
+
+def train_epoch(run: Run, epoch: int, micro_per_epoch: int, bar) -> torch.Tensor:
+    """One epoch of this rank's shard; returns the last micro-batch's loss."""
+    args, opt, batch = run.args, run.opt, run.batch
+    lr = run.base_lr * args.lr_gamma ** sum(epoch >= m for m in args.lr_milestones)
+    for group in opt.param_groups:  # with --batch-mode, times its current scale
+        group["lr"] = lr * (batch.lr_scale if batch else 1.0)
+    micro = 0
+    opt.zero_grad()
+    for x, y in data.shard_batches(run.train, args.batch_size, hvd.rank(), hvd.size(), epoch, args.seed):
+        loss = F.cross_entropy(run.model(x), y)
+        if (run.step + 1, hvd.rank()) in args.inject_nonfinite:
+            loss = loss * float("nan")
+        (loss if batch is None else loss / batch.passes).backward()  # batch mode: the mean over micro-batches
+        micro += 1
+        bar.update()
+        last = micro == micro_per_epoch  # every rank has the same count: a short last step is safe
+        if batch is None or batch.micro_batch_done() or last:
+            optimizer_step(run, epoch, loss)
+    return loss
+
+
+def optimizer_step(run: Run, epoch: int, loss: torch.Tensor) -> None:
+    """Average the gradients, step (unless a gradient was not finite: then skip exactly),
+    let batch-size mode see the step, record it."""
+    opt, batch = run.opt, run.batch
+    opt.synchronize()
+    if not run.compression.step_skipped:
+        with opt.skip_synchronize():
+            opt.step()
+    used = {"lr": opt.param_groups[0]["lr"], **({"passes": batch.passes} if batch else {})}
+    if batch is not None:
+        batch.step()  # reads the step's averaged gradient: before zero_grad
+    opt.zero_grad()
+    run.step += 1
+    if run.metrics is not None:
+        run.seconds_before = _log_step(run, epoch, loss, **used)
+
+
+def end_epoch(run: Run, epoch: int, loss: torch.Tensor, bar) -> float:
+    """Detection point, test accuracy, eval row, checkpoint; returns the accuracy."""
+    run.compression.epoch_end()  # a detection point when --interval 0
+    if run.batch is not None:
+        run.batch.epoch_end()
+    acc = evaluate(run.model, run.test.x, run.test.y)
+    bar.set_postfix(loss=f"{loss.item():.3f}", acc=f"{acc:.4f}")
+    log.info("epoch %d/%d  loss %.4f  test accuracy %.4f", epoch + 1, run.args.epochs, loss.item(), acc)
+    if run.metrics is not None:
+        run.metrics.log_eval(run.step, epoch=epoch + 1, accuracy=acc, wall_s=time.perf_counter() - run.started,
+                             floats_sent=run.compression.stats()["floats_sent"])
+    if run.args.checkpoint is not None:
+        save_checkpoint(run.args.checkpoint, epoch + 1, run.step, run.model, run.opt, run.compression, run.batch)
+    return acc
+
+
+def finish(run: Run, acc: float) -> None:
+    """The final lines on rank 0, and the plots."""
+    if hvd.rank() == 0:
+        print(f"final test accuracy: {acc:.4f} ({hvd.size()} ranks, {run.args.epochs} epochs, "
+              f"{time.perf_counter() - run.started:.1f} s)", flush=True)
+        stats = run.compression.stats()
+        if not stats["floats_sent"]:
+            print("floats sent by rank 0: none (nothing was exchanged)", flush=True)
+        else:
+            print(f"floats sent by rank 0: {stats['floats_sent']:,} of {stats['floats_dense']:,} "
+                  f"({stats['floats_dense'] / stats['floats_sent']:.1f}x less than dense)", flush=True)
+    if run.metrics is not None:
+        run.metrics.close()
+        from .plots import plot_run
+        for png in plot_run(run.args.logdir):
+            log.info("wrote %s", png)
+
+
+def _metrics_logger(args, model):
+    from .metrics import MetricsLogger
+    names = [n for n, p in model.named_parameters() if p.requires_grad]
+    if (args.logdir / "steps.csv").exists():
+        log.warning("--logdir %s: replacing the run recorded there", args.logdir)
+    return MetricsLogger(args.logdir, layers=names, overwrite=True)
+
+
+def _log_step(run: Run, epoch: int, loss: torch.Tensor, *, lr: float, **extra) -> dict:
+    """One steps.csv row: cumulative floats, this step's seconds in compression and in
+    communication (waiting on our collectives), every layer's level (for the next step),
+    the learning rate (and, in batch mode, the micro-batches) this step used."""
+    stats, now, before = run.compression.stats(), dict(run.compression.seconds), run.seconds_before
+    run.metrics.log_step(run.step, epoch=epoch + 1, loss=loss.item(), lr=lr, floats_sent=stats["floats_sent"],
+                         floats_dense=stats["floats_dense"],
+                         levels={n: layer["level"] for n, layer in stats["layers"].items()},
+                         compress_s=now["compress"] - before.get("compress", 0.0),
+                         comm_s=now["comm"] - before.get("comm", 0.0), wall_s=time.perf_counter() - run.started,
+                         **extra)
+    return now
+
+
+if __name__ == "__main__":
+    main()
