@@ -44,7 +44,7 @@ GENTLE, AGGRESSIVE = "powersgd-static-r4", "powersgd-static-r1"
 # Environment of a method's horovodrun, where it differs from the default. The busy-wait
 # variant exists to measure what accordion_hvd's polite wait (comm/horovod.py) is worth.
 METHOD_ENV = {"powersgd-static-r4-spin": {"ACCORDION_HOROVOD_WAIT": "spin"}}
-METHODS = {  # name -> (label, how: "hvd" CLI args or "ddp" rank)
+METHODS = {  # name -> (label, how: "hvd" or "cli-ddp" CLI args, or "ddp" rank for PyTorch's hook)
     "dense": ("no compression", ("hvd", ["--codec", "none"])),
     "fp16": ("Horovod fp16", ("hvd", ["--codec", "fp16"])),
     GENTLE: ("PowerSGD static rank 4 (gentle)", ("hvd", ["--codec", "powersgd", "--rank", "4"])),
@@ -63,6 +63,12 @@ METHODS = {  # name -> (label, how: "hvd" CLI args or "ddp" rank)
                                                                                        "--rank", "4"])),
     "ddp-powersgd-r4": ("DDP powerSGD_hook rank 4", ("ddp", 4)),
     "ddp-powersgd-r1": ("DDP powerSGD_hook rank 1", ("ddp", 1)),
+    # Our compressor as DDP's comm hook (the CLI's --launcher ddp), and DDP's own 16-bit hook.
+    "ddp-fp16": ("DDP fp16_compress_hook", ("cli-ddp", ["--codec", "fp16"])),
+    "ddp-ours-r4": ("ours under DDP, PowerSGD static rank 4", ("cli-ddp", ["--codec", "powersgd", "--rank", "4"])),
+    "ddp-ours-r1": ("ours under DDP, PowerSGD static rank 1", ("cli-ddp", ["--codec", "powersgd", "--rank", "1"])),
+    "ddp-ours-accordion": ("ours under DDP, PowerSGD Accordion 1 <-> 4", ("cli-ddp", ["--codec", "powersgd", "--rank",
+                                                                                     "1", "--critical-rank", "4"])),
 }
 
 
@@ -73,18 +79,20 @@ def run_method(cluster, name: str, logdir: Path, timeout: float) -> dict:
         result = cluster.horovodrun(["-m", "accordion_hvd.train", *spec, *COMMON, "--logdir", str(logdir)],
                                     timeout=timeout, env=METHOD_ENV.get(name))
         failed = result.returncode != 0 and (result.stdout + result.stderr)[-1500:]
+    elif kind == "cli-ddp":
+        failed = run_ddp(cluster, ["-m", "accordion_hvd.train", "--launcher", "ddp", *spec, *COMMON,
+                                   "--logdir", str(logdir)], timeout)
     else:
-        failed = run_ddp(cluster, spec, logdir, timeout)
+        failed = run_ddp(cluster, [str(REPO / "benchmarks" / "ddp_train.py"), "--rank", str(spec), "--logdir",
+                                   str(logdir), *[a for a in COMMON if a != "--no-progress"]], timeout)
     row = {"method": name, "seconds": time.monotonic() - started}
     if failed:
         return {**row, "error": failed}
-    return {**row, **read_run(logdir, bytes_per_float=2 if name == "fp16" else 4)}
+    return {**row, **read_run(logdir, bytes_per_float=2 if name in ("fp16", "ddp-fp16") else 4)}
 
 
-def run_ddp(cluster, rank: int, logdir: Path, timeout: float):
-    """torchrun on every node at once (static rendezvous at node1); returns False or the error."""
-    args = [str(REPO / "benchmarks" / "ddp_train.py"), "--rank", str(rank), "--logdir", str(logdir),
-            *[a for a in COMMON if a != "--no-progress"]]
+def run_ddp(cluster, args: list[str], timeout: float):
+    """torchrun ARGS on every node at once (static rendezvous at node1); returns False or the error."""
     results = cluster.torchrun(args, timeout=timeout)
     bad = {k: r for k, r in results.items() if r.returncode != 0}
     return bad and "\n".join(f"node{k + 1}: {(r.stdout + r.stderr)[-700:]}" for k, r in bad.items())

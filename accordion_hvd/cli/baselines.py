@@ -1,10 +1,11 @@
-"""Horovod's own compressions (none, fp16) with the face of ``AccordionCompressor``, so that
+"""The uncompressed baselines (none, fp16) with the face of ``AccordionCompressor``, so that
 the training loop treats every method alike: ``stats()``, ``seconds``, ``step_skipped``,
-``epoch_end()``, ``state_dict()``/``load_state_dict()``."""
+``epoch_end()``, ``state_dict()``/``load_state_dict()``. Under Horovod they are Horovod's
+own ``Compression.none``/``fp16``; under DDP, DDP's default allreduce or its
+``fp16_compress_hook``."""
 
 from __future__ import annotations
 
-import horovod.torch as hvd
 import torch
 
 from ..compressor import HorovodCompressor
@@ -13,32 +14,48 @@ _STATE_FORMAT = "accordion_hvd.cli.Uncompressed/1"
 
 
 class Uncompressed(HorovodCompressor):
-    """Every gradient goes whole through Horovod's allreduce (fp16 halves the bytes, not the
-    floats). Counts the floats it passes, as ours does; never skips a step (a non-finite
-    gradient is in Horovod's average, as without compression).
+    """Every gradient goes whole through the front end's allreduce (fp16 halves the bytes,
+    not the floats). Counts the floats it passes, as ours does; never skips a step (a
+    non-finite gradient is in the average, as without compression).
 
     Args:
-        kind: "none" or "fp16" (``hvd.Compression.none`` / ``.fp16``).
+        kind: "none" or "fp16".
     """
 
     def __init__(self, kind: str) -> None:
-        choices = {"none": hvd.Compression.none, "fp16": hvd.Compression.fp16}
-        if kind not in choices:
-            raise ValueError(f"kind must be one of {sorted(choices)}, got {kind!r}")
-        self.kind, self._horovod = kind, choices[kind]
+        if kind not in ("none", "fp16"):
+            raise ValueError(f"kind must be 'none' or 'fp16', got {kind!r}")
+        self.kind = kind
         self.seconds = {"compress": 0.0, "comm": 0.0}
         self.step_skipped = False
         self._floats = 0
 
     def __repr__(self) -> str:
-        return f"Horovod {self.kind}"
+        return f"uncompressed ({self.kind})"
 
-    def compress(self, tensor: torch.Tensor):
+    @property
+    def _horovod(self):
+        import horovod.torch as hvd
+
+        return hvd.Compression.fp16 if self.kind == "fp16" else hvd.Compression.none
+
+    def compress(self, tensor: torch.Tensor):  # Horovod's DistributedOptimizer calls these two
         self._floats += tensor.numel()
         return self._horovod.compress(tensor)
 
     def decompress(self, tensor: torch.Tensor, ctx):
         return self._horovod.decompress(tensor, ctx)
+
+    def ddp_hook(self):
+        """The DDP comm hook: DDP's default allreduce or its fp16_compress_hook, counted."""
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+        inner = default_hooks.fp16_compress_hook if self.kind == "fp16" else default_hooks.allreduce_hook
+
+        def hook(state, bucket):
+            self._floats += bucket.buffer().numel()
+            return inner(state, bucket)
+        return hook
 
     def stats(self) -> dict:
         return {"floats_sent": self._floats, "floats_dense": self._floats, "layers": {}}
@@ -52,5 +69,5 @@ class Uncompressed(HorovodCompressor):
     def load_state_dict(self, state: dict) -> None:
         if not isinstance(state, dict) or state.get("format") != _STATE_FORMAT or state.get("kind") != self.kind:
             found = state.get("kind", state.get("format")) if isinstance(state, dict) else type(state).__name__
-            raise ValueError(f"the checkpoint's compression is {found!r}, this run's is Horovod {self.kind!r}")
+            raise ValueError(f"the checkpoint's compression is {found!r}, this run's is uncompressed {self.kind!r}")
         self._floats = int(state["floats"])

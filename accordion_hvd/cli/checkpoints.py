@@ -6,7 +6,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import horovod.torch as hvd
 import torch
 
 
@@ -14,11 +13,11 @@ def checkpoint_path(base: Path, rank: int) -> Path:
     return base.with_name(f"{base.name}.rank{rank}")
 
 
-def save_checkpoint(path: Path, epoch: int, step: int, model, opt, compression, batch) -> None:
-    state = {"epoch": epoch, "step": step, "world_size": hvd.size(), "model": model.state_dict(),
+def save_checkpoint(path: Path, front, epoch: int, step: int, model, opt, compression, batch) -> None:
+    state = {"epoch": epoch, "step": step, "world_size": front.size, "model": model.state_dict(),
              "optimizer": opt.state_dict(), "compression": compression.state_dict(),
              "batch": batch.state_dict() if batch is not None else None}
-    target = checkpoint_path(path, hvd.rank())
+    target = checkpoint_path(path, front.rank)
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = target.with_name(target.name + ".tmp")
     torch.save(state, tmp)
@@ -37,14 +36,14 @@ def read_checkpoint(path: Path, source: Path, device: torch.device | None = None
     return state
 
 
-def load_checkpoint(path: Path, model, opt, compression, batch, device: torch.device) -> tuple[int, int]:
+def load_checkpoint(path: Path, front, model, opt, compression, batch, device: torch.device) -> tuple[int, int]:
     """Restore everything ``save_checkpoint`` wrote; returns (epoch, step) to continue from."""
-    source = checkpoint_path(path, hvd.rank())
+    source = checkpoint_path(path, front.rank)
     if not source.is_file():
         raise SystemExit(f"--resume {path}: {source} not found (one file per rank; same world size needed)")
     state = read_checkpoint(path, source, device)
-    if state["world_size"] != hvd.size():
-        raise SystemExit(f"--resume {path}: saved by {state['world_size']} ranks, this run has {hvd.size()}")
+    if state["world_size"] != front.size:
+        raise SystemExit(f"--resume {path}: saved by {state['world_size']} ranks, this run has {front.size}")
     model.load_state_dict(state["model"])
     opt.load_state_dict(state["optimizer"])
     try:

@@ -1,9 +1,11 @@
-"""Data-parallel training under horovodrun: ``python -m accordion_hvd.train``.
+"""Data-parallel training: ``python -m accordion_hvd.train``, under horovodrun or torchrun.
 
     horovodrun -np 2 -H localhost:2 python -m accordion_hvd.train --codec powersgd --rank 1 --critical-rank 4
+    torchrun --nproc_per_node 2 -m accordion_hvd.train --launcher ddp --codec powersgd --rank 1 --critical-rank 4
 
-Every rank trains on its shard of the data with Horovod's DistributedOptimizer and the
-chosen gradient compression. Rank 0 shows a progress bar, logs each epoch's test accuracy
+Every rank trains on its shard of the data with Horovod's DistributedOptimizer (or, with
+``--launcher ddp``, PyTorch's DistributedDataParallel with our comm hook) and the chosen
+gradient compression. Rank 0 shows a progress bar, logs each epoch's test accuracy
 (over all ranks' shards of the test set), and with ``--logdir`` writes per-step metrics as
 CSV and TensorBoard events and, at the end, PNG plots (accuracy vs floats sent and vs time,
 and the per-layer regime timeline). ``--checkpoint`` saves every epoch (one file per rank:
@@ -22,18 +24,18 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import horovod.torch as hvd
 import torch
 import torch.nn.functional as F
 
 from ..batch_size import AccordionBatchSize
 from ..codecs import PowerSGD, TopK
-from ..comm.horovod import install_polite_wait, polite_synchronize
+from ..comm.horovod import install_polite_wait
 from ..compressor import AccordionCompressor
 from ..policies import GraVAC
 from . import data, models
 from .baselines import Uncompressed
 from .checkpoints import load_checkpoint, read_checkpoint, save_checkpoint
+from .frontends import LAUNCHERS, make_front_end
 from .metrics import progress
 
 log = logging.getLogger("accordion_hvd.train")
@@ -70,8 +72,12 @@ def make_compression(args):
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m accordion_hvd.train", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--launcher", choices=LAUNCHERS, default="horovod",
+                   help="horovod (start with horovodrun, the default) or ddp (start with torchrun: "
+                        "DistributedDataParallel with our comm hook)")
     p.add_argument("--codec", choices=CODECS, default="powersgd",
-                   help="gradient compression: none, Horovod's fp16, or ours (default: powersgd)")
+                   help="gradient compression: none, 16-bit (Horovod's fp16 or DDP's fp16 hook), or ours "
+                        "(default: powersgd)")
     p.add_argument("--rank", type=int, default=1, help="PowerSGD rank in normal regimes")
     p.add_argument("--critical-rank", type=int, default=None, help="PowerSGD rank in critical regimes")
     p.add_argument("--ratio", type=float, default=0.05, help="TopK fraction kept in normal regimes")
@@ -120,6 +126,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error(f"--lr must be positive, got {args.lr}")
     if args.large_passes < 1:
         p.error(f"--large-passes must be at least 1, got {args.large_passes}")
+    if args.batch_mode and args.launcher != "horovod":
+        p.error("--batch-mode needs --launcher horovod (it sets Horovod's backward_passes_per_step)")
     if args.interval < 0:
         p.error(f"--interval must be 0 (per epoch) or a positive number of steps, got {args.interval}")
     try:
@@ -150,12 +158,16 @@ def _fault(text: str) -> tuple[int, int]:
     return step, rank
 
 
-def pick_device(choice: str) -> torch.device:
+def device_type(choice: str) -> str:
+    return "cpu" if choice == "cpu" or (choice == "auto" and not torch.cuda.is_available()) else "cuda"
+
+
+def pick_device(choice: str, local_rank: int) -> torch.device:
     """The GPU of this rank's local rank (shared round-robin when there are fewer GPUs
     than ranks on a host), or the CPU."""
-    if choice == "cpu" or (choice == "auto" and not torch.cuda.is_available()):
+    if device_type(choice) == "cpu":
         return torch.device("cpu")
-    device = torch.device("cuda", hvd.local_rank() % torch.cuda.device_count())
+    device = torch.device("cuda", local_rank % torch.cuda.device_count())
     torch.cuda.set_device(device)
     return device
 
@@ -182,15 +194,13 @@ def make_model(args, train: data.Split) -> torch.nn.Module:
 
 
 @torch.no_grad()
-def evaluate(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
+def evaluate(front, model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
     """Accuracy over all ranks: each rank scores its slice, the counts are summed."""
     model.eval()
-    mine = slice(hvd.rank(), None, hvd.size())
+    mine = slice(front.rank, None, front.size)
     correct = sum((model(xb).argmax(1) == yb).sum() for xb, yb in zip(x[mine].split(512), y[mine].split(512)))
-    handle = hvd.allreduce_async(torch.stack([torch.as_tensor(correct).double().cpu(),
-                                              torch.tensor(float(len(y[mine])), dtype=torch.float64)]),
-                                 op=hvd.Sum, name="eval.accuracy")
-    totals = polite_synchronize(handle)  # ranks still scoring keep the CPU
+    totals = front.sum(torch.stack([torch.as_tensor(correct).double().cpu(),
+                                    torch.tensor(float(len(y[mine])), dtype=torch.float64)]), name="eval.accuracy")
     model.train()
     return (totals[0] / totals[1]).item()
 
@@ -199,10 +209,12 @@ def evaluate(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
 class Run:
     """What one training run holds, on every rank."""
     args: argparse.Namespace
+    front: object                # HorovodFrontEnd or DDPFrontEnd (frontends.py)
     device: torch.device
     train: data.Split
     test: data.Split
-    model: torch.nn.Module
+    model: torch.nn.Module       # the model itself: state, evaluation
+    net: torch.nn.Module         # what training runs forward on (the DDP wrapper, under DDP)
     opt: torch.optim.Optimizer
     compression: object          # AccordionCompressor or Uncompressed: the same face
     batch: AccordionBatchSize | None
@@ -216,13 +228,14 @@ class Run:
 
 def main(argv=None) -> float:
     args = parse_args(argv)
-    hvd.init()
-    rank0 = hvd.rank() == 0
+    front = make_front_end(args.launcher, device_type(args.device))
+    rank0 = front.rank == 0
     logging.basicConfig(level=logging.INFO if rank0 else logging.WARNING,
                         format="%(asctime)s %(name)s: %(message)s")
-    install_polite_wait()  # every method alike, the uncompressed baselines included
-    run = set_up(args)
-    micro_per_epoch = (len(run.train.y) // hvd.size()) // args.batch_size
+    if args.launcher == "horovod":
+        install_polite_wait()  # every method alike, the uncompressed baselines included
+    run = set_up(args, front)
+    micro_per_epoch = (len(run.train.y) // front.size) // args.batch_size
     bar = progress(micro_per_epoch * (args.epochs - run.epoch), enabled=rank0 and not args.no_progress,
                    desc="training (micro-batches)" if run.batch else "training")
     run.metrics = _metrics_logger(args, run.model) if rank0 and args.logdir else None
@@ -233,32 +246,31 @@ def main(argv=None) -> float:
         acc = end_epoch(run, epoch, loss, bar)
     bar.close()
     finish(run, acc)
+    front.close()
     return acc
 
 
-def set_up(args) -> Run:
-    """Data, model, Horovod's optimizer with the compression, batch-size mode, resume."""
-    device = pick_device(args.device)
+def set_up(args, front) -> Run:
+    """Data, model, the front end's wrapping with the compression, batch-size mode, resume."""
+    device = pick_device(args.device, front.local_rank)
     torch.manual_seed(args.seed)
     train, test = (data.Split(split.x.to(device), split.y.to(device)) for split in load_data(args))
     model = make_model(args, train).to(device)  # initialized on the CPU: the same weights on any device
-    base_lr = args.lr * hvd.size()
+    base_lr = args.lr * front.size
     opt = torch.optim.SGD(model.parameters(), lr=base_lr, momentum=0.9)
-    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
-    hvd.broadcast_optimizer_state(opt, root_rank=0)
     compression = make_compression(args)
-    opt = hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters(), compression=compression)
+    net, opt = front.wrap(model, opt, compression, device)
     batch = (AccordionBatchSize(opt, small=1, large=args.large_passes, eta=args.eta,
                                 interval=None if args.interval == 0 else args.interval)
              if args.batch_mode else None)
-    run = Run(args, device, train, test, model, opt, compression, batch, base_lr)
+    run = Run(args, front, device, train, test, model, net, opt, compression, batch, base_lr)
     if args.resume is not None:
-        run.epoch, run.step = load_checkpoint(args.resume, model, opt, compression, batch, device)
+        run.epoch, run.step = load_checkpoint(args.resume, front, model, opt, compression, batch, device)
         log.info("resumed from %s at epoch %d, step %d", args.resume, run.epoch, run.step)
-    log.info("training %s (%s parameters) on %s, %d ranks on %s, compression %s, %d train / %d test samples",
-             args.model, f"{sum(p.numel() for p in model.parameters()):,}", args.dataset, hvd.size(),
-             device.type, compression, len(train.y), len(test.y))
-    if hvd.size() == 1 and args.codec != "none":
+    log.info("training %s (%s parameters) on %s, %d ranks on %s (%s), compression %s, %d train / %d test samples",
+             args.model, f"{sum(p.numel() for p in model.parameters()):,}", args.dataset, front.size,
+             device.type, front.name, compression, len(train.y), len(test.y))
+    if front.size == 1 and args.codec != "none" and front.name == "horovod":
         log.warning("1 rank: Horovod's DistributedOptimizer exchanges nothing and never calls the "
                     "compressor, so --codec %s has no effect (launch 2 or more ranks)", args.codec)
     return run
@@ -272,9 +284,9 @@ def train_epoch(run: Run, epoch: int, micro_per_epoch: int, bar) -> torch.Tensor
         group["lr"] = lr * (batch.lr_scale if batch else 1.0)
     micro = 0
     opt.zero_grad()
-    for x, y in data.shard_batches(run.train, args.batch_size, hvd.rank(), hvd.size(), epoch, args.seed):
-        loss = F.cross_entropy(run.model(x), y)
-        if (run.step + 1, hvd.rank()) in args.inject_nonfinite:
+    for x, y in data.shard_batches(run.train, args.batch_size, run.front.rank, run.front.size, epoch, args.seed):
+        loss = F.cross_entropy(run.net(x), y)
+        if (run.step + 1, run.front.rank) in args.inject_nonfinite:
             loss = loss * float("nan")
         (loss if batch is None else loss / batch.passes).backward()  # batch mode: the mean over micro-batches
         micro += 1
@@ -289,10 +301,7 @@ def optimizer_step(run: Run, epoch: int, loss: torch.Tensor) -> None:
     """Average the gradients, step (unless a gradient was not finite: then skip exactly),
     let batch-size mode see the step, record it."""
     opt, batch = run.opt, run.batch
-    opt.synchronize()
-    if not run.compression.step_skipped:
-        with opt.skip_synchronize():
-            opt.step()
+    run.front.step(opt, run.compression)
     used = {"lr": opt.param_groups[0]["lr"], **({"passes": batch.passes} if batch else {})}
     if batch is not None:
         batch.step()  # reads the step's averaged gradient: before zero_grad
@@ -307,21 +316,22 @@ def end_epoch(run: Run, epoch: int, loss: torch.Tensor, bar) -> float:
     run.compression.epoch_end()  # a detection point when --interval 0
     if run.batch is not None:
         run.batch.epoch_end()
-    acc = evaluate(run.model, run.test.x, run.test.y)
+    acc = evaluate(run.front, run.model, run.test.x, run.test.y)
     bar.set_postfix(loss=f"{loss.item():.3f}", acc=f"{acc:.4f}")
     log.info("epoch %d/%d  loss %.4f  test accuracy %.4f", epoch + 1, run.args.epochs, loss.item(), acc)
     if run.metrics is not None:
         run.metrics.log_eval(run.step, epoch=epoch + 1, accuracy=acc, wall_s=time.perf_counter() - run.started,
                              floats_sent=run.compression.stats()["floats_sent"])
     if run.args.checkpoint is not None:
-        save_checkpoint(run.args.checkpoint, epoch + 1, run.step, run.model, run.opt, run.compression, run.batch)
+        save_checkpoint(run.args.checkpoint, run.front, epoch + 1, run.step, run.model, run.opt, run.compression,
+                        run.batch)
     return acc
 
 
 def finish(run: Run, acc: float) -> None:
     """The final lines on rank 0, and the plots."""
-    if hvd.rank() == 0:
-        print(f"final test accuracy: {acc:.4f} ({hvd.size()} ranks, {run.args.epochs} epochs, "
+    if run.front.rank == 0:
+        print(f"final test accuracy: {acc:.4f} ({run.front.size} ranks, {run.args.epochs} epochs, "
               f"{time.perf_counter() - run.started:.1f} s)", flush=True)
         stats = run.compression.stats()
         if not stats["floats_sent"]:

@@ -1,19 +1,20 @@
-"""Worker run by tests/test_collective_safety.py under horovodrun: ranks that disagree must
-fail with our message, never hang.
+"""Worker run by tests/test_collective_safety.py under horovodrun (and, with FRONT "ddp", by
+tests/test_ddp_hook.py under torchrun): ranks that disagree must fail with our message,
+never hang.
 
-Every rank trains a small model with the stock hvd.DistributedOptimizer and
-AccordionCompressor, but the ranks differ on purpose:
+Every rank trains a small model with the stock hvd.DistributedOptimizer (or DDP with our
+comm hook) and AccordionCompressor, but the ranks differ on purpose:
   rank   : rank 0 uses PowerSGD(rank=2), rank 1 PowerSGD(rank=4)  -> configuration error
   codec  : rank 0 uses PowerSGD, rank 1 TopK                       -> configuration error
   ratio, eta, policy, interval: one setting differs                 -> configuration error
   layers : rank 0 has an extra compressed layer the others lack     -> every rank names the layer
+             (Horovod only: DDP refuses models of different shapes itself, at construction)
 A rank that gets our error prints "rank R: <ExceptionType>: <message>" and exits 1.
-Usage: mismatch_check.py MODE
+Usage: mismatch_check.py MODE [FRONT]    (FRONT: horovod, the default, or ddp)
 """
 
 import sys
 
-import horovod.torch as hvd
 import torch
 import torch.nn.functional as F
 
@@ -21,8 +22,18 @@ import accordion_hvd as acc
 from worker_util import say
 
 mode = sys.argv[1]
-hvd.init()
-rank = hvd.rank()
+front = sys.argv[2] if len(sys.argv) > 2 else "horovod"
+if front == "ddp":
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+else:
+    import horovod.torch as hvd
+
+    hvd.init()
+    rank = hvd.rank()
 
 
 class Model(torch.nn.Module):
@@ -60,17 +71,27 @@ settings = {"eta": {"eta": 0.5 if rank == 0 else 0.3},
 
 model = Model(extra=(mode == "layers" and rank == 0))
 compression = acc.AccordionCompressor(codec, **settings)
-# No broadcast_parameters: with different models it would be a mismatch of its own.
-opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05),
-                               named_parameters=model.named_parameters(), compression=compression)
+opt = torch.optim.SGD(model.parameters(), lr=0.05)
+if front == "ddp":
+    net = DistributedDataParallel(model)
+    acc.register_ddp_hook(net, compression, optimizer=opt)
+    dist.barrier()  # start together: the timeout is for our exchange only
+else:
+    net = model
+    # No broadcast_parameters: with different models it would be a mismatch of its own.
+    opt = hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters(), compression=compression)
+    hvd.allreduce(torch.zeros(1), name="ready")  # start together: the timeout is for our exchange only
 x, y = torch.randn(16, 32), torch.randint(0, 4, (16,))
-hvd.allreduce(torch.zeros(1), name="ready")  # start together: the timeout is for our exchange only
 try:
     for step in range(3):
         opt.zero_grad()
-        F.cross_entropy(model(x), y).backward()
+        F.cross_entropy(net(x), y).backward()
         opt.step()
-except (ValueError, TimeoutError) as exc:
-    say(f"rank {rank}: {type(exc).__name__}: {exc}")
+except (ValueError, TimeoutError, RuntimeError) as exc:
+    if front == "horovod":
+        say(f"rank {rank}: {type(exc).__name__}: {exc}")
+    else:  # the hook's error reaches backward() through DDP's reducer, perhaps wrapped: our line of it
+        lines = str(exc).strip().splitlines() or [""]
+        say(f"rank {rank}: " + next((line for line in lines if "AccordionCompressor" in line), lines[0]))
     sys.exit(1)
 say(f"rank {rank}: no error")
