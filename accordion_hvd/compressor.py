@@ -505,9 +505,11 @@ class AccordionCompressor(HorovodCompressor):
                 "controller": self.controller.state_dict()}
 
     @_DefaultInstanceMethod
-    def load_state_dict(self, state: dict) -> None:
+    def load_state_dict(self, state: dict, error_feedback: bool = True) -> None:
         """Restore a ``state_dict()`` taken from a compressor with the same settings (else a
-        ValueError naming the settings that differ; nothing is changed then)."""
+        ValueError naming the settings that differ; nothing is changed then). With
+        ``error_feedback=False`` every layer's error feedback starts from zero instead (a
+        checkpoint of another rank, as when resuming with another number of ranks)."""
         self._between_steps("load_state_dict")
         if not isinstance(state, dict) or state.get("format") != _STATE_FORMAT:
             found = state.get("format") if isinstance(state, dict) else None
@@ -541,6 +543,9 @@ class AccordionCompressor(HorovodCompressor):
             what = f"missing entry {exc}" if isinstance(exc, KeyError) else str(exc)
             raise ValueError(f"AccordionCompressor.load_state_dict: malformed state_dict ({what}); "
                              f"nothing was loaded") from exc
+        if not error_feedback:
+            for layer in layers.values():
+                layer.residual.zero_()
         self._layers = layers
         self.steps, self.skipped_steps, self._sent, self._dense, self.seconds = counters
         self._reported_lrs = reported

@@ -15,15 +15,18 @@ def grads_for(rank, step, dtype=torch.float32):
     return {n: torch.randn(s, generator=gen).to(dtype) for n, s in SHAPES.items()}
 
 
-def run_steps(world_size, make_codec, steps, order=lambda rank, names: names, dtype=torch.float32):
-    """Every simulated rank compresses its gradients (in the given order) and decompresses;
-    returns per rank: the list of per-step results and the compressor."""
+def run_steps(world_size, make_codec, steps, order=lambda rank, names: names, dtype=torch.float32, grads=None):
+    """Every simulated rank compresses its gradients (``grads(rank, step)``, default
+    ``grads_for`` in ``dtype``; in the given order) and decompresses; returns per rank: the
+    list of per-step results and the compressor."""
+    grads = grads or (lambda rank, step: grads_for(rank, step, dtype))
+
     def worker(rank, channel):
         comp = acc.AccordionCompressor(make_codec(), channel=channel)
         history = []
         for step in range(steps):
-            grads = grads_for(rank, step, dtype)
-            sent = {n: comp.compress_named(n, grads[n]) for n in order(rank, list(grads))}
+            grads_now = grads(rank, step)
+            sent = {n: comp.compress_named(n, grads_now[n]) for n in order(rank, list(grads_now))}
             # What Horovod does in between: allreduce (average) whatever compress returned.
             # (Horovod negotiates the order across ranks; the simulation uses name order.)
             reduced = {n: channel.wait(channel.allreduce_mean_async([sent[n][0]], f"hvd.{n}"))[0]
@@ -117,12 +120,23 @@ def test_small_and_1d_tensors_go_dense_and_floats_are_counted_exactly():
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_half_precision_gradients_keep_float32_error_feedback(dtype):
-    for make in (lambda: acc.PowerSGD(rank=2), lambda: acc.TopK(ratio=0.05)):
-        results = run_steps(2, make, steps=2, dtype=dtype)
-        out = results[0][0][1]["fc.weight"]
-        assert out.dtype == dtype and torch.isfinite(out).all()
-        assert results[0][1]._layers["fc.weight"].residual.dtype == torch.float32
+@pytest.mark.parametrize("make", [lambda: acc.PowerSGD(rank=2), lambda: acc.TopK(ratio=0.05)], ids=["powersgd", "topk"])
+def test_half_precision_gradients_are_the_float32_computation_rounded(dtype, make):
+    """16-bit gradients keep float32 error feedback and compute in float32: every result is
+    the float32 run's (on the same, 16-bit-valued, gradients) rounded to the 16-bit type,
+    within one unit in the last place of that type (plus 1e-6 absolute for the smallest
+    entries), step after step."""
+    half = run_steps(2, make, steps=3, dtype=dtype)
+    full = run_steps(2, make, steps=3, grads=lambda rank, step: {n: g.float() for n, g in
+                                                                   grads_for(rank, step, dtype).items()})
+    ulp = torch.finfo(dtype).eps
+    for rank in range(2):
+        assert half[rank][1]._layers["fc.weight"].residual.dtype == torch.float32
+        for step in range(3):
+            for name, out in half[rank][0][step].items():
+                assert out.dtype == dtype, name
+                torch.testing.assert_close(out.float(), full[rank][0][step][name], rtol=ulp, atol=1e-6,
+                                           msg=lambda m: f"rank {rank} step {step} {name}: {m}")
 
 
 def test_powersgd_level_change_keeps_q_columns_and_is_rank_independent():
@@ -185,3 +199,22 @@ def test_it_is_a_horovod_compressor():
     # compress/decompress are ours, bound to the instance (not Horovod's static no-ops)
     comp = acc.AccordionCompressor()
     assert comp.compress.__self__ is comp and comp.decompress.__self__ is comp
+
+
+def test_loading_without_error_feedback_keeps_everything_else():
+    """What resuming with another number of ranks uses: levels, warm-start Q, controller and
+    counters come back; the error feedback starts from zero."""
+    history, comp = run_steps(1, lambda: acc.PowerSGD(rank=2, critical_rank=4), steps=3)[0]
+    state = comp.state_dict()
+    assert any(layer["residual"].abs().sum() > 0 for layer in state["layers"].values())
+    fresh = acc.AccordionCompressor(acc.PowerSGD(rank=2, critical_rank=4), channel=SimulatedWorld(1).channel(0))
+    fresh.load_state_dict(state, error_feedback=False)
+    again = fresh.state_dict()
+    assert again["steps"] == state["steps"] == 3
+    for key in ("levels", "window_steps", "windows", "policy"):
+        assert again["controller"][key] == state["controller"][key], key
+    for name, total in state["controller"]["sums"].items():
+        assert torch.equal(again["controller"]["sums"][name], total), name
+    for name, layer in state["layers"].items():
+        assert torch.equal(again["layers"][name]["qt"], layer["qt"]) and again["layers"][name]["level"] == layer["level"]
+        assert not again["layers"][name]["residual"].any(), name

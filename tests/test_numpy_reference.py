@@ -21,8 +21,8 @@ WORLDS = [("gloo", 2), ("mpi", 2), ("gloo", 3), ("mpi", 3)]
 STEPS = "6"
 
 
-def _run(mode, backend, np, env=None):
-    out = run_worker("numpy_reference_check.py", mode, STEPS, np=np, backend=backend, env=env)
+def _run(mode, backend, np, env=None, steps=STEPS):
+    out = run_worker("numpy_reference_check.py", mode, steps, np=np, backend=backend, env=env)
     assert out.count(f": OK {mode} ") == np, out
     return out
 
@@ -31,6 +31,14 @@ def _run(mode, backend, np, env=None):
 @pytest.mark.parametrize("mode", ["powersgd", "topk"])
 def test_matches_numpy_reference(mode, backend, np):
     _run(mode, backend, np)
+
+
+# Levels switched by the policy mid-run (PowerSGD rank 1 -> 4 -> 1 -> 4, TopK 10% -> 20% -> ...),
+# every step against the reference following the same schedule.
+@pytest.mark.parametrize("backend,np", WORLDS)
+@pytest.mark.parametrize("mode", ["powersgd-switch", "topk-switch"])
+def test_level_switches_match_numpy_reference(mode, backend, np):
+    _run(mode, backend, np, steps="8")
 
 
 # TopK at ratio 1.0: a level that keeps half the entries or more goes through Horovod's own

@@ -47,14 +47,15 @@ RESUME_CASES = {
 @pytest.mark.parametrize("codec", RESUME_CASES.values(), ids=RESUME_CASES.keys())
 def test_resume_is_bit_identical_to_an_uninterrupted_run(tmp_path, codec):
     """A checkpoint after epoch 2 (step 44), restored into a fresh job, reaches step 110
-    (66 steps later) with the parameters, error feedback, levels and counters of the run
-    that never stopped, bit for bit."""
+    (66 steps later) with the parameters, optimizer state (momentum), error feedback, levels
+    and counters of the run that never stopped, bit for bit; and it really resumed: its
+    first step is 45, not 1."""
     whole, half, resumed = tmp_path / "whole", tmp_path / "half", tmp_path / "resumed"
     run_module("accordion_hvd.train", *codec, "--epochs", "5", "--checkpoint", str(whole), np=2, backend="gloo")
     run_module("accordion_hvd.train", *codec, "--epochs", "2", "--checkpoint", str(half), np=2, backend="gloo")
     out = run_module("accordion_hvd.train", *codec, "--epochs", "5", "--resume", str(half),
                      "--checkpoint", str(resumed), np=2, backend="gloo")
-    assert "resumed from" in out
+    assert "resumed from" in out and "at epoch 2, step 44" in out, out
     for rank in range(2):
         a = torch.load(f"{whole}.rank{rank}", weights_only=False)
         b = torch.load(f"{resumed}.rank{rank}", weights_only=False)
@@ -62,6 +63,10 @@ def test_resume_is_bit_identical_to_an_uninterrupted_run(tmp_path, codec):
         assert a["step"] == b["step"] >= start + 50, (start, a["step"], b["step"])
         for name in a["model"]:
             assert torch.equal(a["model"][name], b["model"][name]), f"rank {rank}: {name} differs"
+        momentum_a, momentum_b = a["optimizer"]["state"], b["optimizer"]["state"]
+        assert momentum_a.keys() == momentum_b.keys() and momentum_a
+        for key in momentum_a:
+            assert torch.equal(momentum_a[key]["momentum_buffer"], momentum_b[key]["momentum_buffer"]), key
         ca, cb = a["compression"], b["compression"]
         assert ca["sent"] == cb["sent"] and ca["controller"]["levels"] == cb["controller"]["levels"]
         for layer in ca["layers"]:
@@ -97,6 +102,25 @@ def test_gravac_policy_trains_and_records_its_choices(tmp_path):
     assert int(rows[-1]["floats_sent"]) < int(rows[-1]["floats_dense"]) / 2
     accuracy = float(out.split("final test accuracy: ")[1].split()[0])
     assert accuracy > 0.9, out
+
+
+def test_resume_with_another_number_of_ranks_keeps_all_but_the_error_feedback(tmp_path):
+    """2 ranks checkpoint, 3 ranks resume: each new rank starts from rank 0's parameters,
+    optimizer state, levels, Q and counters (the error feedback restarts at zero, with a
+    warning saying so), and the three ranks train on in agreement."""
+    ckpt, after = tmp_path / "ckpt", tmp_path / "after"
+    run_module("accordion_hvd.train", *ACCORDION, "--epochs", "2", "--checkpoint", str(ckpt), np=2, backend="gloo")
+    out = run_module("accordion_hvd.train", *ACCORDION, "--epochs", "4", "--resume", str(ckpt), "--checkpoint",
+                     str(after), np=3, backend="gloo")
+    assert "saved by 2 ranks, this run has 3" in out and "starts from zero" in out, out
+    assert "resumed from" in out and "at epoch 2, step 44" in out, out
+    assert float(out.split("final test accuracy: ")[1].split()[0]) > 0.5, out  # chance is 0.1
+    states = [torch.load(f"{after}.rank{rank}", weights_only=False) for rank in range(3)]
+    assert states[0]["step"] == 44 + 2 * ((1438 // 3) // 32)
+    for state in states[1:]:
+        for name in states[0]["model"]:
+            assert torch.equal(state["model"][name], states[0]["model"][name]), name
+        assert state["compression"]["controller"]["levels"] == states[0]["compression"]["controller"]["levels"]
 
 
 def test_one_rank_trains_and_says_nothing_was_compressed(tmp_path):

@@ -66,7 +66,7 @@ class Uncompressed(HorovodCompressor):
     def state_dict(self) -> dict:
         return {"format": _STATE_FORMAT, "kind": self.kind, "floats": self._floats}
 
-    def load_state_dict(self, state: dict) -> None:
+    def load_state_dict(self, state: dict, error_feedback: bool = True) -> None:  # none to keep
         if not isinstance(state, dict) or state.get("format") != _STATE_FORMAT or state.get("kind") != self.kind:
             found = state.get("kind", state.get("format")) if isinstance(state, dict) else type(state).__name__
             raise ValueError(f"the checkpoint's compression is {found!r}, this run's is uncompressed {self.kind!r}")

@@ -29,6 +29,12 @@ Modes (argv[1]):
              place (the worker asserts they occur, so tie-breaking is really exercised).
              All sums are exact in float32, so the applied update of the compressed layers
              must equal the reference BIT FOR BIT; parameters within 1e-5.
+  powersgd-switch, topk-switch
+             the same, with levels switched by the policy every 2 steps: PowerSGD(rank=1,
+             critical_rank=4) goes rank 1, 4, 1, 4 (Q keeps its columns and gets fresh seeded
+             ones, or drops the last ones; error feedback is kept), TopK(ratio=0.1,
+             critical_ratio=0.2) goes 10%, 20%, 10%, 20%. The reference follows the same
+             schedule. Same tolerances (TopK still bit for bit).
   topk-full  TopK(ratio=1.0, min_compression_rate=0.5): the layers count as compressed
              (asserted through stats()), but at a level keeping every entry they go
              through Horovod's dense allreduce with the error feedback folded in, so the
@@ -76,12 +82,41 @@ check = checker(rank)
 
 SHAPES = {"w2d": (24, 40), "conv": (8, 3, 5, 5), "bias": (24,)}
 COMPRESSED = ("w2d", "conv")  # stated here, not asked from the codec: bias is 1-D, so dense
-RATIO = {"topk": 0.1, "topk-full": 1.0}.get(mode)
+SWITCH = mode.endswith("-switch")
+POWERSGD, TOPK = mode.startswith("powersgd"), mode in ("topk", "topk-switch")
+RATIO = {"topk": 0.1, "topk-switch": 0.1, "topk-full": 1.0}.get(mode)
+CRITICAL_RATIO, CRITICAL_RANK = 0.2, 4
+
+
+def critical_at(t: int) -> bool:
+    """The switch modes' schedule: the critical level in steps 2-3, 6-7, ... (windows of 2)."""
+    return SWITCH and (t // 2) % 2 == 1
+
+
+class Schedule(acc.policies.Policy):
+    """The level of every layer by ``critical_at``: decided at the end of each 2-step window."""
+    name, uses_norms, reacts_to_lr = "schedule", False, False
+
+    def __init__(self):
+        self.windows = 0
+
+    def initial_level(self, layer):
+        return acc.levels.NORMAL
+
+    def end_window(self, report):
+        self.windows += 1
+        level = acc.levels.CRITICAL if critical_at(2 * self.windows) else acc.levels.NORMAL
+        return {layer: level for layer in report.norms}
+
 
 if mode == "powersgd":
     codec = acc.PowerSGD(rank=2)
+elif mode == "powersgd-switch":
+    codec = acc.PowerSGD(rank=1, critical_rank=CRITICAL_RANK)
 elif mode == "topk":
     codec = acc.TopK(ratio=RATIO)
+elif mode == "topk-switch":
+    codec = acc.TopK(ratio=RATIO, critical_ratio=CRITICAL_RATIO)
 elif mode == "topk-full":
     codec = acc.TopK(ratio=RATIO, min_compression_rate=0.5)  # so that ratio 1.0 is still "compressed"
 else:
@@ -91,7 +126,7 @@ else:
 def grads(r: int, t: int) -> dict[str, np.ndarray]:
     """G[r, t]: float32 values (what torch sees), same on every rank that asks."""
     rs = np.random.RandomState(1000 * t + r)
-    if mode == "topk":  # quantized: many exact ties in magnitude, exact sums
+    if TOPK:  # quantized: many exact ties in magnitude, exact sums
         return {n: (rs.randint(-8, 9, size=s) / 4).astype(np.float32) for n, s in SHAPES.items()}
     return {n: rs.standard_normal(s).astype(np.float32) for n, s in SHAPES.items()}
 
@@ -110,7 +145,7 @@ class Model(torch.nn.Module):
 
 model = Model().to(device)
 params = dict(model.named_parameters())
-compression = acc.AccordionCompressor(codec)
+compression = acc.AccordionCompressor(codec, policy=Schedule(), interval=2) if SWITCH else acc.AccordionCompressor(codec)
 if front == "horovod":
     opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=1.0, momentum=0.0),
                                    named_parameters=model.named_parameters(), compression=compression)
@@ -146,11 +181,14 @@ def topk_keep(g: np.ndarray, k: int) -> np.ndarray:
 
 ref_w = {n: p.detach().cpu().double().numpy().copy() for n, p in params.items()}
 # Error feedback e[r, name] of every rank: a matrix for PowerSGD, a flat vector for TopK.
-ref_e = {(r, n): np.zeros((SHAPES[n][0], math.prod(SHAPES[n][1:])) if mode == "powersgd" else math.prod(SHAPES[n]))
+ref_e = {(r, n): np.zeros((SHAPES[n][0], math.prod(SHAPES[n][1:])) if POWERSGD else math.prod(SHAPES[n]))
          for r in range(size) for n in COMPRESSED}
-if mode == "powersgd":
-    # The initial Q: an input of the algorithm, taken from the codec (seeded per layer name).
+if POWERSGD:
+    # The initial Q: an input of the algorithm, taken from the codec (seeded per layer name),
+    # and the seeded columns a switch to a higher rank adds (column j depends only on j).
     ref_q = {n: codec.init_state(n, torch.zeros(SHAPES[n])).q.double().numpy() for n in COMPRESSED}
+    fresh_q = {n: codec.init_state(n, torch.zeros(SHAPES[n]), acc.levels.CRITICAL).q.double().numpy()
+               for n in COMPRESSED}
 straddling_ties = {n: 0 for n in COMPRESSED}
 
 
@@ -159,7 +197,11 @@ def reference_step(t: int) -> dict[str, np.ndarray]:
     g_all = [{n: v.astype(np.float64) for n, v in grads(r, t).items()} for r in range(size)]
     update = {n: sum(g[n] for g in g_all) / size for n in SHAPES}  # dense layers: the mean
     for n in COMPRESSED:
-        if mode == "powersgd":
+        if POWERSGD:
+            rank = min(CRITICAL_RANK if critical_at(t) else codec.rank, *ref_e[0, n].shape)
+            if rank > ref_q[n].shape[1]:  # a switch up: the columns Q has, then fresh seeded ones
+                ref_q[n] = np.hstack([ref_q[n], fresh_q[n][:, ref_q[n].shape[1]:rank]])
+            ref_q[n] = ref_q[n][:, :rank]  # a switch down drops the last columns
             ms = [g_all[r][n].reshape(ref_e[r, n].shape) + ref_e[r, n] for r in range(size)]
             p = orthogonalize(sum(m @ ref_q[n] for m in ms) / size, codec.eps)
             q = sum(m.T @ p for m in ms) / size
@@ -169,7 +211,7 @@ def reference_step(t: int) -> dict[str, np.ndarray]:
             ref_q[n] = q  # warm start
             update[n] = m_hat.reshape(SHAPES[n])
         else:
-            k = math.ceil(RATIO * math.prod(SHAPES[n]))
+            k = math.ceil((CRITICAL_RATIO if critical_at(t) else RATIO) * math.prod(SHAPES[n]))
             total = np.zeros(math.prod(SHAPES[n]))
             for r in range(size):
                 g = g_all[r][n].reshape(-1) + ref_e[r, n]
@@ -185,7 +227,7 @@ def reference_step(t: int) -> dict[str, np.ndarray]:
 
 
 # --- train and compare, step by step -------------------------------------------------------
-PARAM_TOL = {"powersgd": 1e-4, "topk": 1e-5, "topk-full": 1e-5}[mode]
+PARAM_TOL = 1e-4 if POWERSGD else 1e-5
 worst = 0.0
 for t in range(steps):
     mine = grads(rank, t)
@@ -205,7 +247,7 @@ for t in range(steps):
               f"step {t} {n}: parameters differ from the NumPy reference by {err_w:.3g} (tol {PARAM_TOL})")
         check(np.allclose(got_u, expected[n], rtol=PARAM_TOL, atol=PARAM_TOL),
               f"step {t} {n}: applied update differs from the NumPy reference by {err_u:.3g}")
-        if mode == "topk" and n in COMPRESSED:
+        if TOPK and n in COMPRESSED:
             check(np.array_equal(applied[n].numpy(), expected[n].astype(np.float32)),
                   f"step {t} {n}: TopK update not bit-identical to the exact reference "
                   f"({int((applied[n].numpy() != expected[n].astype(np.float32)).sum())} entries differ)")
@@ -222,11 +264,13 @@ for t in range(steps):
 
 layers = compression.stats()["layers"]
 for n in SHAPES:
-    want = "normal" if n in COMPRESSED else "dense"
+    want = ("critical" if critical_at(steps) else "normal") if n in COMPRESSED else "dense"
     check(layers[n]["level"] == want, f"{n} went {layers[n]['level']!r}, expected {want!r}")
-if mode == "topk":
+if SWITCH:
+    check(steps >= 6, "the switch modes need 6 steps or more (levels 1, 4, 1)")
+if TOPK:
     check(all(straddling_ties.values()), f"no tie straddled the k-th place in some layer: {straddling_ties}")
-ties = f", ties straddling the k-th place {straddling_ties}" if mode == "topk" else ""
+ties = f", ties straddling the k-th place {straddling_ties}" if TOPK else ""
 say(f"rank {rank}: OK {mode} {codec!r} through {front} on {device.type}, size {size}, {steps} steps, "
     f"max |error| {worst:.2e}{ties}")
 if front == "ddp":
