@@ -1,5 +1,6 @@
 """The training CLI's data sets: deterministic on every rank, sharded without overlap."""
 
+import pytest
 import torch
 
 from accordion_hvd.cli import data
@@ -35,3 +36,74 @@ def test_shards_are_disjoint_equal_and_the_same_permutation_on_every_rank():
     again = [int(v) for x, _ in data.shard_batches(ids, batch, 1, size, epoch=2, seed=0) for v in x.flatten()]
     other_epoch = [int(v) for x, _ in data.shard_batches(ids, batch, 1, size, epoch=3, seed=0) for v in x.flatten()]
     assert again == shards[1] and other_epoch != shards[1]
+
+
+# --- language modelling: the standard library's own source ----------------------------------
+def test_text_corpus_is_deterministic_split_by_file_and_shifted_by_one():
+    a, b = data.load_text(seq_len=35), data.load_text(seq_len=35)
+    assert a.digest == b.digest and a.vocabulary == b.vocabulary
+    for split_a, split_b in zip(a[:3], b[:3]):
+        assert torch.equal(split_a.x, split_b.x) and torch.equal(split_a.y, split_b.y)
+    assert not set(data.TEXT_TRAIN) & set(data.TEXT_VALID + data.TEXT_TEST)
+    assert not set(data.TEXT_VALID) & set(data.TEXT_TEST)
+    assert a.vocabulary[-1] == data.UNK and len(set(a.vocabulary)) == len(a.vocabulary)
+    assert "\n" in a.vocabulary and "self" in a.vocabulary and "def" in a.vocabulary
+    train = a.train
+    assert train.x.shape[1] == 35 and train.x.shape[0] > 10_000 and train.x.dtype == torch.int64
+    assert torch.equal(train.y[:, :-1], train.x[:, 1:])     # the next token, within a sequence
+    assert torch.equal(train.y[:-1, -1], train.x[1:, 0])    # and across consecutive sequences
+    assert int(train.x.max()) < len(a.vocabulary) and int(a.test.x.max()) < len(a.vocabulary)
+    unk = len(a.vocabulary) - 1
+    assert (a.test.x == unk).float().mean() < 0.1  # held-out modules share most of the vocabulary
+
+
+def test_text_tokens_are_lines_identifiers_numbers_and_single_symbols():
+    assert data.TEXT_TOKEN.findall("def f(x=10):\n    return x  # ok\n") == [
+        "def", "f", "(", "x", "=", "10", ")", ":", "\n", "return", "x", "#", "ok", "\n"]
+
+
+def test_text_without_the_standard_library_sources_names_the_file_and_where_it_looked(tmp_path, monkeypatch):
+    import sysconfig
+
+    from accordion_hvd.cli import train
+
+    with pytest.raises(FileNotFoundError, match=f"{data.TEXT_TRAIN[0]} is missing \\(looked in {tmp_path}\\)"):
+        data.load_text(stdlib=str(tmp_path))
+    monkeypatch.setattr(sysconfig, "get_paths", lambda: {"stdlib": str(tmp_path)})
+    with pytest.raises(SystemExit, match="does not ship its sources"):
+        train.load_data(train.parse_args(["--dataset", "text"]))
+
+
+# --- CIFAR-10 from a local copy ----------------------------------------------------------------
+def write_cifar(root, per_batch=6):
+    import pickle
+
+    import numpy as np
+
+    folder = root / "cifar-10-batches-py"
+    folder.mkdir(parents=True)
+    rs = np.random.RandomState(0)
+    for name in [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"]:
+        batch = {"data": rs.randint(0, 256, size=(per_batch, 3072), dtype=np.uint8),
+                 "labels": rs.randint(0, 10, size=per_batch).tolist()}
+        with open(folder / name, "wb") as f:
+            pickle.dump(batch, f)
+    return folder
+
+
+def test_cifar10_loader_reads_a_cifar_format_directory(tmp_path):
+    folder = write_cifar(tmp_path)
+    for given in (tmp_path, folder):  # the parent, as torchvision leaves it, or the folder itself
+        train, test = data.load_cifar10(given)
+        assert train.x.shape == (30, 3, 32, 32) and test.x.shape == (6, 3, 32, 32)
+        assert train.y.dtype == torch.int64 and int(train.y.max()) < 10
+        # normalized per channel with the training set's statistics
+        assert torch.allclose(train.x.mean(dim=(0, 2, 3)), torch.zeros(3), atol=1e-5)
+        assert torch.allclose(train.x.std(dim=(0, 2, 3)), torch.ones(3), atol=1e-4)
+
+
+def test_a_data_dir_without_cifar10_ends_with_one_line_naming_what_is_missing(tmp_path):
+    from accordion_hvd.cli import train
+
+    with pytest.raises(SystemExit, match=f"--data-dir {tmp_path}: CIFAR-10 .*missing .*data_batch_1"):
+        train.load_data(train.parse_args(["--dataset", "cifar10", "--data-dir", str(tmp_path)]))

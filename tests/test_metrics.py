@@ -138,7 +138,7 @@ def test_killed_run_leaves_valid_csvs(tmp_path):
     proc = subprocess.run([sys.executable, "-c", script], env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert proc.returncode == -signal.SIGKILL
     assert len(read_csv(tmp_path / "run" / "steps.csv")) == 21
-    assert read_csv(tmp_path / "run" / "eval.csv")[1] == ["19", "0", "0.5", "19", "1.0"]
+    assert read_csv(tmp_path / "run" / "eval.csv")[1] == ["19", "0", "0.5", "", "19", "1.0"]  # no perplexity
 
 
 def test_plot_run_writes_pngs(tmp_path):
@@ -268,3 +268,19 @@ def test_cli(tmp_path, capsys):
     with pytest.raises(SystemExit) as exc:
         plots.main([str(tmp_path / "missing")])
     assert exc.value.code == 1 and "steps.csv" in capsys.readouterr().err
+
+
+def test_a_language_model_run_records_and_plots_perplexity(tmp_path):
+    with MetricsLogger(tmp_path / "lm", layers=["w"], tensorboard=False) as m:
+        for s in range(3):
+            m.log_step(s, epoch=0, loss=5.0, lr=0.1, floats_sent=s, floats_dense=s, levels={"w": "normal"},
+                       compress_s=0.0, comm_s=0.0, wall_s=float(s))
+            m.log_eval(s, epoch=s, perplexity=300.0 / (s + 1), floats_sent=s + 1, wall_s=float(s))
+        with pytest.raises(ValueError, match="perplexity must be at least 1"):
+            m.log_eval(3, epoch=3, perplexity=0.5, floats_sent=4, wall_s=3.0)
+        with pytest.raises(ValueError, match="either accuracy or perplexity"):
+            m.log_eval(3, epoch=3, accuracy=0.5, perplexity=2.0, floats_sent=4, wall_s=3.0)
+    rows = read_csv(tmp_path / "lm" / "eval.csv")
+    assert rows[1] == ["0", "0", "", "300.0", "1", "0.0"]
+    assert [p.name for p in plots.plot_run(tmp_path / "lm")] == ["perplexity_vs_floats.png", "perplexity_vs_time.png",
+                                                                 "regimes.png"]

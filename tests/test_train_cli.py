@@ -153,3 +153,20 @@ def test_trains_on_the_gpu_and_resumes_on_the_cpu(tmp_path):
     assert "resumed from" in cpu and "2 ranks on cpu" in cpu
     accuracy = float(cpu.split("final test accuracy: ")[1].split()[0])
     assert accuracy > 0.5, cpu  # chance is 0.1; the same run on the CPU alone reaches 0.69
+
+
+def test_language_model_on_the_standard_library_reports_perplexity(tmp_path):
+    """--dataset text --model lstm: the vocabulary is stated, a few steps lower the
+    perplexity far below the vocabulary's size (a uniform guess), and the last line says the
+    test perplexity; eval.csv records perplexity."""
+    out = run_module("accordion_hvd.train", "--dataset", "text", "--codec", "powersgd", "--rank", "1",
+                     "--critical-rank", "4", "--lr", "0.5", "--max-steps", "30", "--logdir", str(tmp_path),
+                     "--no-progress", np=2, backend="gloo", timeout=300)
+    vocabulary = int(out.split("vocabulary: ")[1].split()[0])
+    perplexity = float(out.split("final test perplexity: ")[1].split()[0])
+    assert vocabulary > 5_000 and 1 < perplexity < vocabulary / 10, out
+    assert "stopped after 30 optimizer steps" in out and "(2 ranks, 1 epochs, 30 steps" in out, out
+    with open(tmp_path / "eval.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert len(rows) == 1 and rows[0]["accuracy"] == "" and float(rows[0]["perplexity"]) > 1
+    assert (tmp_path / "perplexity_vs_floats.png").is_file()

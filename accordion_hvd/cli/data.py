@@ -1,18 +1,20 @@
-"""Data sets for the training CLI, sharded across Horovod ranks.
+"""Data sets for the training CLI, sharded across ranks.
 
-``digits`` (scikit-learn's bundled 1,797 8x8 images) needs no download and is the default.
+``digits`` (scikit-learn's bundled 1,797 8x8 images) needs no download and is the default;
+``text`` (the standard library's own source, tokenized) needs none either.
 """
 
 from __future__ import annotations
 
+import re
 from typing import Iterator, NamedTuple
 
 import torch
 
 
 class Split(NamedTuple):
-    x: torch.Tensor  # (N, C, H, W) float32
-    y: torch.Tensor  # (N,) int64
+    x: torch.Tensor  # (N, C, H, W) float32 images, or (N, T) int64 token ids
+    y: torch.Tensor  # (N,) int64 labels, or (N, T) int64 next tokens
 
 
 def load_digits(seed: int = 0, test_fraction: float = 0.2) -> tuple[Split, Split]:
@@ -90,3 +92,73 @@ def load_cifar10(data_dir) -> tuple[Split, Split]:
     mean = x_train.mean(dim=(0, 2, 3), keepdim=True)
     std = x_train.std(dim=(0, 2, 3), keepdim=True)
     return Split((x_train - mean) / std, y_train), Split((x_test - mean) / std, y_test)
+
+
+# --- language modelling on the standard library's own source ---------------------------------
+# Real text that every Python installation ships: the source of these standard-library
+# modules (present as plain files from Python 3.9 to 3.13), split by file so that no module
+# is in two splits. The corpus is the interpreter's own: another Python version has other
+# source, so the log states the corpus's digest.
+TEXT_VALID = ("calendar.py", "ftplib.py", "shutil.py", "statistics.py", "uuid.py")
+TEXT_TEST = ("base64.py", "configparser.py", "fractions.py", "smtplib.py", "threading.py")
+TEXT_TRAIN = (
+    "argparse.py", "ast.py", "bisect.py", "codecs.py", "collections/__init__.py", "copy.py", "csv.py",
+    "dataclasses.py", "difflib.py", "enum.py", "fnmatch.py", "functools.py", "gettext.py", "glob.py", "heapq.py",
+    "http/client.py", "http/server.py", "imaplib.py", "inspect.py", "ipaddress.py", "json/decoder.py",
+    "json/encoder.py", "locale.py", "logging/__init__.py", "mailbox.py", "netrc.py", "optparse.py", "os.py",
+    "pickle.py", "plistlib.py", "poplib.py", "pprint.py", "random.py", "socket.py", "ssl.py", "string.py",
+    "subprocess.py", "tarfile.py", "tempfile.py", "textwrap.py", "tokenize.py", "traceback.py", "typing.py",
+    "unittest/case.py", "urllib/parse.py", "weakref.py",
+)
+# Tokens: a line break, an identifier or keyword, a run of digits, or one other visible
+# character (operators and punctuation); indentation and other whitespace are dropped.
+TEXT_TOKEN = re.compile(r"\n|[A-Za-z_]\w*|\d+|[^\s\w]", re.ASCII)
+TEXT_MIN_COUNT = 3  # tokens seen fewer times in the training split are <unk>
+UNK = "<unk>"
+
+
+class TextCorpus(NamedTuple):
+    train: Split  # x: (N, seq_len) token ids, y: the same shifted by one token
+    valid: Split
+    test: Split
+    vocabulary: list[str]
+    digest: str   # sha256 of the files' bytes, in order: which corpus this was
+
+
+def load_text(seq_len: int = 35, stdlib: str | None = None) -> TextCorpus:
+    """The standard-library corpus, tokenized, as non-overlapping sequences of ``seq_len``
+    tokens (inputs) and the same shifted by one (targets), per split. The vocabulary is the
+    training split's tokens seen at least ``TEXT_MIN_COUNT`` times, by count then text,
+    plus ``<unk>``. Raises FileNotFoundError naming a missing file and where it looked."""
+    import collections
+    import hashlib
+    import sysconfig
+    from pathlib import Path
+
+    root = Path(stdlib or sysconfig.get_paths()["stdlib"])
+    digest = hashlib.sha256()
+    tokens = {}
+    for split, names in (("train", TEXT_TRAIN), ("valid", TEXT_VALID), ("test", TEXT_TEST)):
+        stream = []
+        for name in names:
+            path = root / name
+            if not path.is_file():
+                raise FileNotFoundError(f"--dataset text: the standard library file {name} is missing (looked in "
+                                        f"{root}); this Python installation does not ship its sources")
+            raw = path.read_bytes()
+            digest.update(raw)
+            stream += TEXT_TOKEN.findall(raw.decode("utf-8"))
+        tokens[split] = stream
+    counts = collections.Counter(tokens["train"])
+    vocabulary = sorted((t for t, c in counts.items() if c >= TEXT_MIN_COUNT), key=lambda t: (-counts[t], t))
+    vocabulary.append(UNK)
+    index = {t: i for i, t in enumerate(vocabulary)}
+    unk = index[UNK]
+
+    def sequences(stream: list[str]) -> Split:
+        ids = torch.tensor([index.get(t, unk) for t in stream], dtype=torch.int64)
+        n = (len(ids) - 1) // seq_len
+        return Split(ids[:n * seq_len].view(n, seq_len), ids[1:n * seq_len + 1].view(n, seq_len))
+
+    return TextCorpus(sequences(tokens["train"]), sequences(tokens["valid"]), sequences(tokens["test"]),
+                      vocabulary, digest.hexdigest()[:16])

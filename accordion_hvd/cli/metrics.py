@@ -27,7 +27,7 @@ STEPS_CSV = "steps.csv"
 EVAL_CSV = "eval.csv"
 LEVEL_PREFIX = "level/"
 STEP_COLUMNS = ("step", "epoch", "loss", "lr", "floats_sent", "floats_dense", "compress_s", "comm_s", "wall_s")
-EVAL_COLUMNS = ("step", "epoch", "accuracy", "floats_sent", "wall_s")
+EVAL_COLUMNS = ("step", "epoch", "accuracy", "perplexity", "floats_sent", "wall_s")
 
 # A layer's level as a TensorBoard scalar. The codes grow with the floats a layer sends
 # (aggressive normal < gentle critical < uncompressed dense), so a higher curve means
@@ -68,7 +68,8 @@ class MetricsLogger:
     header is fixed by that first row) and ``eval.csv`` (``EVAL_COLUMNS``). ``floats_sent``
     and ``floats_dense`` are cumulative counts for this rank, as in
     ``AccordionCompressor.stats()``; ``wall_s`` is seconds since training started;
-    ``accuracy`` is a fraction in [0, 1].
+    an evaluation has either ``accuracy`` (a fraction in [0, 1]: classification) or
+    ``perplexity`` (at least 1: language modelling), the other cell empty.
 
     A logdir that already holds a run is refused (FileExistsError) unless
     ``overwrite=True``, which replaces its CSVs and TensorBoard event files: a logdir is
@@ -179,18 +180,28 @@ class MetricsLogger:
                 shown = self._tb_shown[name] = [code, step, step]
             shown[2] = step
 
-    def log_eval(self, step: int, *, epoch: int, accuracy: float, floats_sent: int, wall_s: float) -> None:
-        """One evaluation of the test accuracy (a fraction in [0, 1])."""
+    def log_eval(self, step: int, *, epoch: int, floats_sent: int, wall_s: float, accuracy: float | None = None,
+                 perplexity: float | None = None) -> None:
+        """One evaluation: the accuracy (a fraction in [0, 1]) or the perplexity (>= 1)."""
         self._check_open()
-        accuracy = _number("accuracy", accuracy)
-        if not 0.0 <= accuracy <= 1.0:  # also refuses NaN
-            raise ValueError(f"MetricsLogger: accuracy must be a fraction in [0, 1], got {accuracy!r}")
-        row = (_number("step", step, int), _number("epoch", epoch, int), accuracy,
-               _number("floats_sent", floats_sent, int), _number("wall_s", wall_s))
+        if (accuracy is None) == (perplexity is None):
+            raise ValueError("MetricsLogger: give log_eval either accuracy or perplexity")
+        if accuracy is not None:
+            accuracy = _number("accuracy", accuracy)
+            if not 0.0 <= accuracy <= 1.0:  # also refuses NaN
+                raise ValueError(f"MetricsLogger: accuracy must be a fraction in [0, 1], got {accuracy!r}")
+        else:
+            perplexity = _number("perplexity", perplexity)
+            if not perplexity >= 1.0:  # also refuses NaN (inf: a diverged run, recorded as such)
+                raise ValueError(f"MetricsLogger: perplexity must be at least 1, got {perplexity!r}")
+        row = (_number("step", step, int), _number("epoch", epoch, int), "" if accuracy is None else accuracy,
+               "" if perplexity is None else perplexity, _number("floats_sent", floats_sent, int),
+               _number("wall_s", wall_s))
         self._write(self._eval_file, self._eval_csv, row)
         if self._tb is not None:
-            self._tb.add_scalar("eval/accuracy", accuracy, row[0])
-            self._tb.add_scalar("eval/floats_sent", row[3], row[0])
+            name, value = ("eval/accuracy", accuracy) if accuracy is not None else ("eval/perplexity", perplexity)
+            self._tb.add_scalar(name, value, row[0])
+            self._tb.add_scalar("eval/floats_sent", row[4], row[0])
             self._tb.flush()
 
     def close(self) -> None:

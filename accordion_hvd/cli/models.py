@@ -72,3 +72,28 @@ class ResNet18(nn.Module):
 
     def forward(self, x):
         return self.head(self.layers(self.stem(x)).mean(dim=(2, 3)))
+
+
+class LSTMLanguageModel(nn.Module):
+    """A 2-layer LSTM language model (the Accordion and PowerSGD papers' LSTM on WikiText-2,
+    smaller for CPUs): embedding, LSTM, dropout, and a decoder that shares the embedding's
+    weight (tied embeddings, Press & Wolf 2017: fewer parameters, usually lower perplexity).
+
+    Its compressed matrices are the (vocabulary x dim) embedding/decoder weight and the LSTM's
+    (4 dim x dim) input and recurrent weights; the biases go dense.
+    """
+
+    def __init__(self, vocabulary: int, dim: int = 128, layers: int = 2, dropout: float = 0.2) -> None:
+        super().__init__()
+        self.embedding = nn.Embedding(vocabulary, dim)
+        self.lstm = nn.LSTM(dim, dim, num_layers=layers, dropout=dropout, batch_first=True)
+        self.drop = nn.Dropout(dropout)
+        self.decoder = nn.Linear(dim, vocabulary)
+        self.decoder.weight = self.embedding.weight  # tied
+        nn.init.uniform_(self.embedding.weight, -0.1, 0.1)
+        nn.init.zeros_(self.decoder.bias)
+
+    def forward(self, tokens):
+        """(batch, time) token ids -> (batch, time, vocabulary) logits of the next token."""
+        hidden, _ = self.lstm(self.drop(self.embedding(tokens)))
+        return self.decoder(self.drop(hidden))

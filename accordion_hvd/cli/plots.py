@@ -58,14 +58,16 @@ def _column(rows: list[dict], name: str, path: Path) -> np.ndarray:
 
 
 def _accuracy_figure(curves: dict[str, tuple[np.ndarray, np.ndarray]], xlabel: str, title: str,
-                     log_x: bool | None = None) -> Figure:
-    """Test accuracy (%) against x, one line per curve. ``log_x=None``: logarithmic x when
-    every x is positive and they span two decades or more (runs compressed by different
-    factors then stay apart instead of squeezing the gentler ones against the axis)."""
+                     log_x: bool | None = None, metric: str = "accuracy") -> Figure:
+    """Test accuracy (%) or perplexity against x, one line per curve. ``log_x=None``:
+    logarithmic x when every x is positive and they span two decades or more (runs
+    compressed by different factors then stay apart instead of squeezing the gentler ones
+    against the axis)."""
     fig = Figure(figsize=(6.4, 4.2), dpi=DPI, layout="constrained")
     ax = fig.add_subplot()
+    scale = 100 if metric == "accuracy" else 1
     for label, (x, acc) in curves.items():
-        ax.plot(x, 100 * acc, marker="o", markersize=3, label=label)
+        ax.plot(x, scale * acc, marker="o", markersize=3, label=label)
     xs = np.concatenate([x for x, _ in curves.values()])
     if log_x is None:
         log_x = bool(xs.size) and xs.min() > 0 and xs.max() / xs.min() >= 100
@@ -74,7 +76,7 @@ def _accuracy_figure(curves: dict[str, tuple[np.ndarray, np.ndarray]], xlabel: s
     else:
         ax.xaxis.set_major_formatter(EngFormatter())  # 20M rather than 2 with a 1e7 offset
     ax.set_xlabel(xlabel)
-    ax.set_ylabel("test accuracy (%)")
+    ax.set_ylabel("test accuracy (%)" if metric == "accuracy" else "validation perplexity")
     ax.set_title(title)
     ax.grid(True, which="both", alpha=0.3)
     if len(curves) > 1:
@@ -88,10 +90,17 @@ def _save(fig: Figure, path: Path) -> Path:
     return path
 
 
-def _eval_curves(logdir: Path) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def eval_metric(rows: list[dict]) -> str:
+    """"accuracy" or "perplexity": the column an eval.csv fills."""
+    return "perplexity" if rows and rows[0].get("perplexity") not in (None, "") else "accuracy"
+
+
+def _eval_curves(logdir: Path) -> tuple[np.ndarray, np.ndarray, np.ndarray, str]:
+    """floats sent, wall time and the evaluated metric of each evaluation, and its name."""
     path = logdir / EVAL_CSV
     rows = _read_csv(path)
-    return _column(rows, "floats_sent", path), _column(rows, "wall_s", path), _column(rows, "accuracy", path)
+    metric = eval_metric(rows)
+    return _column(rows, "floats_sent", path), _column(rows, "wall_s", path), _column(rows, metric, path), metric
 
 
 FLOATS_LABEL = "floats sent by rank 0, cumulative (count)"
@@ -142,16 +151,17 @@ def plot_run(logdir, out_dir=None) -> list[Path]:
     logdir = Path(logdir)
     out = Path(out_dir) if out_dir is not None else logdir
     steps = _read_csv(logdir / STEPS_CSV)
-    floats, wall, acc = _eval_curves(logdir)
+    floats, wall, acc, metric = _eval_curves(logdir)
     out.mkdir(parents=True, exist_ok=True)
     written = []
+    what = "test accuracy" if metric == "accuracy" else "validation perplexity"
     if acc.size:
         curve = {logdir.name: (floats, acc)}
-        written.append(_save(_accuracy_figure(curve, FLOATS_LABEL, f"test accuracy vs communication: {logdir.name}"),
-                             out / "accuracy_vs_floats.png"))
+        written.append(_save(_accuracy_figure(curve, FLOATS_LABEL, f"{what} vs communication: {logdir.name}",
+                                              metric=metric), out / f"{metric}_vs_floats.png"))
         curve = {logdir.name: (wall, acc)}
-        written.append(_save(_accuracy_figure(curve, TIME_LABEL, f"test accuracy vs time: {logdir.name}"),
-                             out / "accuracy_vs_time.png"))
+        written.append(_save(_accuracy_figure(curve, TIME_LABEL, f"{what} vs time: {logdir.name}", metric=metric),
+                             out / f"{metric}_vs_time.png"))
     else:
         log.warning("%s has no evaluations yet: no accuracy figures", logdir / EVAL_CSV)
     layers = [c[len(LEVEL_PREFIX):] for c in (steps[0] if steps else {}) if c.startswith(LEVEL_PREFIX)]
@@ -175,14 +185,20 @@ def compare_runs(runs: dict, out_dir) -> list[Path]:
     if not runs:
         raise ValueError("compare_runs: no runs given")
     evals = {label: _eval_curves(Path(d)) for label, d in runs.items()}
+    metrics = {m for *_, m in evals.values()}
+    if len(metrics) > 1:
+        raise ValueError(f"compare_runs: the runs evaluate different metrics ({sorted(metrics)})")
+    metric = metrics.pop()
+    what = "test accuracy" if metric == "accuracy" else "validation perplexity"
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    by_floats = {label: (f, a) for label, (f, _, a) in evals.items()}
-    by_time = {label: (w, a) for label, (_, w, a) in evals.items()}
+    by_floats = {label: (f, a) for label, (f, _, a, _) in evals.items()}
+    by_time = {label: (w, a) for label, (_, w, a, _) in evals.items()}
     return [
-        _save(_accuracy_figure(by_floats, FLOATS_LABEL, "test accuracy vs communication"),
-              out / "compare_accuracy_vs_floats.png"),
-        _save(_accuracy_figure(by_time, TIME_LABEL, "test accuracy vs time"), out / "compare_accuracy_vs_time.png"),
+        _save(_accuracy_figure(by_floats, FLOATS_LABEL, f"{what} vs communication", metric=metric),
+              out / f"compare_{metric}_vs_floats.png"),
+        _save(_accuracy_figure(by_time, TIME_LABEL, f"{what} vs time", metric=metric),
+              out / f"compare_{metric}_vs_time.png"),
     ]
 
 

@@ -20,9 +20,12 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -42,8 +45,8 @@ log = logging.getLogger("accordion_hvd.train")
 
 CODECS = ("none", "fp16", "powersgd", "topk")
 POLICIES = ("accordion", "static", "gravac")
-DATASETS = ("digits", "synthetic", "cifar10")
-MODELS = ("cnn", "cnn-wide", "resnet18")
+DATASETS = ("digits", "synthetic", "cifar10", "text")
+MODELS = ("cnn", "cnn-wide", "resnet18", "lstm")
 DEVICES = ("auto", "cpu", "cuda")
 
 __all__ = ["main", "make_compression", "parse_args", "read_checkpoint"]
@@ -98,8 +101,12 @@ def parse_args(argv=None) -> argparse.Namespace:
                                                                 "with --batch-mode (default 8: 32 -> 256)")
     p.add_argument("--dataset", choices=DATASETS, default="digits")
     p.add_argument("--data-dir", type=Path, default=None, help="where cifar10 is (never downloaded)")
-    p.add_argument("--model", choices=MODELS, default=None, help="default: cnn, resnet18 for cifar10; cnn-wide: 2.2 M parameters, for "
-                                                              "bandwidth-bound runs")
+    p.add_argument("--model", choices=MODELS, default=None,
+                   help="default: cnn, resnet18 for cifar10, lstm for text; cnn-wide: 2.2 M parameters, for "
+                        "bandwidth-bound runs")
+    p.add_argument("--seq-len", type=int, default=35, help="--dataset text: tokens per training sequence")
+    p.add_argument("--max-steps", type=int, default=0,
+                   help="stop after this many optimizer steps (0: run every epoch), then evaluate; for smoke runs")
     p.add_argument("--device", choices=DEVICES, default="auto",
                    help="where to train: cuda if torch sees a GPU (auto), or the one named")
     p.add_argument("--epochs", type=int, default=15)
@@ -136,7 +143,12 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error(f"--lr-milestones must be comma-separated epoch numbers, got {args.lr_milestones!r}")
     if args.dataset == "cifar10" and args.data_dir is None:
         p.error("--dataset cifar10 needs --data-dir (it is never downloaded)")
-    args.model = args.model or ("resnet18" if args.dataset == "cifar10" else "cnn")
+    args.model = args.model or {"cifar10": "resnet18", "text": "lstm"}.get(args.dataset, "cnn")
+    if (args.dataset == "text") != (args.model == "lstm"):
+        p.error(f"--model lstm goes with --dataset text and only with it, got --dataset {args.dataset} "
+                f"--model {args.model}")
+    if args.seq_len < 1 or args.max_steps < 0:
+        p.error(f"--seq-len must be at least 1 and --max-steps at least 0, got {args.seq_len} and {args.max_steps}")
     if args.device == "cuda" and not torch.cuda.is_available():
         p.error(f"--device cuda: torch {torch.__version__} sees no GPU (use --device cpu or auto)")
     try:
@@ -172,18 +184,42 @@ def pick_device(choice: str, local_rank: int) -> torch.device:
     return device
 
 
-def load_data(args):
-    if args.dataset == "digits":
-        return data.load_digits(seed=args.seed)
-    if args.dataset == "synthetic":
-        if args.model in ("cnn", "cnn-wide"):
-            return data.load_synthetic(seed=args.seed, channels=1, size=8)
-        # 3x32x32 images for ResNet-18 throughput runs: fewer of them (4,096 + 1,024 is 63 MB)
-        return data.load_synthetic(seed=args.seed, n_train=4_096, n_test=1_024)
-    return data.load_cifar10(args.data_dir)
+class Task(NamedTuple):
+    train: data.Split
+    valid: data.Split | None  # evaluated after every epoch (else the test split is)
+    test: data.Split
+    metric: str               # "accuracy" (classification) or "perplexity" (language modelling)
+    classes: int              # classes, or the vocabulary's size
 
 
-def make_model(args, train: data.Split) -> torch.nn.Module:
+def load_data(args) -> Task:
+    """The task of --dataset; a missing file ends the run with one line naming it."""
+    try:
+        if args.dataset == "text":
+            corpus = data.load_text(seq_len=args.seq_len)
+            log.info("corpus: the standard library of Python %s (%d files, sha256 %s), %s / %s / %s training / "
+                     "validation / test tokens; vocabulary: %d", ".".join(map(str, sys.version_info[:3])),
+                     len(data.TEXT_TRAIN + data.TEXT_VALID + data.TEXT_TEST), corpus.digest,
+                     *(f"{split.y.numel():,}" for split in corpus[:3]), len(corpus.vocabulary))
+            return Task(corpus.train, corpus.valid, corpus.test, "perplexity", len(corpus.vocabulary))
+        if args.dataset == "digits":
+            train, test = data.load_digits(seed=args.seed)
+        elif args.dataset == "synthetic" and args.model in ("cnn", "cnn-wide"):
+            train, test = data.load_synthetic(seed=args.seed, channels=1, size=8)
+        elif args.dataset == "synthetic":
+            # 3x32x32 images for ResNet-18 throughput runs: fewer of them (4,096 + 1,024 is 63 MB)
+            train, test = data.load_synthetic(seed=args.seed, n_train=4_096, n_test=1_024)
+        else:
+            train, test = data.load_cifar10(args.data_dir)
+    except FileNotFoundError as exc:
+        raise SystemExit(str(exc)) from None
+    return Task(train, None, test, "accuracy", 10)
+
+
+def make_model(args, task: Task) -> torch.nn.Module:
+    if args.model == "lstm":
+        return models.LSTMLanguageModel(task.classes)
+    train = task.train
     channels = train.x.shape[1]
     if args.model in ("cnn", "cnn-wide"):
         if tuple(train.x.shape[2:]) != (8, 8):
@@ -193,16 +229,27 @@ def make_model(args, train: data.Split) -> torch.nn.Module:
     return models.ResNet18(channels=channels)
 
 
+def loss_of(logits: torch.Tensor, y: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
+    """Cross-entropy of class logits (N, C) or next-token logits (N, T, V)."""
+    return F.cross_entropy(logits.flatten(0, -2), y.flatten(), reduction=reduction)
+
+
 @torch.no_grad()
-def evaluate(front, model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
-    """Accuracy over all ranks: each rank scores its slice, the counts are summed."""
+def evaluate(front, model: torch.nn.Module, split: data.Split, metric: str) -> float:
+    """Accuracy, or perplexity (exp of the mean cross-entropy per token), over all ranks:
+    each rank scores its slice, the sums are reduced."""
     model.eval()
     mine = slice(front.rank, None, front.size)
-    correct = sum((model(xb).argmax(1) == yb).sum() for xb, yb in zip(x[mine].split(512), y[mine].split(512)))
-    totals = front.sum(torch.stack([torch.as_tensor(correct).double().cpu(),
-                                    torch.tensor(float(len(y[mine])), dtype=torch.float64)]), name="eval.accuracy")
+    score = torch.zeros((), dtype=torch.float64)
+    for xb, yb in zip(split.x[mine].split(512), split.y[mine].split(512)):
+        logits = model(xb)
+        score += (logits.argmax(1) == yb).sum().double().cpu() if metric == "accuracy" else \
+            loss_of(logits, yb, reduction="sum").double().cpu()
+    count = float(split.y[mine].numel())
+    totals = front.sum(torch.stack([score, torch.tensor(count, dtype=torch.float64)]), name=f"eval.{metric}")
     model.train()
-    return (totals[0] / totals[1]).item()
+    mean = (totals[0] / totals[1]).item()
+    return mean if metric == "accuracy" else math.exp(min(mean, 700.0))  # a diverged run: inf, not an overflow
 
 
 @dataclass
@@ -211,16 +258,15 @@ class Run:
     args: argparse.Namespace
     front: object                # HorovodFrontEnd or DDPFrontEnd (frontends.py)
     device: torch.device
-    train: data.Split
-    test: data.Split
+    task: Task
     model: torch.nn.Module       # the model itself: state, evaluation
     net: torch.nn.Module         # what training runs forward on (the DDP wrapper, under DDP)
     opt: torch.optim.Optimizer
     compression: object          # AccordionCompressor or Uncompressed: the same face
     batch: AccordionBatchSize | None
     base_lr: float
-    epoch: int = 0
-    step: int = 0
+    epoch: int = 0               # epochs done
+    step: int = 0                # optimizer steps done
     metrics: object = None       # MetricsLogger on rank 0 with --logdir
     started: float = 0.0
     seconds_before: dict | None = None
@@ -235,7 +281,7 @@ def main(argv=None) -> float:
     if args.launcher == "horovod":
         install_polite_wait()  # every method alike, the uncompressed baselines included
     run = set_up(args, front)
-    micro_per_epoch = (len(run.train.y) // front.size) // args.batch_size
+    micro_per_epoch = (len(run.task.train.y) // front.size) // args.batch_size
     bar = progress(micro_per_epoch * (args.epochs - run.epoch), enabled=rank0 and not args.no_progress,
                    desc="training (micro-batches)" if run.batch else "training")
     run.metrics = _metrics_logger(args, run.model) if rank0 and args.logdir else None
@@ -244,7 +290,12 @@ def main(argv=None) -> float:
     for epoch in range(run.epoch, args.epochs):
         loss = train_epoch(run, epoch, micro_per_epoch, bar)
         acc = end_epoch(run, epoch, loss, bar)
+        if args.max_steps and run.step >= args.max_steps:
+            log.info("stopped after %d optimizer steps (--max-steps)", run.step)
+            break
     bar.close()
+    if run.task.valid is not None:  # the epochs were scored on the validation split: now the test split
+        acc = evaluate(front, run.model, run.task.test, run.task.metric)
     finish(run, acc)
     front.close()
     return acc
@@ -254,8 +305,9 @@ def set_up(args, front) -> Run:
     """Data, model, the front end's wrapping with the compression, batch-size mode, resume."""
     device = pick_device(args.device, front.local_rank)
     torch.manual_seed(args.seed)
-    train, test = (data.Split(split.x.to(device), split.y.to(device)) for split in load_data(args))
-    model = make_model(args, train).to(device)  # initialized on the CPU: the same weights on any device
+    task = load_data(args)
+    task = Task(*(None if s is None else data.Split(s.x.to(device), s.y.to(device)) for s in task[:3]), *task[3:])
+    model = make_model(args, task).to(device)  # initialized on the CPU: the same weights on any device
     base_lr = args.lr * front.size
     opt = torch.optim.SGD(model.parameters(), lr=base_lr, momentum=0.9)
     compression = make_compression(args)
@@ -263,13 +315,13 @@ def set_up(args, front) -> Run:
     batch = (AccordionBatchSize(opt, small=1, large=args.large_passes, eta=args.eta,
                                 interval=None if args.interval == 0 else args.interval)
              if args.batch_mode else None)
-    run = Run(args, front, device, train, test, model, net, opt, compression, batch, base_lr)
+    run = Run(args, front, device, task, model, net, opt, compression, batch, base_lr)
     if args.resume is not None:
         run.epoch, run.step = load_checkpoint(args.resume, front, model, opt, compression, batch, device)
         log.info("resumed from %s at epoch %d, step %d", args.resume, run.epoch, run.step)
     log.info("training %s (%s parameters) on %s, %d ranks on %s (%s), compression %s, %d train / %d test samples",
              args.model, f"{sum(p.numel() for p in model.parameters()):,}", args.dataset, front.size,
-             device.type, front.name, compression, len(train.y), len(test.y))
+             device.type, front.name, compression, len(task.train.y), len(task.test.y))
     if front.size == 1 and args.codec != "none" and front.name == "horovod":
         log.warning("1 rank: Horovod's DistributedOptimizer exchanges nothing and never calls the "
                     "compressor, so --codec %s has no effect (launch 2 or more ranks)", args.codec)
@@ -284,8 +336,8 @@ def train_epoch(run: Run, epoch: int, micro_per_epoch: int, bar) -> torch.Tensor
         group["lr"] = lr * (batch.lr_scale if batch else 1.0)
     micro = 0
     opt.zero_grad()
-    for x, y in data.shard_batches(run.train, args.batch_size, run.front.rank, run.front.size, epoch, args.seed):
-        loss = F.cross_entropy(run.net(x), y)
+    for x, y in data.shard_batches(run.task.train, args.batch_size, run.front.rank, run.front.size, epoch, args.seed):
+        loss = loss_of(run.net(x), y)
         if (run.step + 1, run.front.rank) in args.inject_nonfinite:
             loss = loss * float("nan")
         (loss if batch is None else loss / batch.passes).backward()  # batch mode: the mean over micro-batches
@@ -294,6 +346,8 @@ def train_epoch(run: Run, epoch: int, micro_per_epoch: int, bar) -> torch.Tensor
         last = micro == micro_per_epoch  # every rank has the same count: a short last step is safe
         if batch is None or batch.micro_batch_done() or last:
             optimizer_step(run, epoch, loss)
+            if args.max_steps and run.step >= args.max_steps:
+                break
     return loss
 
 
@@ -312,26 +366,30 @@ def optimizer_step(run: Run, epoch: int, loss: torch.Tensor) -> None:
 
 
 def end_epoch(run: Run, epoch: int, loss: torch.Tensor, bar) -> float:
-    """Detection point, test accuracy, eval row, checkpoint; returns the accuracy."""
+    """Detection point, the epoch's evaluation (validation split, else test), eval row,
+    checkpoint; returns the score."""
+    run.epoch = epoch + 1
     run.compression.epoch_end()  # a detection point when --interval 0
     if run.batch is not None:
         run.batch.epoch_end()
-    acc = evaluate(run.front, run.model, run.test.x, run.test.y)
-    bar.set_postfix(loss=f"{loss.item():.3f}", acc=f"{acc:.4f}")
-    log.info("epoch %d/%d  loss %.4f  test accuracy %.4f", epoch + 1, run.args.epochs, loss.item(), acc)
+    metric, split = run.task.metric, run.task.valid if run.task.valid is not None else run.task.test
+    score = evaluate(run.front, run.model, split, metric)
+    bar.set_postfix(loss=f"{loss.item():.3f}", **{metric[:3]: f"{score:.4f}"})
+    log.info("epoch %d/%d  loss %.4f  %s %s %.4f", epoch + 1, run.args.epochs, loss.item(),
+             "test" if run.task.valid is None else "validation", metric, score)
     if run.metrics is not None:
-        run.metrics.log_eval(run.step, epoch=epoch + 1, accuracy=acc, wall_s=time.perf_counter() - run.started,
-                             floats_sent=run.compression.stats()["floats_sent"])
+        run.metrics.log_eval(run.step, epoch=epoch + 1, wall_s=time.perf_counter() - run.started,
+                             floats_sent=run.compression.stats()["floats_sent"], **{metric: score})
     if run.args.checkpoint is not None:
         save_checkpoint(run.args.checkpoint, run.front, epoch + 1, run.step, run.model, run.opt, run.compression,
                         run.batch)
-    return acc
+    return score
 
 
 def finish(run: Run, acc: float) -> None:
     """The final lines on rank 0, and the plots."""
     if run.front.rank == 0:
-        print(f"final test accuracy: {acc:.4f} ({run.front.size} ranks, {run.args.epochs} epochs, "
+        print(f"final test {run.task.metric}: {acc:.4f} ({run.front.size} ranks, {run.epoch} epochs, {run.step} steps, "
               f"{time.perf_counter() - run.started:.1f} s)", flush=True)
         stats = run.compression.stats()
         if not stats["floats_sent"]:
