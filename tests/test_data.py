@@ -107,3 +107,15 @@ def test_a_data_dir_without_cifar10_ends_with_one_line_naming_what_is_missing(tm
 
     with pytest.raises(SystemExit, match=f"--data-dir {tmp_path}: CIFAR-10 .*missing .*data_batch_1"):
         train.load_data(train.parse_args(["--dataset", "cifar10", "--data-dir", str(tmp_path)]))
+
+
+def test_digits_folds_cover_every_image_once_and_fold_0_is_the_historical_split():
+    folds = [data.load_digits(seed=1, folds=5, fold=k) for k in range(5)]
+    tested = sorted(map(tuple, torch.cat([test.x.flatten(1) for _, test in folds]).tolist()))
+    everything = sorted(map(tuple, torch.cat([folds[0][0].x, folds[0][1].x]).flatten(1).tolist()))
+    assert tested == everything  # every image is a test image exactly once
+    for train, test in folds:
+        assert len(train.y) + len(test.y) == 1797 and len(test.y) in (359, 360)
+    assert len(folds[0][1].y) == 359  # fold 0: the first 20% of the seed's order, as before folds existed
+    with pytest.raises(ValueError, match="0 <= fold < folds"):
+        data.load_digits(folds=5, fold=5)

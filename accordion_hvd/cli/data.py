@@ -17,16 +17,20 @@ class Split(NamedTuple):
     y: torch.Tensor  # (N,) int64 labels, or (N, T) int64 next tokens
 
 
-def load_digits(seed: int = 0, test_fraction: float = 0.2) -> tuple[Split, Split]:
-    """Digits as (train, test), the same split on every rank (fixed seed)."""
+def load_digits(seed: int = 0, folds: int = 5, fold: int = 0) -> tuple[Split, Split]:
+    """Digits as (train, test), the same split on every rank: the images in an order fixed by
+    ``seed``, cut into ``folds`` nearly equal folds; fold ``fold`` is the test set, the
+    others the training set (cross-validation: over the folds every image is tested once)."""
+    if not (isinstance(folds, int) and isinstance(fold, int) and folds >= 2 and 0 <= fold < folds):
+        raise ValueError(f"need folds >= 2 and 0 <= fold < folds, got folds={folds!r}, fold={fold!r}")
     from sklearn.datasets import load_digits as sk_load_digits
 
     bunch = sk_load_digits()
     x = torch.tensor(bunch.images, dtype=torch.float32).unsqueeze(1) / 16.0
     y = torch.tensor(bunch.target, dtype=torch.int64)
     perm = torch.randperm(len(y), generator=torch.Generator().manual_seed(seed))
-    n_test = int(len(y) * test_fraction)
-    test, train = perm[:n_test], perm[n_test:]
+    start, end = len(y) * fold // folds, len(y) * (fold + 1) // folds
+    test, train = perm[start:end], torch.cat([perm[:start], perm[end:]])
     return Split(x[train], y[train]), Split(x[test], y[test])
 
 

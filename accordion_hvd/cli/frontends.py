@@ -86,6 +86,9 @@ class DDPFrontEnd:
         return values
 
     def close(self) -> None:
+        # Every rank done before any tears its groups down (ours included): a rank that exits
+        # while another still holds open Gloo pairs to it can abort that one (SIGABRT).
+        self.dist.barrier()
         self.dist.destroy_process_group()
 
 

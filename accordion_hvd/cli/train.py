@@ -105,6 +105,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="default: cnn, resnet18 for cifar10, lstm for text; cnn-wide: 2.2 M parameters, for "
                         "bandwidth-bound runs")
     p.add_argument("--seq-len", type=int, default=35, help="--dataset text: tokens per training sequence")
+    p.add_argument("--folds", type=int, default=5, help="--dataset digits: cross-validation folds (default 5)")
+    p.add_argument("--fold", type=int, default=0, help="--dataset digits: the fold that is the test set")
     p.add_argument("--max-steps", type=int, default=0,
                    help="stop after this many optimizer steps (0: run every epoch), then evaluate; for smoke runs")
     p.add_argument("--device", choices=DEVICES, default="auto",
@@ -147,6 +149,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     if (args.dataset == "text") != (args.model == "lstm"):
         p.error(f"--model lstm goes with --dataset text and only with it, got --dataset {args.dataset} "
                 f"--model {args.model}")
+    if args.folds < 2 or not 0 <= args.fold < args.folds:
+        p.error(f"--fold must be in [0, --folds) with --folds >= 2, got --fold {args.fold} --folds {args.folds}")
     if args.seq_len < 1 or args.max_steps < 0:
         p.error(f"--seq-len must be at least 1 and --max-steps at least 0, got {args.seq_len} and {args.max_steps}")
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -203,7 +207,7 @@ def load_data(args) -> Task:
                      *(f"{split.y.numel():,}" for split in corpus[:3]), len(corpus.vocabulary))
             return Task(corpus.train, corpus.valid, corpus.test, "perplexity", len(corpus.vocabulary))
         if args.dataset == "digits":
-            train, test = data.load_digits(seed=args.seed)
+            train, test = data.load_digits(seed=args.seed, folds=args.folds, fold=args.fold)
         elif args.dataset == "synthetic" and args.model in ("cnn", "cnn-wide"):
             train, test = data.load_synthetic(seed=args.seed, channels=1, size=8)
         elif args.dataset == "synthetic":
