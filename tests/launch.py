@@ -15,25 +15,30 @@ from localrun import horovodrun, torchrun  # noqa: E402
 WORKERS = Path(__file__).resolve().parent / "workers"
 
 
-def run_ddp_worker(script: str, *script_args: str, **kwargs) -> str:
-    """Run tests/workers/SCRIPT under torchrun; assert it succeeded; return its output."""
-    result = torchrun([str(WORKERS / script), *script_args], **kwargs)
+def succeeded(result) -> str:
+    """A launcher's output, after asserting that it exited with 0."""
     assert result.returncode == 0, f"{' '.join(result.args)} exited with {result.returncode}:\n{result.stdout}"
     return result.stdout
+
+
+def run_ddp_worker(script: str, *script_args: str, **kwargs) -> str:
+    """Run tests/workers/SCRIPT under torchrun; assert it succeeded; return its output."""
+    return succeeded(torchrun([str(WORKERS / script), *script_args], **kwargs))
+
+
+def run_ddp_module(module: str, *module_args: str, **kwargs) -> str:
+    """Run ``python -m MODULE ARGS...`` under torchrun; assert it succeeded; return its output."""
+    return succeeded(torchrun(["-m", module, *module_args], **kwargs))
 
 
 def run_worker(script: str, *script_args: str, **kwargs) -> str:
     """Run tests/workers/SCRIPT under horovodrun; assert it succeeded; return its output."""
-    result = horovodrun([str(WORKERS / script), *script_args], **kwargs)
-    assert result.returncode == 0, f"{' '.join(result.args)} exited with {result.returncode}:\n{result.stdout}"
-    return result.stdout
+    return succeeded(horovodrun([str(WORKERS / script), *script_args], **kwargs))
 
 
 def run_module(module: str, *module_args: str, **kwargs) -> str:
     """Run ``python -m MODULE ARGS...`` under horovodrun; assert it succeeded; return its output."""
-    result = horovodrun(["-m", module, *module_args], **kwargs)
-    assert result.returncode == 0, f"{' '.join(result.args)} exited with {result.returncode}:\n{result.stdout}"
-    return result.stdout
+    return succeeded(horovodrun(["-m", module, *module_args], **kwargs))
 
 
-__all__ = ["horovodrun", "run_ddp_worker", "run_module", "run_worker", "torchrun"]
+__all__ = ["horovodrun", "run_ddp_module", "run_ddp_worker", "run_module", "run_worker", "succeeded", "torchrun"]

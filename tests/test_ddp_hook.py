@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import accordion_hvd as acc
-from launch import WORKERS, run_ddp_worker, torchrun
+from launch import WORKERS, run_ddp_module, run_ddp_worker, torchrun
 
 
 @pytest.mark.torchrun
@@ -43,9 +43,7 @@ ACCORDION = ["--launcher", "ddp", "--codec", "powersgd", "--rank", "1", "--criti
 
 
 def cli(*args, np=2):
-    result = torchrun(["-m", "accordion_hvd.train", *args], np=np, timeout=300)
-    assert result.returncode == 0, f"{' '.join(result.args)} exited with {result.returncode}:\n{result.stdout}"
-    return result.stdout
+    return run_ddp_module("accordion_hvd.train", *args, np=np, timeout=300)
 
 
 @pytest.mark.torchrun

@@ -82,8 +82,9 @@ class DDPFrontEnd:
             opt.step()
 
     def sum(self, values: torch.Tensor, name: str) -> torch.Tensor:
-        self.dist.all_reduce(values)
-        return values
+        reduced = values.cuda() if self.dist.get_backend() == "nccl" else values  # NCCL reduces GPU tensors only
+        self.dist.all_reduce(reduced)
+        return reduced.to(values.device)
 
     def close(self) -> None:
         # Every rank done before any tears its groups down (ours included): a rank that exits
