@@ -456,6 +456,9 @@ class AccordionCompressor(HorovodCompressor):
         if not self._control_given:
             self._control = None
         if not self._channel_given:  # ours is a group of the old world's ranks
+            close = getattr(self._channel, "close", None)
+            if close is not None:
+                close()
             self._channel = None
         forget = getattr(self._channel, "forget_handles", None)
         if forget is not None:

@@ -29,6 +29,18 @@ DEFAULT_TIMEOUT = 300.0
 _FIRST_PAUSE, _MAX_PAUSE = 1e-5, 1e-3
 
 
+try:
+    from horovod.common.exceptions import HorovodInternalError
+except ImportError:  # the math and the unit tests run without Horovod
+    HorovodInternalError = RuntimeError
+
+
+class CollectiveTimeout(TimeoutError, HorovodInternalError):
+    """A collective did not complete within the collective timeout. A ``TimeoutError``, and
+    Horovod's ``HorovodInternalError`` so that Horovod Elastic treats it as a lost worker
+    (restores the last commit, re-forms the world) instead of ending the job."""
+
+
 class Channel(Protocol):
     rank: int
     size: int
@@ -71,13 +83,22 @@ def collective_timeout(timeout: float | None = None) -> float:
     return float(timeout)
 
 
-def collective_timeout_error(name: str, rank: int, size: int, timeout: float) -> TimeoutError:
-    """The error every channel raises when a collective does not complete in time."""
-    return TimeoutError(
-        f"AccordionCompressor: collective {name!r} did not complete within {timeout:g} s on rank {rank} "
-        f"(world size {size}). Usually the ranks disagree on their configuration or on which layers get "
+def collective_timeout_error(name: str, rank: int, size: int, timeout: float) -> "CollectiveTimeout":
+    """The error every channel raises when a collective does not complete in time. It says
+    which ranks stopped answering when the data plane keeps heartbeats (comm/liveness.py)."""
+    from .liveness import diagnose  # torch.distributed, imported only on the way out
+
+    head = f"AccordionCompressor: collective {name!r} did not complete within {timeout:g} s on rank {rank} " \
+           f"(world size {size})"
+    why = diagnose()
+    if "not responding" in why or "unreachable" in why:
+        return CollectiveTimeout(f"{head}: {why}. The job cannot go on without that rank; under Horovod Elastic "
+                                 f"it resumes from the last commit once the rank is reachable again.")
+    return CollectiveTimeout(
+        f"{head}. Usually the ranks disagree on their configuration or on which layers get "
         f"compressed (different models, or parameters that require gradients on some ranks only), so "
-        f"another rank never submitted {name!r}. If a rank is merely slow, raise {TIMEOUT_ENV} (seconds).")
+        f"another rank never submitted {name!r}. If a rank is merely slow, raise {TIMEOUT_ENV} (seconds)."
+        + (f" Diagnosis: {why}." if why else ""))
 
 
 def wait_for(done: Callable[[], bool], name: str, rank: int, size: int, timeout: float) -> None:

@@ -25,7 +25,10 @@ may interleave its issues on two lanes in any order; PowerSGD's exchange uses on
 rounds, which start when each bucket's P average is back, a matter of timing on each rank.
 
 Every wait has the channel's timeout (a ``TimeoutError`` naming the collective); the group's
-own timeout is the same, so a collective that a rank never issues fails on every rank.
+own timeout is the same, so a collective that a rank never issues fails on every rank. A
+failed or timed-out collective also says which rank stopped answering (comm/liveness.py:
+heartbeats through the same store), and is a ``HorovodInternalError``, as Horovod's own
+failures are, so that Horovod Elastic restores the last commit and re-forms the world.
 """
 
 from __future__ import annotations
@@ -38,8 +41,9 @@ import struct
 
 import torch.distributed as dist
 
-from .channel import collective_timeout
+from .channel import HorovodInternalError, collective_timeout
 from .horovod import check_horovod_cycle
+from .liveness import Heartbeat
 from .process_group import ProcessGroupChannel, timeout_delta
 
 log = logging.getLogger("accordion_hvd.comm")
@@ -85,19 +89,26 @@ class GlooChannel(ProcessGroupChannel):
         super().__init__(group("accordion"), rank, size, timeout,
                          lanes={name: group(f"accordion.{name}") for name in LANES})
         self._store = store  # kept alive with the groups
+        store_host, port = address.rsplit(":", 1)
+        self._heartbeat = Heartbeat(store_host, int(port), rank, size)
         log.info("rank %d: compressed gradients travel on a Gloo group of %d ranks (%s)", rank, size,
                  f"interface {iface}" if iface else f"host {host}")
 
     def _failure(self, name: str, exc: RuntimeError) -> Exception:
-        """A collective that timed out raises the channel's TimeoutError. One that failed
-        because a peer went away raises Horovod's ``HorovodInternalError`` (a RuntimeError),
-        as Horovod's own collectives do, so that Horovod Elastic restores the last commit and
-        re-forms the world (the compressor then builds a new group: ``world_changed``)."""
+        """A collective that timed out raises ``CollectiveTimeout`` (see channel.py), one that
+        failed because a peer went away ``HorovodInternalError``: both are Horovod's error
+        kind, as Horovod's own collectives raise, so that Horovod Elastic restores the last
+        commit and re-forms the world (the compressor then builds a new group:
+        ``world_changed``). Both name the collective and the ranks that stopped answering."""
         error = super()._failure(name, exc)
         if isinstance(error, TimeoutError):
             return error
-        from horovod.common.exceptions import HorovodInternalError
-        return HorovodInternalError(str(error))
+        why = self._heartbeat.diagnose()
+        return HorovodInternalError(f"{error} Diagnosis: {why}." if why else str(error))
+
+    def close(self) -> None:
+        """Stop the heartbeat (the world was re-formed; a new channel replaces this one)."""
+        self._heartbeat.close()
 
 
 def _advertised_host(iface: str | None) -> str:

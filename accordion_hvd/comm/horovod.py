@@ -17,10 +17,12 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import time
 
 import torch
 
-from .channel import collective_timeout, poll_until, wait_for
+from . import liveness
+from .channel import HorovodInternalError, collective_timeout, collective_timeout_error, poll_until, wait_for
 
 WAIT_ENV = "ACCORDION_HOROVOD_WAIT"  # overrides wait=: "sleep" ("poll" too) or "spin" (Horovod's own)
 WAIT_MODES = ("sleep", "spin")
@@ -37,15 +39,31 @@ _cycle_note: str | None = None  # why Horovod runs at its default cycle, when we
 log = logging.getLogger("accordion_hvd.comm")
 
 
+HOROVOD_LOOP = "Horovod's allreduce of the gradients it carries (uncompressed ones, our placeholders)"
+
+
 def polite_synchronize(handle):
-    """``hvd.synchronize(handle)``, sleeping between polls instead of spinning."""
+    """``hvd.synchronize(handle)``, sleeping between polls instead of spinning, and giving up
+    after the collective timeout instead of never; a failure names the ranks that stopped
+    answering (comm/liveness.py)."""
     import horovod.torch as hvd
 
+    timeout = collective_timeout()
     try:
-        poll_until(lambda: hvd.poll(handle))
+        done = poll_until(lambda: hvd.poll(handle), time.monotonic() + timeout)
     except (RuntimeError, ValueError):  # not a live handle: Horovod's synchronize says what it is
-        pass
-    return hvd.synchronize(handle)
+        done = True
+    if not done:
+        raise collective_timeout_error(HOROVOD_LOOP, hvd.rank(), hvd.size(), timeout)
+    try:
+        return hvd.synchronize(handle)
+    except HorovodInternalError as exc:
+        raise HorovodInternalError(_with_diagnosis(f"{HOROVOD_LOOP} failed on rank {hvd.rank()}: {exc}")) from exc
+
+
+def _with_diagnosis(text: str) -> str:
+    why = liveness.diagnose()
+    return f"{text} Diagnosis: {why}." if why else text
 
 
 def quiet_horovod_cycle() -> None:

@@ -108,6 +108,22 @@ class Cluster:
             signal.signal(signal.SIGTERM, self._sigterm_before)
             self._sigterm_before = None
 
+    # -- faults on the running cluster
+
+    def link(self, node: str, state: str, timeout: float = 30) -> None:
+        """Cut NODE's link (``state='down'``: its switch port goes down, frames are dropped
+        silently both ways) or restore it (``'up'``)."""
+        result = self._cluster_sh("link", node, state, timeout=timeout)
+        if result.returncode != 0:
+            raise RuntimeError(f"cluster.sh link {node} {state} failed: {result.stderr.strip()}")
+
+    def set_rate(self, node: str, rate: str, timeout: float = 30) -> None:
+        """Change NODE's link rate both ways (e.g. '10mbit'); ``set_rate(node, cluster.rate)``
+        restores it."""
+        result = self._cluster_sh("rate", node, rate, timeout=timeout)
+        if result.returncode != 0:
+            raise RuntimeError(f"cluster.sh rate {node} {rate} failed: {result.stderr.strip()}")
+
     # -- running things
 
     @property

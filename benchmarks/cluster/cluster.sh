@@ -39,6 +39,12 @@ Commands:
         up N, exec node1 CMD, down. Tears down on exit, error, Ctrl-C or TERM. SECONDS
         limits CMD (TERM, then KILL $KILL_GRACE s later); 0 = no limit (default).
         Exit status: CMD's, or 124 if it timed out.
+  link NODE down|up
+        Cut NODE's link (its switch port goes down: frames both ways are dropped silently,
+        as with a pulled cable; the node's own interface and address stay) or restore it.
+  rate NODE RATE
+        Change NODE's link rate both ways while jobs run (a slowed or congested link);
+        'rate NODE <the rate of up>' restores it.
   status
         Show the nodes and their qdiscs.
   -h, --help
@@ -321,6 +327,26 @@ cmd_run() {
     exit "$status"
 }
 
+# Faults on a running cluster: a link that goes down and comes back, a link that slows down.
+cmd_link() {
+    (($# == 2)) || die "link takes NODE and 'down' or 'up'"
+    node_exists "$1" || die "no node '$1' (is the cluster up? '$PROG status')"
+    [[ "$2" == down || "$2" == up ]] || die "link: state must be 'down' or 'up', got '$2'"
+    ipn "$ACC_SWITCH_NS" link set "p${1#node}" "$2"
+}
+
+cmd_rate() {
+    (($# == 2)) || die "rate takes NODE and RATE"
+    node_exists "$1" || die "no node '$1' (is the cluster up? '$PROG status')"
+    local rate_bps
+    rate_bps="$(parse_rate "$2")"
+    ((rate_bps > 0)) || die "rate: 'unlimited' cannot be set on a running cluster; give a rate"
+    local delay=0
+    if [[ -r "$ACC_STATE_DIR/config" ]]; then read -r _ _ delay < "$ACC_STATE_DIR/config"; fi
+    shape "$(acc_node_ns "$1")" "$ACC_IFACE" "$rate_bps" "$delay"
+    shape "$ACC_SWITCH_NS" "p${1#node}" "$rate_bps" 0
+}
+
 cmd_status() {
     local ns
     if [[ -r "$ACC_STATE_DIR/config" ]]; then
@@ -340,7 +366,7 @@ main() {
     local cmd="${1:-}"
     case "$cmd" in
         ""|-h|--help|help) usage; return ;;
-        up|down|exec|run|status) shift ;;
+        up|down|exec|run|link|rate|status) shift ;;
         *) die "unknown command '$cmd' (see --help)" ;;
     esac
     require_root_and_tools
@@ -353,6 +379,8 @@ main() {
             if [[ "${1:-}" == -- ]]; then shift; fi
             exec_in_node "$node" "$@" ;;
         run) cmd_run "$@" ;;
+        link) cmd_link "$@" ;;
+        rate) cmd_rate "$@" ;;
         status) cmd_status ;;
     esac
 }

@@ -1,0 +1,118 @@
+"""Which rank is unreachable: heartbeats through the data plane's rendezvous store.
+
+When a collective fails or times out, the error a user gets from Gloo or Horovod says that a
+receive timed out, not why. On a cluster the usual reasons are a cut or congested link and a
+frozen worker (stopped, swapping, stuck in a driver), and the first thing to know is which
+machine. Each rank of our Gloo channel (comm/gloo.py) runs a ``Heartbeat``: a daemon thread
+that increments its counter in the channel's ``TCPStore`` (held by rank 0) every second, on a
+connection of its own. ``diagnose()``, called only once something has failed, reads every
+counter twice a few periods apart: a rank whose counter did not move is not responding (its
+link is down or its process frozen); if rank 0's store itself does not answer, rank 0 is the
+one this rank cannot reach. A few seconds, paid only on the way out.
+
+The cost in a healthy run is one small store message per rank per second.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import socket
+import threading
+import time
+
+import torch.distributed as dist
+
+log = logging.getLogger("accordion_hvd.comm")
+
+PERIOD_S = 1.0       # seconds between a rank's heartbeats
+STORE_TIMEOUT_S = 5  # how long one store message may take before the store counts as unreachable
+_current: "Heartbeat | None" = None  # the live channel's heartbeat, for waits outside the channel
+
+
+class Heartbeat:
+    """Rank ``rank`` of ``size`` beating on the store at ``host:port`` (see module doc).
+
+    The constructor is collective: every rank publishes its hostname and reads the others'.
+    Two store connections, one per thread that uses one: a store call on a cut link blocks
+    in ``recv`` until TCP gives up (many minutes; the store's own timeout does not bound it),
+    so the beating thread may block forever, and ``diagnose`` reads from a helper thread it
+    waits for at most ``STORE_TIMEOUT_S``.
+    """
+
+    def __init__(self, host: str, port: int, rank: int, size: int, period: float = PERIOD_S) -> None:
+        global _current
+        self.rank, self.size, self.period = rank, size, period
+        timeout = datetime.timedelta(seconds=STORE_TIMEOUT_S)
+        self._beat_store = dist.TCPStore(host, port, size, is_master=False, timeout=timeout)
+        self._read_store = dist.TCPStore(host, port, size, is_master=False, timeout=timeout)
+        self._read_store.set(f"acc.host.{rank}", socket.gethostname())
+        self.hosts = [self._read_store.get(f"acc.host.{r}").decode() for r in range(size)]
+        self._store_lost: str | None = None  # set once the store stopped answering: never read again
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._beat, name=f"accordion-heartbeat-{rank}", daemon=True)
+        self._thread.start()
+        _current = self
+
+    def _beat(self) -> None:
+        while not self._stop.wait(self.period):
+            try:
+                self._beat_store.add(f"acc.alive.{self.rank}", 1)
+            except Exception:  # noqa: BLE001 - the store is unreachable now; diagnose() says so
+                pass
+
+    def close(self) -> None:
+        global _current
+        self._stop.set()
+        if _current is self:
+            _current = None
+
+    def _counters(self) -> list[int] | None:
+        """Every rank's heartbeat count, or None if the store did not answer in time."""
+        if self._store_lost is not None:
+            return None
+        found: list[list[int]] = []
+
+        def read() -> None:
+            try:
+                found.append([self._read_store.add(f"acc.alive.{r}", 0) for r in range(self.size)])
+            except Exception:  # noqa: BLE001 - the store is unreachable
+                pass
+
+        reader = threading.Thread(target=read, name="accordion-liveness-read", daemon=True)
+        reader.start()
+        reader.join(STORE_TIMEOUT_S)
+        if not found:
+            # The reader may still be blocked on the connection: never use it again.
+            self._store_lost = (f"unreachable from rank {self.rank}: rank 0 ({self.hosts[0]}), which holds the "
+                                f"channel's store, did not answer within {STORE_TIMEOUT_S} s (its link is down or "
+                                f"its process frozen)")
+            return None
+        return found[0]
+
+    def diagnose(self) -> str:
+        """One sentence: which ranks are not responding, as seen from this rank."""
+        before = self._counters()
+        if before is not None:
+            time.sleep(2.5 * self.period)
+            after = self._counters()
+        if before is None or after is None:
+            return self._store_lost or ""
+        silent = [r for r in range(self.size) if r != self.rank and after[r] == before[r]]
+        if not silent:
+            return f"every rank's heartbeat still arrives (seen from rank {self.rank}): a link is slow, not cut"
+        who = ", ".join(f"rank {r} ({self.hosts[r]})" for r in silent)
+        return (f"not responding (seen from rank {self.rank}): {who}: no heartbeat for "
+                f"{2.5 * self.period:g} s (its link is down or its process frozen)")
+
+
+def diagnose() -> str:
+    """The live channel's diagnosis, or "" when there is none (no Gloo channel yet)."""
+    heartbeat = _current
+    if heartbeat is None:
+        return ""
+    try:
+        return heartbeat.diagnose()
+    except Exception as exc:  # noqa: BLE001 - a diagnosis must never hide the error it explains
+        log.debug("liveness diagnosis failed: %s", exc)
+        return ""
