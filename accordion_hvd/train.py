@@ -1,6 +1,6 @@
 """``python -m accordion_hvd.train``: the training CLI (accordion_hvd/cli/train.py)."""
 
-from .cli.train import main
+from .cli.train import run_cli
 
 if __name__ == "__main__":
-    main()
+    run_cli()

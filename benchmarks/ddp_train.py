@@ -3,8 +3,10 @@ on the same task as ``python -m accordion_hvd.train`` (benchmarks/e2e.py runs bo
 
     torchrun --nnodes 2 --nproc_per_node 1 --node_rank K --master_addr node1 --master_port 29533 \\
         benchmarks/ddp_train.py --model cnn-wide --rank 4 --epochs 10 --logdir runs/ddp
+    ... benchmarks/ddp_train.py --model lstm --rank 4 --epochs 6 --lr 0.5 --lr-milestones 4   # the LM task
 
-Same data, sharding, model, seed, optimizer and schedule as our CLI (SGD with momentum 0.9,
+Same data (digits with its cross-validation folds, or the standard-library text), sharding,
+model, seed, optimizer and schedule as our CLI (SGD with momentum 0.9,
 lr per rank times the world size, decays at --lr-milestones); Gloo backend. The hook is
 ``torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook`` with error feedback and warm
 start, PowerSGD from step 2 (its earliest), ``min_compression_rate`` 2 as ours. Rank 0 writes
@@ -36,7 +38,9 @@ START_ITER, MIN_RATE = 2, 2.0
 
 def parse_args():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", choices=("cnn", "cnn-wide"), default="cnn-wide")
+    p.add_argument("--model", choices=("cnn", "cnn-wide", "lstm"), default="cnn-wide",
+                   help="lstm: the language model of our CLI's --dataset text (2 layers, 128, tied)")
+    p.add_argument("--seq-len", type=int, default=35, help="lstm: tokens per training sequence")
     p.add_argument("--rank", type=int, default=4, help="PowerSGD rank (0: no hook, plain DDP allreduce)")
     p.add_argument("--epochs", type=int, default=10)
     p.add_argument("--batch-size", type=int, default=32)
@@ -44,6 +48,10 @@ def parse_args():
     p.add_argument("--lr-milestones", default="")
     p.add_argument("--lr-gamma", type=float, default=0.1)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--folds", type=int, default=5, help="digits cross-validation folds (as our CLI)")
+    p.add_argument("--fold", type=int, default=0, help="the fold that is the test set (as our CLI)")
+    p.add_argument("--bucket-cap-mb", type=float, default=None,
+                   help="DDP's bucket size; default: DDP's own (25 MB, the first bucket 1 MB)")
     p.add_argument("--logdir", type=Path, default=None)
     return p.parse_args()
 
@@ -61,21 +69,58 @@ def floats_per_step(model, rank: int, compressing: bool) -> int:
     return total
 
 
+def gloo_options():
+    """The Gloo group's options: Gloo's defaults, but 8 worker threads instead of 2.
+
+    With several buckets PyTorch's powerSGD_hook can deadlock on Gloo (seen with cnn-wide,
+    2 buckets, torch 2.13): the hook calls ``.wait()`` on a new allreduce inside a future
+    callback (powerSGD_hook.py, ``unpack_uncompressed_tensors_and_allreduce_ps`` and
+    ``compute_qs``), callbacks run on the group's worker threads, and when two buckets'
+    callbacks block at once no thread is left to run the allreduces they wait for (py-spy:
+    both threads in ``unpack_uncompressed_tensors_and_allreduce_ps``). With more threads than
+    buckets a blocked callback always leaves one free, so DDP keeps its default buckets.
+    """
+    options = dist.ProcessGroupGloo._Options()
+    options._threads = 8
+    return options
+
+
+def loss_of(logits: torch.Tensor, y: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
+    """Cross-entropy of class logits (N, C) or next-token logits (N, T, V), as our CLI."""
+    return F.cross_entropy(logits.flatten(0, -2), y.flatten(), reduction=reduction)
+
+
+@torch.no_grad()
+def evaluate(model, split, metric: str) -> float:
+    """Accuracy, or perplexity (exp of the mean cross-entropy per token), on the whole split."""
+    model.eval()
+    score = 0.0
+    for xb, yb in zip(split.x.split(512), split.y.split(512)):
+        logits = model(xb)
+        score += (logits.argmax(1) == yb).sum().item() if metric == "accuracy" else \
+            loss_of(logits, yb, reduction="sum").item()
+    model.train()
+    mean = score / split.y.numel()
+    return mean if metric == "accuracy" else math.exp(min(mean, 700.0))
+
+
 def main() -> None:
     args = parse_args()
     milestones = [int(m) for m in args.lr_milestones.split(",") if m]
-    dist.init_process_group("gloo")
+    dist.init_process_group("gloo", pg_options=gloo_options())
     rank, size = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(args.seed)
-    train, test = data.load_digits(seed=args.seed)
-    model = (models.SmallCNN if args.model == "cnn" else models.WideCNN)(channels=1)
-    # One bucket. With DDP's default buckets PyTorch's powerSGD_hook can deadlock on Gloo
-    # (seen with this model under benchmarks/step_time.py, torch 2.13): the hook calls .wait()
-    # on a new allreduce inside a future callback, callbacks run on the process group's worker
-    # threads (2 for Gloo), and when two buckets' callbacks block at once no thread is left to
-    # run the allreduces they wait for (py-spy: both threads in
-    # unpack_uncompressed_tensors_and_allreduce_ps). 8.6 MB fits in one bucket.
-    ddp = DistributedDataParallel(model, bucket_cap_mb=64)  # broadcasts rank 0's parameters
+    if args.model == "lstm":  # our CLI's --dataset text: validation perplexity per epoch, test at the end
+        corpus = data.load_text(seq_len=args.seq_len)
+        train, valid, test, metric = corpus.train, corpus.valid, corpus.test, "perplexity"
+        model = models.LSTMLanguageModel(len(corpus.vocabulary))
+    else:
+        train, test = data.load_digits(seed=args.seed, folds=args.folds, fold=args.fold)
+        valid, metric = test, "accuracy"
+        model = (models.SmallCNN if args.model == "cnn" else models.WideCNN)(channels=1)
+    # DDP's default buckets unless told (gloo_options: why the group has more threads).
+    buckets = {} if args.bucket_cap_mb is None else {"bucket_cap_mb": args.bucket_cap_mb}
+    ddp = DistributedDataParallel(model, **buckets)  # broadcasts rank 0's parameters
     if args.rank > 0:
         state = powersgd.PowerSGDState(process_group=None, matrix_approximation_rank=args.rank,
                                        start_powerSGD_iter=START_ITER, min_compression_rate=MIN_RATE,
@@ -93,7 +138,7 @@ def main() -> None:
             group["lr"] = lr
         for x, y in data.shard_batches(train, args.batch_size, rank, size, epoch, args.seed):
             opt.zero_grad()
-            loss = F.cross_entropy(ddp(x), y)
+            loss = loss_of(ddp(x), y)
             loss.backward()
             opt.step()
             sent += floats_per_step(model, args.rank, args.rank > 0 and step >= START_ITER)
@@ -102,17 +147,16 @@ def main() -> None:
                 metrics.log_step(step, epoch=epoch + 1, loss=loss.item(), lr=lr, floats_sent=sent,
                                  floats_dense=step * dense, levels={}, compress_s=math.nan, comm_s=math.nan,
                                  wall_s=time.perf_counter() - start)
-        model.eval()
-        with torch.no_grad():
-            accuracy = (model(test.x).argmax(1) == test.y).double().mean().item()
-        model.train()
+        score = evaluate(model, valid, metric)
         if metrics is not None:
-            metrics.log_eval(step, epoch=epoch + 1, accuracy=accuracy, wall_s=time.perf_counter() - start,
-                             floats_sent=sent)
+            metrics.log_eval(step, epoch=epoch + 1, wall_s=time.perf_counter() - start, floats_sent=sent,
+                             **{metric: score})
         if rank == 0:
-            print(f"epoch {epoch + 1} accuracy {accuracy:.4f} wall {time.perf_counter() - start:.1f} s", flush=True)
+            print(f"epoch {epoch + 1} {metric} {score:.4f} wall {time.perf_counter() - start:.1f} s", flush=True)
+    if valid is not test:
+        score = evaluate(model, test, metric)
     if rank == 0:
-        print(f"final test accuracy: {accuracy:.4f} ({size} ranks, {args.epochs} epochs, "
+        print(f"final test {metric}: {score:.4f} ({size} ranks, {args.epochs} epochs, "
               f"{time.perf_counter() - start:.1f} s)", flush=True)
     if metrics is not None:
         metrics.close()

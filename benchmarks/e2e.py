@@ -83,7 +83,7 @@ def run_method(cluster, name: str, logdir: Path, timeout: float) -> dict:
         failed = run_ddp(cluster, ["-m", "accordion_hvd.train", "--launcher", "ddp", *spec, *COMMON,
                                    "--logdir", str(logdir)], timeout)
     else:
-        failed = run_ddp(cluster, [str(REPO / "benchmarks" / "ddp_train.py"), "--rank", str(spec), "--logdir",
+        failed = run_ddp(cluster, [str(REPO / "benchmarks" / "ddp_train.py"), "--rank", str(spec), "--bucket-cap-mb", "64", "--logdir",
                                    str(logdir), *[a for a in COMMON if a != "--no-progress"]], timeout)
     row = {"method": name, "seconds": time.monotonic() - started}
     if failed:

@@ -12,9 +12,17 @@ cleanup, no goodbye to the other ranks) in the middle of step ``--die-at``'s bac
 (from a gradient hook, so its compressed exchanges are in flight on the other ranks):
 Horovod blacklists the host, the survivors restore the last commit and go on in a smaller
 world; a host added to the discovery file later joins and gets the state by ``sync``.
-Rank 0 prints one line per epoch (world size, test accuracy) and at the end the final
-accuracy, the world sizes seen, and whether every rank ended with the same parameters and
-the same shared compressor state.
+Network faults (a cut link, a frozen worker) are injected from outside by
+benchmarks/reliability.py; ``--mark-at STEP --mark-file PATH`` tells it when (rank 0 creates
+PATH once step STEP is done) and ``--pid-dir`` where each worker's process id is.
+
+Nothing may be lost in a recovery: every rank records a digest of each piece of its state at
+every commit (parameters, optimizer state, the compressor's error feedback, warm-start Q,
+levels, controller and policy state, counters, the step) and, when Horovod Elastic runs
+``train`` again after a failure (restore, new world, sync), compares each piece with that
+record. Rank 0 prints one line per epoch (world size, test accuracy) and at the end the
+final accuracy, the world sizes seen, whether every rank ended with the same parameters and
+the same shared compressor state, and the recoveries checked and pieces that differed.
 """
 
 from __future__ import annotations
@@ -52,6 +60,9 @@ def parse_args():
     p.add_argument("--die-at", type=int, default=100, help="global optimizer step at which it is killed")
     p.add_argument("--died-file", type=Path, default=None, help="the dying worker creates this file first "
                                                                 "(lets a driver add a host afterwards)")
+    p.add_argument("--mark-at", type=int, default=0, help="rank 0 creates --mark-file once this step is done")
+    p.add_argument("--mark-file", type=Path, default=None)
+    p.add_argument("--pid-dir", type=Path, default=None, help="each worker writes HOSTNAME.pid here")
     return p.parse_args()
 
 
@@ -69,6 +80,16 @@ def main() -> None:
                                    epoch=0, batch=0, step=0, sizes=[])
     host = socket.gethostname()
     die = {"armed": host == args.die_on}
+    if args.pid_dir is not None:
+        (args.pid_dir / f"{host}.pid").write_text(str(os.getpid()))
+    committed: dict[str, str] = {}  # piece of state -> its digest at this rank's last commit
+    checks = {"recoveries": 0, "pieces": 0, "mismatches": []}
+
+    def commit():
+        # Recorded first: commit() saves, then raises HostsUpdatedInterrupt if hosts changed.
+        committed.clear()
+        committed.update(state_digests(model, opt, compression, state.step))
+        state.commit()
 
     def maybe_die(grad):
         if die["armed"] and state.step == args.die_at:
@@ -82,6 +103,13 @@ def main() -> None:
 
     @hvd.elastic.run
     def train(state):
+        if state.sizes and committed:  # a recovery: restored, world re-formed, synced
+            now = state_digests(model, opt, compression, state.step)
+            checks["recoveries"] += 1
+            checks["pieces"] += len(committed)
+            checks["mismatches"] += [f"rank {hvd.rank()}: {k}" for k in committed if now.get(k) != committed[k]]
+            print(f"{host}: recovered at step {state.step}: {len(committed)} pieces of state compared with the "
+                  f"last commit, {sum(now.get(k) != v for k, v in committed.items())} differ", flush=True)
         state.sizes = [*state.sizes, hvd.size()]  # one entry per (re)start of the world
         while state.epoch < args.epochs:
             lr = args.lr * hvd.size() * 0.1 ** sum(state.epoch >= m for m in milestones)
@@ -96,21 +124,27 @@ def main() -> None:
                 opt.step()
                 state.batch, state.step = i + 1, state.step + 1
                 time.sleep(args.step_seconds)
+                if hvd.rank() == 0 and state.step == args.mark_at and args.mark_file is not None:
+                    args.mark_file.touch()
                 if state.step % args.commit_every == 0:
-                    state.commit()
+                    commit()
             compression.epoch_end()
             accuracy = evaluate(model, test_split)
             state.epoch, state.batch = state.epoch + 1, 0
-            state.commit()
+            commit()
             if hvd.rank() == 0:
                 print(f"epoch {state.epoch} size {hvd.size()} step {state.step} accuracy {accuracy:.4f}", flush=True)
 
     train(state)
     accuracy = evaluate(model, test_split)
     same = ranks_agree(model, compression)
+    everyone = hvd.allgather_object(checks, name="elastic.checks")
     if hvd.rank() == 0:
+        mismatches = [m for c in everyone for m in c["mismatches"]]
         print(f"final test accuracy: {accuracy:.4f}; world sizes {state.sizes}; steps {state.step}; "
-              f"ranks agree: {same}", flush=True)
+              f"ranks agree: {same}; recoveries checked: {sum(c['recoveries'] for c in everyone)}; "
+              f"pieces compared: {sum(c['pieces'] for c in everyone)}; state mismatches: {len(mismatches)}"
+              + (f" ({', '.join(mismatches[:8])})" if mismatches else ""), flush=True)
 
 
 @torch.no_grad()
@@ -119,6 +153,41 @@ def evaluate(model, split) -> float:
     correct = (model(split.x).argmax(1) == split.y).sum().item()
     model.train()
     return correct / len(split.y)
+
+
+def state_digests(model, opt, compression, step: int) -> dict[str, str]:
+    """A digest per piece of this rank's training state (what a recovery must give back)."""
+    def feed(h, obj) -> None:  # canonical bytes of nested dicts, lists, tensors and scalars
+        if isinstance(obj, torch.Tensor):
+            h.update(obj.detach().contiguous().numpy().tobytes())
+        elif isinstance(obj, dict):
+            for k in sorted(obj, key=repr):
+                h.update(repr(k).encode())
+                feed(h, obj[k])
+        elif isinstance(obj, (list, tuple)):
+            for item in obj:
+                feed(h, item)
+        else:
+            h.update(repr(obj).encode())
+
+    def digest(obj) -> str:
+        h = hashlib.sha256()
+        feed(h, obj)
+        return h.hexdigest()[:16]
+
+    own = compression.state_dict()
+    controller = own["controller"]
+    pieces = {"step": digest(step), "parameters": digest(list(model.parameters())),
+              "optimizer momentum": digest([opt.state[p].get("momentum_buffer") for p in model.parameters()]),
+              "levels": digest(controller["levels"]),
+              "controller and policy": digest({k: v for k, v in controller.items() if k not in ("levels", "sums")}),
+              "window sums": digest(controller["sums"]),
+              "counters": digest([own["steps"], own["skipped_steps"], own["sent"], own["dense"]])}
+    for name, layer in own["layers"].items():
+        pieces[f"error feedback {name}"] = digest(layer["residual"])
+        if "qt" in layer:
+            pieces[f"warm-start Q {name}"] = digest(layer["qt"])
+    return pieces
 
 
 def ranks_agree(model, compression) -> bool:

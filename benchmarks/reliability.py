@@ -13,6 +13,9 @@ Parts (each under real horovodrun, 2 ranks; the elastic part on the emulated clu
   soak        5,000 steps with frequent level switches: RSS and open fds, floats_sent
   elastic     Horovod Elastic on the emulated cluster: a worker is killed mid-step, later a new
               host joins; accuracy against an undisturbed elastic run (needs root and ip/tc)
+  network     faults on the emulated cluster's wire: a link slowed 100x for 20 s, a link cut
+              for longer than the collective timeout, a frozen worker (SIGSTOP); plain jobs
+              (Gloo and MPI, 2 and 4 nodes) and Horovod Elastic, state checked after recovery
 Each part writes its section to benchmarks/results/reliability/<part>.md (with the machine and
 its command), so a part can be rerun alone; benchmarks/results/reliability.md is assembled
 from every section there.
@@ -21,6 +24,7 @@ from every section there.
 from __future__ import annotations
 
 import argparse
+import math
 import platform
 import re
 import statistics
@@ -224,7 +228,157 @@ def _add_host_after_death(cluster, died: Path) -> None:
     cluster.set_hosts(["node1:1", "node2:1", "node3:1"])
 
 
-PARTS = ("badinput", "nonfinite", "divergence", "resume", "soak", "elastic")
+COLLECTIVE_TIMEOUT = 20  # ACCORDION_COLLECTIVE_TIMEOUT of the network runs; Horovod's own Gloo timeout stays 30 s
+STOP_BOUND = 30 + 10     # the larger of the two timeouts, plus the diagnosis (2.5-5 s) and the exit
+CLI_RUN = ["-m", "accordion_hvd.train", "--no-progress", "--codec", "powersgd", "--rank", "1", "--critical-rank", "4"]
+
+
+def _step_seconds(steps_csv: Path) -> list[float]:
+    import csv
+    with open(steps_csv) as f:
+        walls = [float(row["wall_s"]) for row in csv.DictReader(f)]
+    return [b - a for a, b in zip(walls, walls[1:])]
+
+
+def names_collective_and_rank(error: str) -> bool:
+    return "collective" in error and ("not responding" in error or "unreachable" in error)
+
+
+def what_it_said(error: str) -> str:
+    """An error line in short: its type, the collective, and whom it blames."""
+    kind = error.split(":", 1)[0].rsplit(".", 1)[-1]
+    name = re.search(r"collective (['\"])(.*?)\1", error)
+    blame = re.search(r"(not responding \(seen from rank \d+\): (?:rank \d+ \(\w+\)(?:, )?)+|unreachable from rank "
+                      r"\d+: rank \d+ \(\w+\))", error)
+    if not name:
+        return f"{kind}: {error.split(':', 1)[-1].strip()[:120]}"
+    return f"{kind} in `{name.group(2)[:60]}`" + (f", {blame.group(1).rstrip(', ')}" if blame else ", nobody blamed")
+
+
+NETWORK_CASES = ("slow", "cut", "freeze", "elastic")
+
+
+def part_network(seeds: int, cases: tuple[str, ...] = NETWORK_CASES) -> list[str]:
+    from cluster import Cluster
+    from faults import Fault, rows_in, run_with_fault
+
+    counts = {"injected": 0, "as designed": 0, "hangs": 0, "mismatches": 0}
+    env = {"ACCORDION_COLLECTIVE_TIMEOUT": str(COLLECTIVE_TIMEOUT)}
+    lines = ["## Faults on the wire", "",
+             "The emulated cluster (benchmarks/cluster/, 1 Gbit/s links), faults from benchmarks/cluster/faults.py: "
+             "**slow**: node2's link at 10 Mbit/s both ways for 20 s, then back; **cut**: node2's switch port down "
+             "(frames dropped silently, as with a pulled cable) for 60 s, longer than the collective timeout; "
+             "**freeze**: node2's worker stopped (SIGSTOP) for 60 s, then continued. "
+             f"`ACCORDION_COLLECTIVE_TIMEOUT={COLLECTIVE_TIMEOUT}`; Horovod's own Gloo timeout is left at its 30 s, "
+             f"so the bound for every rank to stop is {STOP_BOUND} s after the fault (the larger timeout, plus the "
+             "diagnosis and the exit).", "",
+             "### Plain jobs", "",
+             f"The training CLI (`{' '.join(CLI_RUN[1:])} --epochs E`, digits; the slow-link runs with "
+             "`--model cnn-wide`, 2.2 M parameters, so that the link matters) under `horovodrun`; the fault starts "
+             "once 40 steps are done. A frozen worker cannot stop itself: it is named by the others, and ends when "
+             "continued (horovodrun's SIGTERM stays pending on a stopped process).", "",
+             "| fault | nodes | backend | exit | each node's worker ended, seconds after the fault | every rank that "
+             "could named the collective and the unreachable rank | what each rank said | step time before / during / "
+             "after (ms) |",
+             "|---|---|---|---|---|---|---|---|"]
+    plain = [("slow", 2, "gloo", 40), ("slow", 4, "gloo", 40), ("cut", 2, "gloo", 300), ("cut", 4, "gloo", 300),
+             ("cut", 2, "mpi", 300), ("freeze", 2, "gloo", 300), ("freeze", 4, "gloo", 300)]
+    for kind, nodes, backend, epochs in [case for case in plain if case[0] in cases]:
+        with Cluster(nodes, rate="1gbit", prefix="accnet-") as cluster, tempfile.TemporaryDirectory() as tmp:
+            steps = Path(tmp) / "steps.csv"
+            fault = Fault(kind, "node2", hold=20 if kind == "slow" else 60)
+            model = ["--model", "cnn-wide"] if kind == "slow" else []
+            run = run_with_fault(cluster, [*CLI_RUN, *model, "--epochs", str(epochs), "--logdir", tmp], fault,
+                                 ready=lambda: rows_in(steps) >= 40, progress=lambda: rows_in(steps),
+                                 timeout=300, marker="accordion_hvd.train", backend=backend, env=env)
+            step_s = _step_seconds(steps) if steps.exists() else []
+        counts["injected"] += run.fault_at is not None
+        counts["hangs"] += run.returncode is None
+        errors = run.rank_errors()
+        said = "; ".join(f"rank {r}: {what_it_said(e)}" for r, e in sorted(errors.items())) or "-"
+        if kind == "slow":
+            a, b = run.progress
+            phases = [step_s[:a], step_s[a:b], step_s[b:]] if a is not None and b is not None else [[], [], []]
+            medians = " / ".join(f"{1000 * statistics.median(x):.0f}" if x else "-" for x in phases)
+            before = statistics.median(phases[0]) if phases[0] else float("nan")
+            cost = sum(x - before for x in phases[1])
+            ok = run.returncode == 0 and not errors
+            counts["as designed"] += ok
+            lines.append(f"| slow | {nodes} | {backend} | {run.returncode} | finished normally; the 20 s at 10 Mbit/s "
+                         f"cost {cost:.1f} s | no error (none expected) | - | {medians} |")
+        elif run.fault_at is None:
+            ok = False
+            lines.append(f"| {kind} | {nodes} | {backend} | {run.returncode} | fault never injected | | | |")
+        else:
+            # node2 is rank 1 (one slot per node, in order); a frozen rank cannot speak for itself.
+            speakers = [r for r in range(nodes) if not (kind == "freeze" and r == 1)]
+            every = all(r in errors and names_collective_and_rank(errors[r]) for r in speakers)
+            in_time = all(run.stopped.get(f"node{r + 1}", math.inf) <= STOP_BOUND for r in speakers)
+            ok = run.returncode not in (0, None) and every and in_time
+            counts["as designed"] += ok
+            ended = ", ".join(f"{node} {t:.1f}" for node, t in sorted(run.stopped.items())) or "-"
+            lines.append(f"| {kind} | {nodes} | {backend} | {run.returncode} | {ended} | {'yes' if every else 'no'} "
+                         f"| {said} | - |")
+        print(lines[-1], flush=True)
+        print("\n".join(run.log), flush=True)
+        if not ok:
+            print(run.stderr[-4000:], flush=True)
+
+    lines += ["", "### Under Horovod Elastic", "",
+              "`horovodrun --gloo --min-np 1 --max-np 2 --blacklist-cooldown-range 10 20 --host-discovery-script "
+              "benchmarks/cluster/discover_hosts.sh`, `benchmarks/elastic_train.py --epochs 20 --step-seconds 0.02 "
+              "--seed S` (digits, PowerSGD Accordion 1 <-> 4, state in `hvd.elastic.TorchState` committed every 5 "
+              "steps); the fault starts after step 60. After each recovery every surviving rank compares 15 pieces "
+              "of its state (parameters, momentum, each layer's error feedback and warm-start Q, levels, controller "
+              "and policy state, window sums, counters, step) with its digest of the last commit; a host that "
+              "rejoins after the blacklist cooldown gets the state by `sync`.", "",
+              "| run | seed | exit | final accuracy | world sizes | steps | recoveries checked | pieces compared | "
+              "state mismatches | ranks agree | seconds |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    accuracy: dict[str, list[float]] = {}
+    script = ["benchmarks/elastic_train.py", "--epochs", "20", "--step-seconds", "0.02"]
+    for seed in range(seeds if "elastic" in cases else 0):
+        for label, kind in (("undisturbed", None), ("link cut for 60 s", "cut"), ("worker frozen for 60 s", "freeze")):
+            with Cluster(2, rate="1gbit", prefix="accnet-") as cluster, tempfile.TemporaryDirectory() as tmp:
+                cluster.set_hosts(["node1:1", "node2:1"])
+                mark = Path(tmp) / "mark"
+                args = [*script, "--seed", str(seed), "--mark-at", "60", "--mark-file", str(mark), "--pid-dir", tmp]
+                common = dict(np=2, elastic=True, env=env, extra=["--blacklist-cooldown-range", "10", "20"])
+                if kind is None:
+                    started = time.monotonic()
+                    result = cluster.horovodrun(args, timeout=900, **common)
+                    returncode, out, seconds = result.returncode, result.stdout + result.stderr, time.monotonic() - started
+                else:
+                    run = run_with_fault(cluster, args, Fault(kind, "node2", hold=60), ready=mark.exists,
+                                         timeout=900, marker="elastic_train.py", **common)
+                    returncode, out, seconds = run.returncode, run.stdout + run.stderr, run.ended_at
+                    counts["injected"] += run.fault_at is not None
+                    counts["hangs"] += run.returncode is None
+            final = re.search(r"final test accuracy: ([0-9.]+); world sizes (\[.*?\]); steps (\d+); ranks agree: "
+                              r"(\w+); recoveries checked: (\d+); pieces compared: (\d+); state mismatches: (\d+)", out)
+            if returncode != 0 or not final:
+                lines.append(f"| {label} | {seed} | {returncode} | FAILED | | | | | | | {seconds:.0f} |")
+                print(out[-4000:], flush=True)
+            else:
+                accuracy.setdefault(label, []).append(100 * float(final.group(1)))
+                mismatches = int(final.group(7))
+                counts["mismatches"] += mismatches
+                recovered = int(final.group(5)) >= 1
+                if kind is not None:
+                    counts["as designed"] += recovered and mismatches == 0 and final.group(4) == "True"
+                lines.append(f"| {label} | {seed} | 0 | {accuracy[label][-1]:.2f}% | {final.group(2)} | {final.group(3)} "
+                             f"| {final.group(5)} | {final.group(6)} | {mismatches} | {final.group(4)} | {seconds:.0f} |")
+            print(lines[-1], flush=True)
+    lines += ["", "| run | mean accuracy over seeds | against undisturbed (points) |", "|---|---|---|"]
+    base = statistics.mean(accuracy["undisturbed"]) if accuracy.get("undisturbed") else float("nan")
+    for label, values in accuracy.items():
+        lines.append(f"| {label} | {statistics.mean(values):.2f}% | {statistics.mean(values) - base:+.2f} |")
+    lines += ["", f"**Counts**: faults injected {counts['injected']}; ended as designed (survived, or every rank "
+                  f"stopped in time naming the collective and the unreachable rank) {counts['as designed']}; hangs "
+                  f"{counts['hangs']}; state mismatches after recovery {counts['mismatches']}.", ""]
+    return lines
+
+
+PARTS = ("badinput", "nonfinite", "divergence", "resume", "soak", "elastic", "network")
 
 
 def main() -> None:
@@ -233,6 +387,7 @@ def main() -> None:
     p.add_argument("--seeds", type=int, default=3)
     p.add_argument("--epochs", type=int, default=20, help="non-finite and elastic runs")
     p.add_argument("--soak-steps", type=int, default=5000)
+    p.add_argument("--cases", default=",".join(NETWORK_CASES), help=f"network part: which of {NETWORK_CASES}")
     p.add_argument("--out", type=Path, default=RESULTS / "reliability.md")
     args = p.parse_args()
     chosen = [x for x in args.only.split(",") if x]
@@ -241,7 +396,7 @@ def main() -> None:
             p.error(f"--only: unknown part {part!r} (known: {', '.join(PARTS)})")
     sections = {"badinput": part_badinput, "nonfinite": lambda: part_nonfinite(args.seeds, args.epochs),
                 "divergence": part_divergence, "resume": part_resume, "soak": lambda: part_soak(args.soak_steps),
-                "elastic": lambda: part_elastic(args.epochs, args.seeds)}
+                "elastic": lambda: part_elastic(args.epochs, args.seeds), "network": lambda: part_network(args.seeds, tuple(args.cases.split(",")))}
     fragments = args.out.with_suffix("")
     fragments.mkdir(parents=True, exist_ok=True)
     for part in chosen:

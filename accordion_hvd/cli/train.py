@@ -21,8 +21,10 @@ from __future__ import annotations
 import argparse
 import logging
 import math
+import os
 import sys
 import time
+import traceback
 from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
@@ -32,6 +34,7 @@ import torch.nn.functional as F
 
 from ..batch_size import AccordionBatchSize
 from ..codecs import PowerSGD, TopK
+from ..comm.channel import CollectiveTimeout
 from ..comm.horovod import install_polite_wait
 from ..compressor import AccordionCompressor
 from ..policies import GraVAC
@@ -276,6 +279,24 @@ class Run:
     seconds_before: dict | None = None
 
 
+def run_cli(argv=None) -> None:
+    """``python -m accordion_hvd.train``: ``main``, and when the world broke (a collective
+    failed or timed out: a link went down, a worker froze or died), the error with the rank
+    it blames on stderr and exit status 1 at once. A normal exit would first wait for
+    Horovod's background thread, which may be blocked in the transport: for Gloo's own
+    timeout (30 s), and under MPI, which has none, until the link comes back."""
+    try:
+        main(argv)
+    except Exception as exc:  # noqa: BLE001 - anything else ends the ordinary way
+        if not isinstance(exc, CollectiveTimeout) and type(exc).__name__ != "HorovodInternalError":
+            raise
+        traceback.print_exc()
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)
+
+
 def main(argv=None) -> float:
     args = parse_args(argv)
     front = make_front_end(args.launcher, device_type(args.device))
@@ -431,4 +452,4 @@ def _log_step(run: Run, epoch: int, loss: torch.Tensor, *, lr: float, **extra) -
 
 
 if __name__ == "__main__":
-    main()
+    run_cli()

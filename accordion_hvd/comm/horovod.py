@@ -39,7 +39,7 @@ _cycle_note: str | None = None  # why Horovod runs at its default cycle, when we
 log = logging.getLogger("accordion_hvd.comm")
 
 
-HOROVOD_LOOP = "Horovod's allreduce of the gradients it carries (uncompressed ones, our placeholders)"
+HOROVOD_LOOP = "horovod.allreduce"  # how errors name Horovod's own collectives (which one is not known here)
 
 
 def polite_synchronize(handle):

@@ -58,8 +58,8 @@ class Heartbeat:
         while not self._stop.wait(self.period):
             try:
                 self._beat_store.add(f"acc.alive.{self.rank}", 1)
-            except Exception:  # noqa: BLE001 - the store is unreachable now; diagnose() says so
-                pass
+            except Exception:  # noqa: BLE001 - the connection is broken for good; diagnose() says so
+                return
 
     def close(self) -> None:
         global _current

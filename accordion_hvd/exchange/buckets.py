@@ -210,7 +210,7 @@ class Round1:
             result = self.channel.wait(bucket.handle)
         except TimeoutError as exc:
             layers = ", ".join(bucket.names[:4]) + (" ..." if len(bucket.names) > 4 else "")
-            raise TimeoutError(f"{exc} (bucket {index} holds layers {layers})") from exc
+            raise type(exc)(f"{exc} (bucket {index} holds layers {layers})") from exc  # keeps CollectiveTimeout
         bucket.handle = None
         if self.kind == "allreduce":
             offset = 0

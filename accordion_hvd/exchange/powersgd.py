@@ -116,7 +116,7 @@ class PowerSGDExchange:
             try:
                 q_avgs = self.q_lane.wait(handle)
             except TimeoutError as exc:
-                raise TimeoutError(f"{exc} (Q round of bucket {index}: {', '.join(names[:4])}"
+                raise type(exc)(f"{exc} (Q round of bucket {index}: {', '.join(names[:4])}"
                                    f"{' ...' if len(names) > 4 else ''})") from exc
             self.seconds["comm"] += time.perf_counter() - started
             started = time.perf_counter()

@@ -1,0 +1,240 @@
+"""The runs of an evidence protocol (benchmarks/protocols/evidence-v1.md), resumable, and their summary.
+
+    .venv/bin/python benchmarks/evidence.py --task digits             # every method, seeds 0-4, folds 0-4
+    .venv/bin/python benchmarks/evidence.py --task lm                 # every method, seeds 0-2
+    .venv/bin/python benchmarks/evidence.py --task digits --methods fp16,powersgd-accordion --seeds 0 --folds 0
+    .venv/bin/python benchmarks/evidence.py --summarize               # benchmarks/results/evidence-v1.md
+
+Every run happens on 2 emulated nodes at 100 Mbit/s (benchmarks/cluster; needs root), one
+rank per node, one thread each, as the protocol fixes; ours under ``horovodrun --gloo``,
+PyTorch DDP's ``powerSGD_hook`` under ``torchrun``. A run's records go to
+``benchmarks/results/evidence-v1/TASK/METHOD/seedS[-foldK]/``: ``steps.csv``, ``eval.csv``, the
+tail of its output (``log.txt``) and ``run.json`` (command, commit, machine, exit status,
+seconds). A run whose ``run.json`` exists is not run again, so the runs can be spread over
+several sessions and an interrupted one goes on where it stopped. Nothing about a task, a
+method or the bar is decided here: it is the protocol's, and a change to it is a new version.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import math
+import platform
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "benchmarks" / "cluster"))
+from cluster import Cluster  # noqa: E402
+
+PROTOCOL = "evidence-v1"
+OUT = REPO / "benchmarks" / "results" / PROTOCOL
+RATE = "100mbit"
+
+TASKS = {  # the protocol's tasks: CLI arguments, seeds, folds, quality column and direction
+    "digits": {"args": ["--dataset", "digits", "--model", "cnn", "--epochs", "20", "--lr", "0.02",
+                        "--lr-milestones", "15", "--folds", "5"],
+               "ddp": ["--model", "cnn", "--epochs", "20", "--lr", "0.02", "--lr-milestones", "15", "--folds", "5"],
+               "seeds": range(5), "folds": range(5), "quality": "accuracy", "higher_is_better": True},
+    "lm": {"args": ["--dataset", "text", "--model", "lstm", "--epochs", "6", "--lr", "0.5", "--lr-milestones", "4"],
+           "ddp": ["--model", "lstm", "--epochs", "6", "--lr", "0.5", "--lr-milestones", "4"],
+           "seeds": range(3), "folds": (None,), "quality": "perplexity", "higher_is_better": False},
+}
+COMMON = ["--batch-size", "32", "--interval", "0", "--eta", "0.5", "--no-progress"]
+METHODS = {  # name -> (launcher, arguments)
+    "dense-fp32": ("horovod", ["--codec", "none"]),
+    "fp16": ("horovod", ["--codec", "fp16"]),
+    "powersgd-r1": ("horovod", ["--codec", "powersgd", "--rank", "1"]),
+    "powersgd-r4": ("horovod", ["--codec", "powersgd", "--rank", "4"]),
+    "powersgd-accordion": ("horovod", ["--codec", "powersgd", "--rank", "1", "--critical-rank", "4"]),
+    "topk-1": ("horovod", ["--codec", "topk", "--ratio", "0.01"]),
+    "topk-10": ("horovod", ["--codec", "topk", "--ratio", "0.1"]),
+    "topk-accordion": ("horovod", ["--codec", "topk", "--ratio", "0.01", "--critical-ratio", "0.1"]),
+    "ddp-powersgd-r1": ("ddp", ["--rank", "1"]),
+    "ddp-powersgd-r4": ("ddp", ["--rank", "4"]),
+}
+# The protocol's bar, per codec: (Accordion, static high, static low).
+BAR = {"PowerSGD": ("powersgd-accordion", "powersgd-r4", "powersgd-r1"),
+       "TopK": ("topk-accordion", "topk-10", "topk-1")}
+
+
+def run_dir(task: str, method: str, seed: int, fold: int | None) -> Path:
+    return OUT / task / method / (f"seed{seed}" if fold is None else f"seed{seed}-fold{fold}")
+
+
+def commit() -> str:
+    out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True)
+    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO,
+                           capture_output=True, text=True).stdout.strip()
+    return out.stdout.strip() + ("+uncommitted" if dirty else "")
+
+
+def one_run(cluster: Cluster, task: str, method: str, seed: int, fold: int | None, timeout: float) -> dict:
+    spec, (launcher, margs) = TASKS[task], METHODS[method]
+    where = run_dir(task, method, seed, fold)
+    fold_args = [] if fold is None else ["--fold", str(fold)]
+    with tempfile.TemporaryDirectory() as tmp:
+        if launcher == "horovod":
+            args = ["-m", "accordion_hvd.train", *spec["args"], *fold_args, *margs, *COMMON, "--seed", str(seed),
+                    "--logdir", tmp]
+            started = time.monotonic()
+            result = cluster.horovodrun(args, timeout=timeout)
+            code, output = result.returncode, result.stdout + result.stderr
+            command = f"horovodrun -np 2 -H node1:1,node2:1 --gloo python {' '.join(args[:-1])} DIR"
+        else:
+            args = [str(REPO / "benchmarks" / "ddp_train.py"), *spec["ddp"], *fold_args, *margs, "--seed", str(seed),
+                    "--logdir", tmp]
+            started = time.monotonic()
+            results = cluster.torchrun(args, timeout=timeout)
+            code = max(r.returncode for r in results.values())
+            output = "\n".join(r.stdout + r.stderr for _, r in sorted(results.items()))
+            command = f"torchrun --nnodes 2 --nproc_per_node 1 ... benchmarks/ddp_train.py {' '.join(args[1:-1])} DIR"
+        seconds = time.monotonic() - started
+        where.mkdir(parents=True, exist_ok=True)
+        for name in ("steps.csv", "eval.csv"):
+            if (Path(tmp) / name).exists():
+                shutil.copy(Path(tmp) / name, where / name)
+    (where / "log.txt").write_text(output[-20000:])
+    record = {"protocol": PROTOCOL, "task": task, "method": method, "seed": seed, "fold": fold, "exit": code,
+              "seconds": round(seconds, 1), "command": command, "commit": commit(), "machine": machine(),
+              "cluster": f"2 emulated nodes, {RATE} links, 1 thread per rank"}
+    (where / "run.json").write_text(json.dumps(record, indent=1) + "\n")
+    return record
+
+
+def machine() -> str:
+    from machine import cpu_model  # benchmarks/machine.py
+    return f"{platform.node()}, {cpu_model()}, Python {platform.python_version()}"
+
+
+def run_all(task: str, methods: list[str], seeds, folds, timeout: float) -> None:
+    todo = [(m, s, f) for s in seeds for f in folds for m in methods if not (run_dir(task, m, s, f) / "run.json").exists()]
+    print(f"{task}: {len(todo)} runs to do", flush=True)
+    with Cluster(2, rate=RATE, prefix="accev-") as cluster:
+        for i, (method, seed, fold) in enumerate(todo, 1):
+            record = one_run(cluster, task, method, seed, fold, timeout)
+            print(f"[{i}/{len(todo)}] {task} {method} seed {seed} fold {fold}: exit {record['exit']}, "
+                  f"{record['seconds']:.0f} s", flush=True)
+
+
+# ---------------------------------------------------------------- summary
+
+def read_run(where: Path, quality: str) -> dict | None:
+    record = json.loads((where / "run.json").read_text())
+    if record["exit"] != 0 or not (where / "eval.csv").exists():
+        return None
+    with open(where / "eval.csv") as f:
+        evals = list(csv.DictReader(f))
+    with open(where / "steps.csv") as f:
+        steps = list(csv.DictReader(f))
+    walls = [float(r["wall_s"]) for r in steps]
+    # The final test score: the run's last line says it (for the LM, eval.csv has validation
+    # perplexity per epoch and the test set is scored once at the end).
+    final = re.findall(rf"final test {quality}: ([0-9.]+|inf)", (where / "log.txt").read_text())
+    return {"quality": float(final[-1]) if final else float(evals[-1][quality]), "floats": int(steps[-1]["floats_sent"]),
+            "step_s": statistics.median(b - a for a, b in zip(walls, walls[1:])) if len(walls) > 1 else math.nan,
+            "wall_s": float(evals[-1]["wall_s"]), "evals": evals}
+
+
+def summarize() -> list[str]:
+    lines = [f"# Evidence ({PROTOCOL}): Accordion against its alternatives", "",
+             f"Protocol: [`benchmarks/protocols/{PROTOCOL}.md`](../protocols/{PROTOCOL}.md), committed before the "
+             "runs. Records: `benchmarks/results/evidence-v1/TASK/METHOD/seedS[-foldK]/` (each with its command, "
+             "commit and machine in run.json). Command: `.venv/bin/python benchmarks/evidence.py --task TASK`, then "
+             "`--summarize`.", ""]
+    for task, spec in TASKS.items():
+        quality = spec["quality"]
+        runs = {m: {} for m in METHODS}
+        failed = {m: 0 for m in METHODS}
+        for method in METHODS:
+            for where in sorted((OUT / task / method).glob("seed*")) if (OUT / task / method).is_dir() else []:
+                if not (where / "run.json").exists():
+                    continue
+                got = read_run(where, quality)
+                if got is None:
+                    failed[method] += 1
+                else:
+                    runs[method][where.name] = got
+        if not any(runs.values()) and not any(failed.values()):
+            lines += [f"## {task}: no runs yet", ""]
+            continue
+        lines += [f"## {task}", "",
+                  f"| method | runs | failed | {quality}: mean | sd | min - max | floats sent per rank (mean) | "
+                  "median step (s) |", "|---|---|---|---|---|---|---|---|"]
+        for method, got in runs.items():
+            if not got and not failed[method]:
+                continue
+            q = [r["quality"] for r in got.values()]
+            mean = statistics.mean(q) if q else math.nan
+            sd = statistics.stdev(q) if len(q) > 1 else math.nan
+            scale = 100 if quality == "accuracy" else 1
+            lines.append(f"| {method} | {len(q)} | {failed[method]} | {scale * mean:.2f} | {scale * sd:.2f} | "
+                         f"{scale * min(q, default=math.nan):.2f} - {scale * max(q, default=math.nan):.2f} | "
+                         f"{statistics.mean(r['floats'] for r in got.values()) if got else math.nan:,.0f} | "
+                         f"{statistics.median(r['step_s'] for r in got.values()) if got else math.nan:.3f} |")
+        lines += ["", *bar_lines(runs, spec), ""]
+    return lines
+
+
+def bar_lines(runs: dict, spec: dict) -> list[str]:
+    """The protocol's three conditions per codec, on the runs present (paired by seed and fold)."""
+    sign = 1 if spec["higher_is_better"] else -1
+    out = ["| codec | paired runs | 1. within sd or 2% of static high | 2. floats <= 0.6x static high | "
+           "3. better than static low by > 2 SE | met |", "|---|---|---|---|---|---|"]
+    for codec, (acc, high, low) in BAR.items():
+        keys = sorted(set(runs[acc]) & set(runs[high]) & set(runs[low]))
+        if len(keys) < 2:
+            out.append(f"| {codec} | {len(keys)} | not enough runs | | | |")
+            continue
+        qa = [runs[acc][k]["quality"] for k in keys]
+        qh = [runs[high][k]["quality"] for k in keys]
+        ql = [runs[low][k]["quality"] for k in keys]
+        gap = sign * (statistics.mean(qh) - statistics.mean(qa))  # how much worse Accordion is than high
+        allowed = max(statistics.stdev(qh), 0.02 * abs(statistics.mean(qh)))
+        c1 = gap <= allowed
+        ratio = statistics.mean(runs[acc][k]["floats"] for k in keys) / statistics.mean(runs[high][k]["floats"]
+                                                                                         for k in keys)
+        c2 = ratio <= 0.6
+        diff = [sign * (a - b) for a, b in zip(qa, ql)]
+        se = statistics.stdev(diff) / math.sqrt(len(diff))
+        c3 = statistics.mean(diff) > 2 * se
+        out.append(f"| {codec} | {len(keys)} | {'yes' if c1 else 'no'} (worse by {gap:.4f}, allowed {allowed:.4f}) | "
+                   f"{'yes' if c2 else 'no'} ({ratio:.2f}x) | {'yes' if c3 else 'no'} (by {statistics.mean(diff):.4f}, "
+                   f"2 SE {2 * se:.4f}) | {'**yes**' if c1 and c2 and c3 else 'no'} |")
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--task", choices=sorted(TASKS))
+    p.add_argument("--methods", default=",".join(METHODS), help="comma-separated, of: " + ", ".join(METHODS))
+    p.add_argument("--seeds", default=None, help="comma-separated (default: the protocol's)")
+    p.add_argument("--folds", default=None, help="comma-separated (digits; default: the protocol's)")
+    p.add_argument("--timeout", type=float, default=3600, help="seconds one run may take")
+    p.add_argument("--summarize", action="store_true", help=f"write benchmarks/results/{PROTOCOL}.md")
+    args = p.parse_args()
+    if args.task:
+        methods = [m for m in args.methods.split(",") if m]
+        unknown = [m for m in methods if m not in METHODS]
+        if unknown:
+            p.error(f"--methods: unknown {unknown} (known: {', '.join(METHODS)})")
+        spec = TASKS[args.task]
+        seeds = [int(s) for s in args.seeds.split(",")] if args.seeds else list(spec["seeds"])
+        folds = [int(f) for f in args.folds.split(",")] if args.folds and args.task == "digits" else list(spec["folds"])
+        run_all(args.task, methods, seeds, folds, args.timeout)
+    if args.summarize or not args.task:
+        out = REPO / "benchmarks" / "results" / f"{PROTOCOL}.md"
+        out.write_text("\n".join(summarize()) + "\n")
+        print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,81 @@
+"""comm/liveness.py in one process: two ranks' heartbeats on a real TCPStore, one of which stops
+beating (a frozen worker, a cut link) or loses the store (rank 0 gone). The same diagnosis is
+checked across emulated nodes, with real faults, in tests/test_network_faults.py."""
+
+from __future__ import annotations
+
+import datetime
+import time
+
+import torch.distributed as dist
+
+from accordion_hvd.comm import liveness
+from accordion_hvd.comm.channel import CollectiveTimeout, HorovodInternalError, collective_timeout_error
+
+
+def store():
+    return dist.TCPStore("127.0.0.1", 0, 2, is_master=True, timeout=datetime.timedelta(seconds=10),
+                         wait_for_workers=False)
+
+
+def pair(master, period=0.2):
+    """Rank 0's and rank 1's heartbeats (the constructor is collective: build them together)."""
+    import threading
+    beats = {}
+
+    def make(rank):
+        beats[rank] = liveness.Heartbeat("127.0.0.1", master.port, rank, 2, period=period)
+
+    threads = [threading.Thread(target=make, args=(r,)) for r in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    return beats[0], beats[1]
+
+
+def test_a_rank_that_stops_beating_is_named():
+    master = store()
+    rank0, rank1 = pair(master)
+    try:
+        time.sleep(0.5)
+        assert "still arrives" in rank0.diagnose()  # both beat: a slow link, not a dead one
+        rank1.close()  # rank 1 stops beating, as a frozen process or a cut link would
+        time.sleep(0.3)
+        why = rank0.diagnose()
+        assert why.startswith("not responding (seen from rank 0): rank 1 ("), why
+        assert rank0.hosts == rank1.hosts and len(rank0.hosts) == 2
+    finally:
+        rank0.close()
+        rank1.close()
+
+
+def test_a_lost_store_names_rank_0_within_the_store_timeout():
+    master = store()
+    rank0, rank1 = pair(master)
+    rank0.close()
+    del master  # rank 0's process (which holds the store) is gone
+    started = time.monotonic()
+    why = rank1.diagnose()
+    assert time.monotonic() - started < liveness.STORE_TIMEOUT_S + 3
+    assert why.startswith("unreachable from rank 1: rank 0 ("), why
+    assert rank1.diagnose() == why  # the broken connection is never used again
+    rank1.close()
+
+
+def test_the_timeout_error_carries_the_diagnosis_and_is_horovods_kind():
+    master = store()
+    rank0, rank1 = pair(master)
+    try:
+        rank1.close()
+        time.sleep(0.3)
+        liveness._current = rank0  # the live channel's heartbeat, as comm/gloo.py leaves it
+        error = collective_timeout_error("acc.P.b0.4", 0, 2, 20.0)
+        assert isinstance(error, CollectiveTimeout) and isinstance(error, TimeoutError)
+        assert isinstance(error, HorovodInternalError)  # Horovod Elastic restores on it
+        assert "collective 'acc.P.b0.4' did not complete within 20 s on rank 0" in str(error)
+        assert "not responding (seen from rank 0): rank 1 (" in str(error)
+    finally:
+        rank0.close()
+        rank1.close()
+    assert liveness.diagnose() == ""  # no live heartbeat: nothing to add
