@@ -243,6 +243,6 @@ def test_control_plane_under_horovodrun(backend, np_):
             assert all(s.startswith("lonely: AccordionCompressor: collective 'lonely' did not complete within "
                                     f"2 s on rank 0 (world size {np_}).") for s in lonely), out
         else:  # Horovod pairs by name: each rank waits for its own, then times out
-            assert mismatch[0].startswith(f"mismatch: TimeoutError: AccordionCompressor: collective "
+            assert mismatch[0].startswith(f"mismatch: CollectiveTimeout: AccordionCompressor: collective "
                                           f"'acc.ctl.{name}' did not complete within 10 s on rank {rank}"), out
     assert time.monotonic() - start < 60

@@ -90,7 +90,7 @@ class GlooChannel(ProcessGroupChannel):
                          lanes={name: group(f"accordion.{name}") for name in LANES})
         self._store = store  # kept alive with the groups
         store_host, port = address.rsplit(":", 1)
-        self._heartbeat = Heartbeat(store_host, int(port), rank, size)
+        self._heartbeat = Heartbeat(store_host, int(port), rank, size, setup_timeout=timeout)
         log.info("rank %d: compressed gradients travel on a Gloo group of %d ranks (%s)", rank, size,
                  f"interface {iface}" if iface else f"host {host}")
 

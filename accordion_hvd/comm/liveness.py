@@ -10,11 +10,15 @@ counter twice a few periods apart: a rank whose counter did not move is not resp
 link is down or its process frozen); if rank 0's store itself does not answer, rank 0 is the
 one this rank cannot reach. A few seconds, paid only on the way out.
 
-The cost in a healthy run is one small store message per rank per second.
+The cost in a healthy run is one small store message per rank per second. The beating thread
+is stopped and joined at interpreter exit (``atexit``): a daemon thread still inside a store
+call when Python finalizes is ended by a forced unwind through C++ frames, which aborts the
+process ("terminate called without an active exception").
 """
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import logging
 import socket
@@ -28,6 +32,7 @@ log = logging.getLogger("accordion_hvd.comm")
 PERIOD_S = 1.0       # seconds between a rank's heartbeats
 STORE_TIMEOUT_S = 5  # how long one store message may take before the store counts as unreachable
 _current: "Heartbeat | None" = None  # the live channel's heartbeat, for waits outside the channel
+_running: "set[Heartbeat]" = set()  # every heartbeat not closed yet, for the exit
 
 
 class Heartbeat:
@@ -40,19 +45,23 @@ class Heartbeat:
     waits for at most ``STORE_TIMEOUT_S``.
     """
 
-    def __init__(self, host: str, port: int, rank: int, size: int, period: float = PERIOD_S) -> None:
+    def __init__(self, host: str, port: int, rank: int, size: int, period: float = PERIOD_S,
+                 setup_timeout: float = 300.0) -> None:
         global _current
         self.rank, self.size, self.period = rank, size, period
-        timeout = datetime.timedelta(seconds=STORE_TIMEOUT_S)
-        self._beat_store = dist.TCPStore(host, port, size, is_master=False, timeout=timeout)
-        self._read_store = dist.TCPStore(host, port, size, is_master=False, timeout=timeout)
+        setup = datetime.timedelta(seconds=min(setup_timeout, 7 * 24 * 3600.0))
+        self._beat_store = dist.TCPStore(host, port, size, is_master=False, timeout=setup)
+        self._read_store = dist.TCPStore(host, port, size, is_master=False, timeout=setup)
         self._read_store.set(f"acc.host.{rank}", socket.gethostname())
-        self.hosts = [self._read_store.get(f"acc.host.{r}").decode() for r in range(size)]
+        self.hosts = [self._read_store.get(f"acc.host.{r}").decode() for r in range(size)]  # waits for every rank
+        for store in (self._beat_store, self._read_store):  # from now on a store that is slow counts as gone
+            store.set_timeout(datetime.timedelta(seconds=STORE_TIMEOUT_S))
         self._store_lost: str | None = None  # set once the store stopped answering: never read again
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._beat, name=f"accordion-heartbeat-{rank}", daemon=True)
         self._thread.start()
         _current = self
+        _running.add(self)
 
     def _beat(self) -> None:
         while not self._stop.wait(self.period):
@@ -61,11 +70,15 @@ class Heartbeat:
             except Exception:  # noqa: BLE001 - the connection is broken for good; diagnose() says so
                 return
 
-    def close(self) -> None:
+    def close(self, wait: float = 0.0) -> None:
+        """Stop beating; ``wait``: seconds to wait for the beating thread to end."""
         global _current
         self._stop.set()
+        _running.discard(self)
         if _current is self:
             _current = None
+        if wait:
+            self._thread.join(wait)
 
     def _counters(self) -> list[int] | None:
         """Every rank's heartbeat count, or None if the store did not answer in time."""
@@ -104,6 +117,12 @@ class Heartbeat:
         who = ", ".join(f"rank {r} ({self.hosts[r]})" for r in silent)
         return (f"not responding (seen from rank {self.rank}): {who}: no heartbeat for "
                 f"{2.5 * self.period:g} s (its link is down or its process frozen)")
+
+
+@atexit.register
+def _stop_at_exit() -> None:
+    for heartbeat in list(_running):
+        heartbeat.close(wait=STORE_TIMEOUT_S)
 
 
 def diagnose() -> str:
