@@ -5,15 +5,22 @@ gradient becomes ready (during backward) and allreduces what it returns; in ``st
 calls ``decompress(result, ctx)`` for each and sets the parameter's gradient to the output.
 We use that contract as follows:
 
-* layers that do not gain from compression (< 2 dims, small) are returned as they are and
-  go through Horovod's ordinary allreduce;
-* a compressed layer returns an empty tensor to Horovod and goes into its codec's exchange
-  (accordion_hvd/exchange/) on our own data plane (comm/gloo.py): by buckets of layers in the
-  order their gradients become ready, each bucket's collectives starting as soon as the
-  bucket is complete, overlapping with the rest of backward (PowerSGD: a P and a Q allreduce
-  per bucket; TopK: a packed allgather of values and indices per bucket);
-* the first ``decompress`` of a compressed layer waits for what is left of the exchange.
-  Results are handed out by name, never by hook order, which differs between ranks.
+* a compressed layer returns a placeholder (an empty tensor) to Horovod and goes into its
+  codec's exchange (accordion_hvd/exchange/) on our own data plane (comm/gloo.py): by
+  buckets of layers in the order their gradients become ready, each bucket's collectives
+  starting as soon as the bucket is complete, overlapping with the rest of backward
+  (PowerSGD: a P and a Q allreduce per bucket; TopK: a packed allgather of values and
+  indices per bucket);
+* layers that do not gain from compression (< 2 dims, small: biases, normalization layers)
+  are averaged uncompressed, on the same data plane, by buckets too (``dense_round``,
+  a lane of their own); they also return a placeholder. No gradient then reaches Horovod:
+  its optimizer gets a handle that is its own result for a placeholder (horovod_seam.py),
+  so a step costs no Horovod negotiation and no wait for its background loop's cycle.
+  When Horovod's optimizer does not average over all ranks (``op`` other than
+  ``hvd.Average``, a process set), those layers go through Horovod's allreduce instead;
+  so do sparse and integer gradients, and a TopK layer at a level that sends it dense;
+* the step's first ``decompress`` waits for what is left of the step's rounds. Results are
+  handed out by name, never by hook order, which differs between ranks.
 
 The adapter does not know the codec's rounds: it drives the exchange object with ``add``,
 ``results`` and ``end_step`` (commit, or roll back a skipped step), and keeps the Horovod
@@ -58,13 +65,14 @@ from .codecs import PowerSGD, TopK
 from .codecs._common import all_finite, residual_dtype
 from .controller import RegimeController
 from .comm.horovod import check_wait, install_polite_wait
-from .exchange import BUCKET_BYTES, FIRST_BUCKET_BYTES, Round1, make_exchange
-from .horovod_seam import GradientNames, find_optimizer, horovod_parameter
+from .exchange import BUCKET_BYTES, FIRST_BUCKET_BYTES, Round1, lane, make_exchange
+from .horovod_seam import GradientNames, bypass_allowed, find_optimizer, horovod_parameter, install_bypass, placeholder
 from .levels import DENSE, Level, check_level, positive_number
 from .policies import make_policy
 
 
-_DENSE, _COMPRESSED = "dense", "compressed"  # who carries a layer this step: Horovod, or our exchange
+# Who carries a layer this step: Horovod's allreduce, our exchange, or our uncompressed round.
+_DENSE, _COMPRESSED, _UNCOMPRESSED = "dense", "compressed", "uncompressed"
 _CONFIG_BYTES = 1024  # the settings' canonical JSON, zero-padded: one fixed-size allgather
 _STATE_FORMAT = "accordion_hvd.AccordionCompressor/2"  # /2: levels as [kind, factor], not strings
 DATA_PLANE_ENV = "ACCORDION_DATA_PLANE"
@@ -155,6 +163,7 @@ class AccordionCompressor(HorovodCompressor):
         self._names = None if named_parameters is None else GradientNames(named_parameters)
         self.wait = check_wait(wait)
         self._met_horovod = False                    # compress() was called by Horovod: wait installed
+        self._bypass = False                         # uncompressed layers travel on our data plane too
         self._channel = channel
         self._channel_given = channel is not None
         self._control = control
@@ -166,6 +175,7 @@ class AccordionCompressor(HorovodCompressor):
         self.seconds = {"compress": 0.0, "comm": 0.0}  # cumulative: codec math, waiting on collectives
         self._layers: dict[str, Any] = {}            # name -> codec state
         self._exchange = None                        # the codec's exchange (accordion_hvd/exchange/)
+        self._dense_round = None                     # the uncompressed layers' round, when Horovod is bypassed
         self._device_type = "cpu"                    # of the first compressed gradient: picks the data plane
         self._sent: dict[str, int] = {}              # cumulative floats sent, per layer
         self._dense: dict[str, int] = {}             # cumulative floats a dense allreduce sends
@@ -180,7 +190,9 @@ class AccordionCompressor(HorovodCompressor):
         self._outputs: list[torch.Tensor] = []  # every gradient returned to Horovod
         self._local_faults: list[str] = []       # layers whose gradient is not finite on this rank
         self._fault = False                      # some rank's was not (the same on every rank)
-        self._results: dict[str, torch.Tensor] | None = None  # the exchange's, once waited for
+        self._results: dict[str, torch.Tensor] | None = None  # the step's rounds', once waited for
+        self._rounds: set[str] = set()           # which of our rounds carry layers this step
+        self._dtypes: dict[str, torch.dtype] = {}  # an uncompressed layer's gradient dtype (its round may promote)
         self._lr_gather = None                   # every rank's learning rates, in flight
 
     @classmethod
@@ -221,6 +233,16 @@ class AccordionCompressor(HorovodCompressor):
         return self._exchange
 
     @property
+    def dense_round(self) -> Round1:
+        """The round of the uncompressed layers, when Horovod is bypassed: one averaging
+        allreduce per bucket, on the data plane's "dense" lane (its buckets fill at other
+        times than the compressed layers' ones; their layout is agreed separately)."""
+        if self._dense_round is None:
+            self._dense_round = Round1(lane(self.channel, "dense"), "allreduce", "acc.D",
+                                       first_cap=min(FIRST_BUCKET_BYTES, self.bucket_cap), cap=self.bucket_cap)
+        return self._dense_round
+
+    @property
     def round1(self) -> Round1:
         """The exchange's first round (its agreed bucket layout)."""
         return self.exchange.round1
@@ -249,7 +271,7 @@ class AccordionCompressor(HorovodCompressor):
         self._owner = weakref.ref(owner)
         self._channel, self._channel_given = channel, True
         self._control, self._control_given = control, True
-        self._exchange = None
+        self._exchange = self._dense_round = None
         if optimizer is not None:
             self._optimizer = weakref.ref(optimizer)
 
@@ -264,14 +286,19 @@ class AccordionCompressor(HorovodCompressor):
             name, optimizer = horovod_parameter()
         if not self._met_horovod:
             self._met_horovod = True
-            install_polite_wait(self.wait)
+            install_polite_wait(self.wait)  # first: it also makes Horovod's optimizer read bypass handles
+            install_bypass()
+            why_not = bypass_allowed(optimizer)
+            self._bypass = why_not is None
+            if why_not:
+                log.info("AccordionCompressor: uncompressed gradients go through Horovod's allreduce: %s", why_not)
         if self._optimizer is None and optimizer is not None:
             self._optimizer = weakref.ref(optimizer)
         elif self._optimizer is None and self.policy.reacts_to_lr and self._reported_lrs is None and self.steps == 0 \
                 and not self._in_step:
             log.warning("AccordionCompressor: Horovod's optimizer was not found in the calling frames, so the policy "
                         "does not see learning-rate decreases; call compression.report_lr(lr) after each change")
-        return self.compress_named(name, tensor)
+        return self._compress(name, tensor, bypass=self._bypass)
 
     @_DefaultInstanceMethod
     def decompress(self, tensor: torch.Tensor, ctx):
@@ -281,24 +308,43 @@ class AccordionCompressor(HorovodCompressor):
             raise RuntimeError(f"AccordionCompressor: no result for {name!r}: decompress called twice, "
                                f"or without compress, in this step")
         if kind != _DENSE:
-            if self._results is None:  # the step's first: wait for the exchange
-                self._results = self.exchange.results()
-                self._fault = self._fault or self.exchange.fault
+            if self._results is None:  # the step's first: wait for the step's rounds
+                self._results = self._collect()
             tensor = self._results.pop(name)
-        elif tensor.is_floating_point() and not all_finite(tensor):
-            self._fault = True  # Horovod's average: the same on every rank
+        if kind != _COMPRESSED and tensor.is_floating_point() and not all_finite(tensor):
+            self._fault = True  # an average: the same on every rank
         self._outputs.append(tensor)
         self._in_step.discard(name)
         if not self._in_step:  # the step's last layer: the step is over on this rank
             self._end_step()
         return tensor
 
+    def _collect(self) -> dict[str, torch.Tensor]:
+        """Wait for the step's rounds, in the same order on every rank (the first layer that
+        Horovod decompresses differs between ranks; a round's first step agrees on its layout
+        with blocking collectives, which must pair)."""
+        results: dict[str, torch.Tensor] = {}
+        if _UNCOMPRESSED in self._rounds:
+            for name, (average,) in self.dense_round.results().items():
+                dtype = self._dtypes[name]
+                results[name] = average if average.dtype == dtype else average.to(dtype)
+        if _COMPRESSED in self._rounds:
+            results.update(self.exchange.results())
+            self._fault = self._fault or self.exchange.fault
+        return results
+
     # --- the same, with the parameter named explicitly (tests, other front ends) -------------
-    @torch.no_grad()
     def compress_named(self, name: str, tensor: torch.Tensor):
         """``compress`` for the parameter ``name``. The gradient is consumed: it is folded into
         the error feedback, and a PowerSGD layer's result is written into its memory (what
-        Horovod does with the result anyway). Pass a copy to keep the gradient."""
+        Horovod does with the result anyway). Pass a copy to keep the gradient. An
+        uncompressed layer is returned as it is, for the caller to average."""
+        return self._compress(name, tensor, bypass=False)
+
+    @torch.no_grad()
+    def _compress(self, name: str, tensor: torch.Tensor, bypass: bool):
+        """``compress_named``; with ``bypass``, uncompressed floating-point layers go into
+        ``dense_round`` and return a placeholder too (see module doc)."""
         if not isinstance(tensor, torch.Tensor):
             raise TypeError(f"AccordionCompressor: the gradient of {name!r} must be a torch.Tensor, "
                             f"got {type(tensor).__name__}")
@@ -320,7 +366,12 @@ class AccordionCompressor(HorovodCompressor):
         self._dense[name] = self._dense.get(name, 0) + dense_floats
         if not compressed:
             self._sent[name] = self._sent.get(name, 0) + dense_floats
-            return tensor, (_DENSE, name)
+            if not (bypass and tensor.layout == torch.strided and tensor.is_floating_point()):
+                return tensor, (_DENSE, name)
+            self._rounds.add(_UNCOMPRESSED)
+            self._dtypes[name] = tensor.dtype
+            self.dense_round.ready(name, [tensor], tensor)  # starts its bucket's allreduce once the bucket is full
+            return placeholder(tensor), (_UNCOMPRESSED, name)
         started = time.perf_counter()
         if state is None:
             state = self._layers[name] = self.codec.init_state(name, tensor, self.controller.level_of(name))
@@ -335,7 +386,8 @@ class AccordionCompressor(HorovodCompressor):
                                                       else self.codec.floats_sent(state))
         if dense is not None:  # sent dense this step (a TopK level keeping half or more): Horovod carries it
             return dense, (_DENSE, name)
-        return tensor.new_empty(0), (_COMPRESSED, name)
+        self._rounds.add(_COMPRESSED)
+        return placeholder(tensor), (_COMPRESSED, name)
 
     def config(self) -> dict:
         """The settings that must be equal on every rank (plain JSON values)."""
@@ -443,6 +495,8 @@ class AccordionCompressor(HorovodCompressor):
         self._in_step.clear()
         if self._exchange is not None:
             self._exchange.abort()
+        if self._dense_round is not None:
+            self._dense_round.begin_step()
         if self._names is not None:
             self._names.forget_step()
         self._new_step()
@@ -452,7 +506,7 @@ class AccordionCompressor(HorovodCompressor):
         control plane for the new ranks, and compare every rank's settings again at the next
         compress (a worker that joined has not been checked yet)."""
         self._config_checked = False
-        self._exchange = None  # the layout is agreed again by the new world, on its channel
+        self._exchange = self._dense_round = None  # layouts are agreed again by the new world, on its channel
         if not self._control_given:
             self._control = None
         if not self._channel_given:  # ours is a group of the old world's ranks

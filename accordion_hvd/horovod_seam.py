@@ -19,6 +19,17 @@ out by name, never by hook order, which differs between ranks). Two ways, both h
 
 Either way, Horovod's optimizer is looked for in the calling frames once (``find_optimizer``)
 for its learning rates, which the regime controller watches.
+
+**Keeping gradients off Horovod's data path** (``install_bypass``). Horovod's optimizer
+hands whatever ``compress`` returns to ``allreduce_async_`` and later gives the result and
+the context to ``decompress``. The compressor exchanges every floating-point gradient on its
+own data plane, so what it returns is a placeholder (``placeholder``): an empty tensor that
+carries nothing. Submitting it to Horovod anyway would cost a negotiation round and a
+background-loop cycle per step for no data (benchmarks/results/step-profile.md), so the
+optimizer module's ``allreduce_async_`` and ``grouped_allreduce_async_`` are wrapped: a
+placeholder (or a group of nothing but placeholders) gets a ``LocalResult`` handle, which
+Horovod's ``synchronize`` returns at once (comm/horovod.py). Every other tensor, and any
+caller other than Horovod's optimizer, goes to Horovod as before.
 """
 
 from __future__ import annotations
@@ -29,6 +40,7 @@ from typing import Any, Iterable
 import torch
 
 _MAX_DEPTH = 6  # frames between compress() and Horovod's method that calls it
+_PLACEHOLDER = "_accordion_placeholder"  # attribute marking the tensors compress() returns for no data
 
 
 class GradientNames:
@@ -116,3 +128,60 @@ def find_optimizer() -> Any | None:
             return owner
         frame = frame.f_back
     return None
+
+
+def placeholder(like: torch.Tensor) -> torch.Tensor:
+    """An empty tensor for Horovod's optimizer to carry instead of a gradient that travels on
+    the compressor's own data plane; with ``install_bypass`` it never reaches Horovod."""
+    empty = like.new_empty(0)
+    setattr(empty, _PLACEHOLDER, True)
+    return empty
+
+
+def is_placeholder(tensor: Any) -> bool:
+    return getattr(tensor, _PLACEHOLDER, False) is True
+
+
+def bypass_allowed(optimizer: Any) -> str | None:
+    """Why Horovod's optimizer must still carry the uncompressed gradients (None: it need
+    not). The compressor's data plane averages over all of Horovod's ranks, so the
+    optimizer must average (``op=hvd.Average``, the default) over the global process set."""
+    if optimizer is None:
+        return "Horovod's optimizer was not found in the calling frames"
+    import horovod.torch as hvd
+
+    if getattr(optimizer, "op", None) != hvd.Average:
+        return "the optimizer's op is not hvd.Average"
+    process_set = getattr(optimizer, "process_set", None)
+    if process_set is not None and getattr(process_set, "process_set_id", 0) != 0:
+        return "the optimizer reduces over a process set other than the global one"
+    return None
+
+
+def install_bypass() -> None:
+    """Wrap the collectives Horovod's optimizer module issues so that placeholders skip
+    Horovod (see module doc). Process-wide and idempotent."""
+    import horovod.torch.optimizer as hvd_optimizer
+
+    from .comm.horovod import LocalResult
+
+    if getattr(hvd_optimizer.allreduce_async_, "_accordion_bypass", False):
+        return
+    horovod_allreduce, horovod_grouped = hvd_optimizer.allreduce_async_, hvd_optimizer.grouped_allreduce_async_
+
+    def allreduce_async_(tensor, *args, **kwargs):
+        if is_placeholder(tensor):
+            return LocalResult(tensor)
+        return horovod_allreduce(tensor, *args, **kwargs)
+
+    def grouped_allreduce_async_(tensors, *args, **kwargs):
+        if tensors and all(is_placeholder(t) for t in tensors):
+            return LocalResult(list(tensors))
+        return horovod_grouped(tensors, *args, **kwargs)
+
+    for wrapper, original in ((allreduce_async_, horovod_allreduce), (grouped_allreduce_async_, horovod_grouped)):
+        wrapper._accordion_bypass = True
+        wrapper.__wrapped__ = original
+        wrapper.__doc__ = f"Horovod's {original.__name__}, except for the compressor's placeholders (accordion_hvd)."
+    hvd_optimizer.allreduce_async_ = allreduce_async_
+    hvd_optimizer.grouped_allreduce_async_ = grouped_allreduce_async_

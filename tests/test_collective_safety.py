@@ -149,10 +149,10 @@ def test_simulated_collective_no_other_rank_submits_times_out_with_its_name():
         SimulatedWorld(2, timeout=0.5).run(worker)
     assert time.monotonic() - start < 5
     assert str(info.value) == (
-        "AccordionCompressor: collective 'acc.layout.size' did not complete within 0.5 s on rank 0 (world size 2). "
+        "AccordionCompressor: collective 'acc.P.layout.size' did not complete within 0.5 s on rank 0 (world size 2). "
         "Usually the ranks disagree on their configuration or on which layers get compressed (different models, "
         "or parameters that require gradients on some ranks only), so another rank never submitted "
-        "'acc.layout.size'. If a rank is merely slow, raise ACCORDION_COLLECTIVE_TIMEOUT (seconds).")
+        "'acc.P.layout.size'. If a rank is merely slow, raise ACCORDION_COLLECTIVE_TIMEOUT (seconds).")
 
 
 def test_simulated_every_waiting_rank_times_out():

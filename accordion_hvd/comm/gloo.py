@@ -22,7 +22,9 @@ tensors and everything else it does.
 A channel has **lanes** (``lane("q")``): further Gloo groups of the same ranks, built at the
 same time from the same store. Collectives on different lanes pair independently, so a rank
 may interleave its issues on two lanes in any order; PowerSGD's exchange uses one for its Q
-rounds, which start when each bucket's P average is back, a matter of timing on each rank.
+rounds, which start when each bucket's P average is back, a matter of timing on each rank,
+and the compressor one for the gradients it does not compress (biases, normalization
+layers), whose buckets fill at other times than the compressed layers' ones.
 
 Every wait has the channel's timeout (a ``TimeoutError`` naming the collective); the group's
 own timeout is the same, so a collective that a rank never issues fails on every rank. A
@@ -50,7 +52,7 @@ log = logging.getLogger("accordion_hvd.comm")
 
 ADDR_ENV = "ACCORDION_GLOO_ADDR"  # the address other ranks reach rank 0 at (default: see _advertised_host)
 IFACE_ENVS = ("ACCORDION_GLOO_IFACE", "HOROVOD_GLOO_IFACE", "GLOO_SOCKET_IFNAME")
-LANES = ("q",)  # built with every channel: a group is a collective setup, not something to do mid-step
+LANES = ("q", "dense")  # built with every channel: a group is a collective setup, not something to do mid-step
 
 
 class GlooChannel(ProcessGroupChannel):

@@ -10,6 +10,10 @@ ranks it waits for need to finish their backward pass, so every step is slower.
 (``poll_until``: at most 1 ms late); results and errors are Horovod's own. It is process-wide
 (Horovod's optimizer module calls one ``synchronize``): ``AccordionCompressor(wait=...)``
 installs it when Horovod first calls the compressor, and the training CLI for every method.
+
+The same hook lets a collective skip Horovod altogether: a ``LocalResult`` handed to the
+optimizer as a handle is its own result (accordion_hvd/horovod_seam.py uses it for the
+gradients that the compressor exchanges on its own data plane).
 """
 
 from __future__ import annotations
@@ -29,10 +33,11 @@ WAIT_MODES = ("sleep", "spin")
 CYCLE_ENV = "HOROVOD_CYCLE_TIME"     # Horovod's own setting, read once by hvd.init()
 # Horovod's background loop wakes every cycle and runs a small collective with every other
 # rank, work or not: at Horovod's default of 1 ms that cost 15-25% of a core per worker on
-# the emulated cluster (benchmarks/results/step-profile.md). Our gradients travel on our own
-# Gloo group (comm/gloo.py) and the exchange finishes at the end of backward, so Horovod's
-# loop only carries the small uncompressed tensors and our empty placeholders: a cycle of
-# 20 ms costs one partial cycle at the end of a step instead of a fifth of a core all along.
+# the emulated cluster (benchmarks/results/step-profile.md). Our gradients, compressed or
+# not, travel on our own Gloo group (comm/gloo.py) and none reaches Horovod's loop in a
+# step (accordion_hvd/horovod_seam.py), so a cycle of 20 ms costs nothing per step; it only
+# delays what still goes through Horovod (broadcasts, a job's own collectives, and the
+# gradients of an optimizer whose op is not Average).
 QUIET_CYCLE_MS = 20
 _cycle_note: str | None = None  # why Horovod runs at its default cycle, when we could not set ours
 
@@ -59,6 +64,41 @@ def polite_synchronize(handle):
         return hvd.synchronize(handle)
     except HorovodInternalError as exc:
         raise HorovodInternalError(_with_diagnosis(f"{HOROVOD_LOOP} failed on rank {hvd.rank()}: {exc}")) from exc
+
+
+class LocalResult:
+    """A handle for a collective that never reached Horovod: it is its own result.
+
+    Horovod's optimizer calls ``handle()`` on a callable handle and ``synchronize(handle)``
+    on a grouped one; ``optimizer_synchronize`` returns ``value`` for it either way."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value) -> None:
+        self.value = value
+
+    def __call__(self):
+        return self.value
+
+
+_wait_mode = "sleep"  # how optimizer_synchronize waits for Horovod's own collectives
+
+
+def optimizer_synchronize(handle):
+    """What Horovod's optimizer module calls as ``synchronize``: a ``LocalResult``'s value, or
+    Horovod's result waited for politely (sleeping) or Horovod's way (spinning)."""
+    if isinstance(handle, LocalResult):
+        return handle.value
+    if _wait_mode == "sleep":
+        return polite_synchronize(handle)
+    import horovod.torch.mpi_ops as hvd_mpi_ops
+    return hvd_mpi_ops.synchronize(handle)
+
+
+def installed_wait() -> str | None:
+    """How Horovod's optimizer waits now: "sleep", "spin", or None (untouched: Horovod's own)."""
+    import horovod.torch.optimizer as hvd_optimizer
+    return _wait_mode if hvd_optimizer.synchronize is optimizer_synchronize else None
 
 
 def _with_diagnosis(text: str) -> str:
@@ -109,14 +149,14 @@ def install_polite_wait(wait: str = "sleep") -> bool:
         if env not in ("sleep", "poll", "spin"):
             raise ValueError(f"{WAIT_ENV} must be 'sleep' (or 'poll') or 'spin', got {env!r}")
         wait = "sleep" if env == "poll" else env
+    global _wait_mode
     check_wait(wait)
     import horovod.torch.optimizer as hvd_optimizer
-    import horovod.torch.mpi_ops as hvd_mpi_ops
 
     polite = wait == "sleep"
-    wanted = polite_synchronize if polite else hvd_mpi_ops.synchronize
-    if hvd_optimizer.synchronize is not wanted:
-        hvd_optimizer.synchronize = wanted
+    if hvd_optimizer.synchronize is not optimizer_synchronize or _wait_mode != wait:
+        hvd_optimizer.synchronize = optimizer_synchronize
+        _wait_mode = wait
         log.info("Horovod's DistributedOptimizer now %s while it waits for a collective (wait=%r; $%s overrides)",
                  "sleeps between polls" if polite else "spins", wait, WAIT_ENV)
     return polite

@@ -57,17 +57,19 @@ def plan_buckets(order: list[str], nbytes: dict[str, int], first_cap: int = FIRS
     return buckets
 
 
-def agree_layout(channel: Channel, shapes: dict[str, tuple[int, ...]], order: list[str]) -> list[str]:
+def agree_layout(channel: Channel, shapes: dict[str, tuple[int, ...]], order: list[str],
+                 prefix: str = "acc") -> list[str]:
     """Every rank's compressed layers must be the same; returns rank 0's ready order.
 
-    Two allgathers (a length, then every rank's layer list): done once, not per step."""
+    Two allgathers (a length, then every rank's layer list), named after the round
+    (``prefix``): done once, not per step."""
     mine = json.dumps({"layers": sorted([n, list(s)] for n, s in shapes.items()), "order": order}).encode()
     lengths = channel.wait(channel.allgather_async(torch.tensor([len(mine)], dtype=torch.int64),
-                                                   name="acc.layout.size"))
+                                                   name=f"{prefix}.layout.size"))
     width = int(lengths.max())
     buffer = torch.zeros(width, dtype=torch.uint8)
     buffer[:len(mine)] = torch.frombuffer(bytearray(mine), dtype=torch.uint8)
-    rows = channel.wait(channel.allgather_async(buffer, name=f"acc.layout.{width}")).view(-1, width)
+    rows = channel.wait(channel.allgather_async(buffer, name=f"{prefix}.layout.{width}")).view(-1, width)
     layouts = [json.loads(bytes(row[:int(n)].tolist())) for row, n in zip(rows, lengths.tolist())]
     sets = [{n: tuple(s) for n, s in layout["layers"]} for layout in layouts]
     if any(s != sets[0] for s in sets):
@@ -178,7 +180,7 @@ class Round1:
         if missing and not self._launched:
             self.buckets = None  # a subset of the layers, nothing sent yet: agree on this set
         if self.buckets is None:
-            order = agree_layout(self.channel, self._shapes, self._order)
+            order = agree_layout(self.channel, self._shapes, self._order, self.prefix)
             self.buckets = [_Bucket(names) for names in plan_buckets(order, self._nbytes, self.first_cap, self.cap)]
             self._bucket_of = {n: i for i, b in enumerate(self.buckets) for n in b.names}
         missing = sorted(n for n in self._bucket_of if n not in self._payloads)
