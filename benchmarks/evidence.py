@@ -31,6 +31,8 @@ import tempfile
 import time
 from pathlib import Path
 
+import numpy as np
+
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "benchmarks" / "cluster"))
 from cluster import Cluster  # noqa: E402
@@ -149,7 +151,8 @@ def summarize() -> list[str]:
              f"Protocol: [`benchmarks/protocols/{PROTOCOL}.md`](../protocols/{PROTOCOL}.md), committed before the "
              "runs. Records: `benchmarks/results/evidence-v1/TASK/METHOD/seedS[-foldK]/` (each with its command, "
              "commit and machine in run.json). Command: `.venv/bin/python benchmarks/evidence.py --task TASK`, then "
-             "`--summarize`.", ""]
+             "`--summarize`. Floats sent count elements (fp16's are 2 bytes, the others 4); a median step is "
+             "the median gap between consecutive steps' wall_s (the few gaps that span an evaluation do not move it).", ""]
     for task, spec in TASKS.items():
         quality = spec["quality"]
         runs = {m: {} for m in METHODS}
@@ -180,8 +183,66 @@ def summarize() -> list[str]:
                          f"{scale * min(q, default=math.nan):.2f} - {scale * max(q, default=math.nan):.2f} | "
                          f"{statistics.mean(r['floats'] for r in got.values()) if got else math.nan:,.0f} | "
                          f"{statistics.median(r['step_s'] for r in got.values()) if got else math.nan:.3f} |")
-        lines += ["", *bar_lines(runs, spec), ""]
+        lines += ["", *time_to_baseline_lines(runs, spec), "", *bar_lines(runs, spec), "",
+                  *plot_lines(task, runs, spec), ""]
     return lines
+
+
+def reached_at(evals: list[dict], quality: str, target: float, higher_is_better: bool) -> float | None:
+    """Seconds into training of the first evaluation at least as good as ``target``."""
+    for row in evals:
+        q = float(row[quality])
+        if (q >= target) if higher_is_better else (q <= target):
+            return float(row["wall_s"])
+    return None
+
+
+def time_to_baseline_lines(runs: dict, spec: dict) -> list[str]:
+    """The protocol's time to reach the 16-bit baseline's final quality. The target is the mean
+    over fp16's runs of its last evaluation (the column every run logs per epoch: test accuracy
+    over the fold for digits, validation perplexity for the LM), so that each run is compared on
+    the quantity it logs as it goes; a run that never reaches it is counted, not averaged."""
+    quality, higher = spec["quality"], spec["higher_is_better"]
+    if not runs["fp16"]:
+        return ["Time to the 16-bit baseline's final quality: no fp16 runs yet."]
+    target = statistics.mean(float(r["evals"][-1][quality]) for r in runs["fp16"].values())
+    scale, unit = (100, "%") if quality == "accuracy" else (1, "")
+    out = [f"Time to reach the 16-bit baseline's final {quality} ({scale * target:.2f}{unit}, the mean of fp16's "
+           "last evaluations), seconds into training:", "",
+           "| method | reached | mean s (runs that reached it) | sd |", "|---|---|---|---|"]
+    for method, got in runs.items():
+        if not got:
+            continue
+        times = [t for r in got.values() if (t := reached_at(r["evals"], quality, target, higher)) is not None]
+        mean = f"{statistics.mean(times):.1f}" if times else "-"
+        sd = f"{statistics.stdev(times):.1f}" if len(times) > 1 else "-"
+        out.append(f"| {method} | {len(times)} of {len(got)} | {mean} | {sd} |")
+    return out
+
+
+def plot_lines(task: str, runs: dict, spec: dict) -> list[str]:
+    """Mean quality per evaluation (over seeds and folds) against mean floats sent and mean
+    time, one line per method: ``evidence-v1/TASK_QUALITY_vs_{floats,time}.png``."""
+    sys.path.insert(0, str(REPO))
+    from accordion_hvd.cli.plots import plot_curves  # matplotlib only when summarizing
+    quality = spec["quality"]
+    by_floats, by_time = {}, {}
+    for method, got in runs.items():
+        if not got:
+            continue
+        n = min(len(r["evals"]) for r in got.values())
+        mean = lambda col: [statistics.mean(float(r["evals"][i][col]) for r in got.values()) for i in range(n)]  # noqa: E731
+        q = mean(quality)
+        by_floats[method], by_time[method] = (mean("floats_sent"), q), (mean("wall_s"), q)
+    if not by_floats:
+        return []
+    out = []
+    for what, curves, xlabel in (("floats", by_floats, "floats sent per rank"), ("time", by_time, "seconds")):
+        path = OUT / f"{task}_{quality}_vs_{what}.png"
+        plot_curves({m: tuple(map(np.asarray, xy)) for m, xy in curves.items()}, xlabel,
+                    f"{task}: {quality} vs {what} (mean over runs)", path, metric=quality)
+        out.append(f"![{task} {quality} vs {what}]({PROTOCOL}/{path.name})")
+    return out
 
 
 def bar_lines(runs: dict, spec: dict) -> list[str]:
@@ -189,6 +250,7 @@ def bar_lines(runs: dict, spec: dict) -> list[str]:
     sign = 1 if spec["higher_is_better"] else -1
     out = ["| codec | paired runs | 1. within sd or 2% of static high | 2. floats <= 0.6x static high | "
            "3. better than static low by > 2 SE | met |", "|---|---|---|---|---|---|"]
+    detectable = []
     for codec, (acc, high, low) in BAR.items():
         keys = sorted(set(runs[acc]) & set(runs[high]) & set(runs[low]))
         if len(keys) < 2:
@@ -209,6 +271,12 @@ def bar_lines(runs: dict, spec: dict) -> list[str]:
         out.append(f"| {codec} | {len(keys)} | {'yes' if c1 else 'no'} (worse by {gap:.4f}, allowed {allowed:.4f}) | "
                    f"{'yes' if c2 else 'no'} ({ratio:.2f}x) | {'yes' if c3 else 'no'} (by {statistics.mean(diff):.4f}, "
                    f"2 SE {2 * se:.4f}) | {'**yes**' if c1 and c2 and c3 else 'no'} |")
+        gentle = [sign * (h - l) for h, l in zip(qh, ql)]
+        detectable.append(f"{codec} {2 * statistics.stdev(gentle) / math.sqrt(len(gentle)):.4f} (static high "
+                          f"better than static low by {statistics.mean(gentle):.4f} on average)")
+    if detectable:
+        out += ["", "The smallest difference this design can detect (twice the standard error of the paired "
+                "static high - static low difference): " + "; ".join(detectable) + "."]
     return out
 
 

@@ -174,9 +174,9 @@ def plot_run(logdir, out_dir=None) -> list[Path]:
 
 
 def plot_curves(curves: dict[str, tuple[np.ndarray, np.ndarray]], xlabel: str, title: str, path,
-                log_x: bool | None = None) -> Path:
-    """One PNG: test accuracy (a fraction) against any x, one line per label."""
-    return _save(_accuracy_figure(curves, xlabel, title, log_x), Path(path))
+                log_x: bool | None = None, metric: str = "accuracy") -> Path:
+    """One PNG: test accuracy (a fraction) or perplexity against any x, one line per label."""
+    return _save(_accuracy_figure(curves, xlabel, title, log_x, metric=metric), Path(path))
 
 
 def compare_runs(runs: dict, out_dir) -> list[Path]:
