@@ -19,7 +19,8 @@ Only the communication differs between methods:
 * ``plain-topk1``: TopK 1% with error feedback written the obvious way in plain torch
   (per layer: add the residual, ``topk``, allgather values and indices, scatter-add,
   average), dense allreduce for the rest, as the Accordion authors' code does it;
-* ``ddp-fp32``, ``ddp-fp16``, ``ddp-r1``, ``ddp-r4``: PyTorch DDP with its default buckets,
+* ``ddp-fp32``, ``ddp-fp16``, ``ddp-r1``, ``ddp-r4``: PyTorch DDP with its default buckets
+  (and 8 Gloo threads, without which its PowerSGD hook can deadlock: ddp_train.gloo_options),
   plain, with ``fp16_compress_hook``, or with ``powerSGD_hook`` (rank 1 / 4,
   ``start_powerSGD_iter=2``, error feedback and warm start, as its docs recommend);
 * ``ddp-ours-r1``, ``ddp-ours-r4``, ``ddp-ours-accordion``: the same DDP with our compressor
@@ -118,7 +119,8 @@ def setup(method: str, model, lr: float):
         import torch.distributed as dist
         from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook as powersgd
         from torch.nn.parallel import DistributedDataParallel
-        dist.init_process_group("gloo")
+        from ddp_train import gloo_options  # 8 Gloo threads: the hook blocks inside callbacks (why: there)
+        dist.init_process_group("gloo", pg_options=gloo_options())
         ddp = DistributedDataParallel(model)  # default buckets
         if method == "ddp-fp16":
             ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
