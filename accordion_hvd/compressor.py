@@ -65,6 +65,7 @@ from .codecs import PowerSGD, TopK
 from .codecs._common import all_finite, residual_dtype
 from .controller import RegimeController
 from .comm.horovod import check_wait, install_polite_wait
+from .comm.link import LinkMeasurement, describe, measure_link
 from .exchange import BUCKET_BYTES, FIRST_BUCKET_BYTES, Round1, lane, make_exchange
 from .horovod_seam import GradientNames, bypass_allowed, find_optimizer, horovod_parameter, install_bypass, placeholder
 from .levels import DENSE, Level, check_level, positive_number
@@ -173,6 +174,7 @@ class AccordionCompressor(HorovodCompressor):
         self._reported_lrs: list[float] | None = None
         self._in_step: set[str] = set()              # this step: layers compressed, not yet decompressed
         self.seconds = {"compress": 0.0, "comm": 0.0}  # cumulative: codec math, waiting on collectives
+        self._link: LinkMeasurement | None = None    # the last measure_link() that found a link
         self._layers: dict[str, Any] = {}            # name -> codec state
         self._exchange = None                        # the codec's exchange (accordion_hvd/exchange/)
         self._dense_round = None                     # the uncompressed layers' round, when Horovod is bypassed
@@ -239,7 +241,8 @@ class AccordionCompressor(HorovodCompressor):
         times than the compressed layers' ones; their layout is agreed separately)."""
         if self._dense_round is None:
             self._dense_round = Round1(lane(self.channel, "dense"), "allreduce", "acc.D",
-                                       first_cap=min(FIRST_BUCKET_BYTES, self.bucket_cap), cap=self.bucket_cap)
+                                       first_cap=min(FIRST_BUCKET_BYTES, self.bucket_cap), cap=self.bucket_cap,
+                                       layers="uncompressed")
         return self._dense_round
 
     @property
@@ -487,6 +490,23 @@ class AccordionCompressor(HorovodCompressor):
             positive_number("lr", v)
         self._reported_lrs = [float(v) for v in values]
 
+    @_DefaultInstanceMethod
+    def measure_link(self) -> LinkMeasurement:
+        """The network's latency and bandwidth, fitted to the times of this compressor's own
+        collectives since the last call (comm/link.py), the same on every rank. A collective
+        of the control plane: call it on every rank, between steps. A window that determines
+        no link (nothing exchanged, one message size) returns ``link`` None and the reason,
+        and the last link stays in ``stats()["link"]``."""
+        self._between_steps("measure_link")
+        measured = measure_link(self.channel, self.control)
+        if measured.link is None:
+            log.info("rank %d: no link measured at step %d: %s", self.channel.rank, self.steps, measured.reason)
+        else:
+            log.info("rank %d: link at step %d: %s (%d collectives)", self.channel.rank, self.steps,
+                     describe(measured.link), measured.collectives)
+            self._link = measured
+        return measured
+
     def abort_step(self) -> None:
         """Drop the step in flight, as when Horovod Elastic interrupts a step because a worker
         failed (its exchanges will never complete). Some layers may have folded this step's
@@ -536,7 +556,7 @@ class AccordionCompressor(HorovodCompressor):
     @_DefaultInstanceMethod
     def stats(self) -> dict:
         """Cumulative floats sent by this rank and what dense would have sent, with each
-        compressed layer's current level."""
+        compressed layer's current level, and the last link ``measure_link`` measured."""
         return {
             "floats_sent": sum(self._sent.values()),
             "floats_dense": sum(self._dense.values()),
@@ -545,6 +565,9 @@ class AccordionCompressor(HorovodCompressor):
             "layers": {n: {"floats_sent": self._sent[n], "floats_dense": self._dense[n],
                            "level": str(self._layers[n].level if n in self._layers else DENSE)}
                        for n in sorted(self._dense)},
+            "link": None if self._link is None else {
+                "latency_s": self._link.link.alpha, "bytes_per_s": 1.0 / self._link.link.beta,
+                "collectives": self._link.collectives},
         }
 
     # --- checkpoints ------------------------------------------------------------------------

@@ -27,7 +27,9 @@ Only the communication differs between methods:
   as its comm hook (``acc.register_ddp_hook``), configured as ``ours-*``.
 
 Rank 0 writes a JSON file: per-step wall times (and, for ours, the compressor's seconds in
-compression and in waiting on its collectives), and the median of steps 4..12.
+compression and in waiting on its collectives, each collective's issue and completion times,
+and the link fitted to them: ``AccordionCompressor.measure_link``), and the median of steps
+4..12.
 """
 
 from __future__ import annotations
@@ -162,12 +164,13 @@ def main() -> None:
     model, shape = build_model(args.model)
     net, opt, after_backward, rank, size, compression = setup(args.method, model, args.lr)
     data = batches(shape, args.batch_size)
-    walls, phases, ours_s = [], [], []
+    walls, phases, ours_s, starts = [], [], [], []
     before = dict(compression.seconds) if compression is not None else None
     start = time.perf_counter()
     for step in range(args.steps):
         x, y = data[step % len(data)]
         t0 = time.perf_counter()
+        starts.append(t0)
         opt.zero_grad()
         loss = F.cross_entropy(net(x), y)
         t1 = time.perf_counter()
@@ -186,6 +189,11 @@ def main() -> None:
     total = time.perf_counter() - start
     if not torch.isfinite(loss.detach()):
         raise RuntimeError(f"{args.method}: loss is not finite")
+    timed, link = [], None
+    if compression is not None:  # the collectives' times (for the cost model), and the link fitted to them
+        timed = [[t.lane, t.seq, t.name, t.kind, t.nbytes, t.issued, t.done]
+                 for t in getattr(compression.channel, "timings", list)()]
+        link = compression.measure_link()  # every rank: a control-plane collective
     if rank == 0:
         window = walls[FIRST:LAST]
         result = {"method": args.method, "model": args.model, "size": size, "batch_size": args.batch_size,
@@ -193,6 +201,8 @@ def main() -> None:
                   "total_s": total, "loss": loss.item()}
         if compression is not None:
             result["floats_sent"] = compression.stats()["floats_sent"]
+            result["step_starts"], result["collectives"] = starts, timed
+            result["link"] = compression.stats()["link"] if link.link is not None else {"none": link.reason}
         args.out.write_text(json.dumps(result))
     if args.method in DDP:
         import torch.distributed as dist

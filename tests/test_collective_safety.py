@@ -55,17 +55,23 @@ def test_different_settings_fail_with_the_same_message_on_every_rank(mode, field
 
 @pytest.mark.horovod
 @pytest.mark.parametrize("backend", ["gloo", "mpi"])
-def test_a_layer_only_one_rank_has_fails_on_every_rank_naming_it(backend):
-    # Rank 0 compresses extra.weight, which rank 1 lacks. At the end of the first step the
-    # ranks agree on the compressed layers (accordion_hvd/exchange/buckets.py): every rank raises the
+@pytest.mark.parametrize("mode,message,layer", [
+    ("layers", "ranks compress different layers", "'extra.weight': shape [32, 32] on rank 0 vs not compressed on rank 1"),
+    ("dense-layers", "ranks have different uncompressed layers",
+     "'extra': shape [32] on rank 0 vs no uncompressed layer of that name on rank 1"),
+])
+def test_a_layer_only_one_rank_has_fails_on_every_rank_naming_it(backend, mode, message, layer):
+    # Rank 0 has a layer that rank 1 lacks: a compressed weight, or an uncompressed bias (which
+    # the compressor averages in its own dense round). At the end of the first step the ranks
+    # agree on each round's layers (accordion_hvd/exchange/buckets.py): every rank raises the
     # same ValueError naming the layer, instead of pairing the wrong collectives or hanging.
-    result, elapsed = run_mismatch("layers", backend, **{TIMEOUT_ENV: "5"})
+    result, elapsed = run_mismatch(mode, backend, **{TIMEOUT_ENV: "5"})
     assert result.returncode != 0, result.stdout
     messages = messages_by_rank(result.stdout)
     assert sorted(messages) == [0, 1], result.stdout
     assert messages[0] == messages[1], result.stdout
-    assert messages[0].startswith("ValueError: AccordionCompressor: ranks compress different layers"), result.stdout
-    assert "'extra.weight': shape [32, 32] on rank 0 vs not compressed on rank 1" in messages[0], result.stdout
+    assert messages[0].startswith(f"ValueError: AccordionCompressor: {message}"), result.stdout
+    assert layer in messages[0], result.stdout
     assert elapsed < 60, f"took {elapsed:.0f} s"
 
 

@@ -11,15 +11,48 @@ pair independently, so a rank may interleave its issues on two lanes in any orde
 
 Every wait has the channel's timeout, and the groups' own timeout is the same, so a
 collective that a rank never issues fails on every rank with a ``TimeoutError`` naming it.
+
+Every collective is **timed** (``take_timings``): from its issue to its completion, which a
+callback on the group's future stamps on the group's worker thread, not when the training
+thread gets round to looking. comm/link.py fits the network's latency and bandwidth to them.
 """
 
 from __future__ import annotations
 
+import collections
 import datetime
+import time
+from dataclasses import dataclass
 
 import torch
 
 from .channel import collective_timeout_error
+
+MAX_TIMINGS = 4096  # kept until taken; older ones are dropped (nobody measures the link)
+
+
+@dataclass
+class Timing:
+    """One collective: issued as the ``seq``-th on lane ``lane``; ``kind`` "allreduce" (of
+    ``nbytes``) or "allgather" (``nbytes`` from each rank); ``issued`` and ``done`` are
+    ``time.perf_counter()`` stamps (``done`` None while in flight or when it failed)."""
+    lane: str
+    seq: int
+    name: str
+    kind: str
+    nbytes: int
+    issued: float
+    done: float | None = None
+
+    def _stamp(self, future) -> None:
+        """The future's callback, on the group's worker thread when the collective completes:
+        stamps the time unless it failed (the future is complete: ``wait`` returns at once)."""
+        done = time.perf_counter()
+        try:
+            future.wait()
+        except Exception:  # a failed collective is no timing; its waiter raises the error
+            return
+        self.done = done
 
 
 def timeout_delta(seconds: float) -> datetime.timedelta:
@@ -36,12 +69,14 @@ class ProcessGroupChannel:
         self._group = group
         self._delta = timeout_delta(timeout)
         self._issued = [0]  # collectives issued so far on every lane (tests count them per step)
-        self._lanes = {name: self._view(g) for name, g in (lanes or {}).items()}
+        self._lane_name, self._seq = "main", [0]  # this lane's name, collectives issued on it
+        self._timings: collections.deque[Timing] = collections.deque(maxlen=MAX_TIMINGS)  # every lane's
+        self._lanes = {name: self._view(name, g) for name, g in (lanes or {}).items()}
 
-    def _view(self, group) -> "ProcessGroupChannel":
+    def _view(self, name: str, group) -> "ProcessGroupChannel":
         view = object.__new__(type(self))
-        view.__dict__.update(self.__dict__)  # the same ranks, timeout and counter
-        view._group, view._lanes = group, {}
+        view.__dict__.update(self.__dict__)  # the same ranks, timeout, counter and timings
+        view._group, view._lanes, view._lane_name, view._seq = group, {}, name, [0]
         return view
 
     @property
@@ -57,22 +92,53 @@ class ProcessGroupChannel:
     def allreduce_mean_async(self, tensors: list[torch.Tensor], name: str):
         """One collective for the whole list: the tensors are packed into one buffer."""
         flat = torch.cat([t.reshape(-1) for t in tensors]) if len(tensors) != 1 else tensors[0].reshape(-1).clone()
-        self._issued[0] += 1
+        timing = self._timing(name, "allreduce", flat)
         try:
             work = self._group.allreduce([flat])
         except RuntimeError as exc:
             raise self._failure(name, exc) from exc
+        self._time(work, timing)
         return ("allreduce", name, work, flat, [t.shape for t in tensors])
 
     def allgather_async(self, tensor: torch.Tensor, name: str):
         tensor = tensor.reshape(-1).contiguous()
         out = torch.empty(self.size * tensor.numel(), dtype=tensor.dtype, device=tensor.device)
-        self._issued[0] += 1
+        timing = self._timing(name, "allgather", tensor)
         try:
             work = self._group.allgather([list(out.chunk(self.size))], [tensor])
         except RuntimeError as exc:
             raise self._failure(name, exc) from exc
+        self._time(work, timing)
         return ("allgather", name, work, out, None)
+
+    def _timing(self, name: str, kind: str, tensor: torch.Tensor) -> Timing:
+        self._issued[0] += 1
+        self._seq[0] += 1
+        return Timing(self._lane_name, self._seq[0], name, kind, tensor.numel() * tensor.element_size(),
+                      time.perf_counter())
+
+    def _time(self, work, timing: Timing) -> None:
+        self._timings.append(timing)
+        try:
+            work.get_future().then(timing._stamp)
+        except (AttributeError, RuntimeError):  # a backend without futures: this one goes untimed
+            pass
+
+    @property
+    def lane_names(self) -> list[str]:
+        """Every lane's name, the main group ("main") first."""
+        return ["main", *self._lanes]
+
+    def timings(self) -> list[Timing]:
+        """The timed collectives kept so far (every lane's; ``done`` None while in flight).
+        A lane's ``seq`` numbers are the same on every rank: ranks pair collectives by them."""
+        return list(self._timings)
+
+    def forget_timings(self, through: dict[str, int]) -> None:
+        """Drop each lane's timings up to and including seq ``through[lane]``."""
+        kept = [t for t in self._timings if t.seq > through.get(t.lane, 0)]
+        self._timings.clear()
+        self._timings.extend(kept)
 
     def test(self, handle) -> bool:
         """Whether the collective has completed (never waits; a failed one counts as

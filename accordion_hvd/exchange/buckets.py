@@ -58,11 +58,12 @@ def plan_buckets(order: list[str], nbytes: dict[str, int], first_cap: int = FIRS
 
 
 def agree_layout(channel: Channel, shapes: dict[str, tuple[int, ...]], order: list[str],
-                 prefix: str = "acc") -> list[str]:
-    """Every rank's compressed layers must be the same; returns rank 0's ready order.
+                 prefix: str = "acc", layers: str = "compressed") -> list[str]:
+    """Every rank's layers in a round must be the same; returns rank 0's ready order.
 
     Two allgathers (a length, then every rank's layer list), named after the round
-    (``prefix``): done once, not per step."""
+    (``prefix``): done once, not per step. ``layers`` says what the round carries
+    ("compressed" or "uncompressed"), for the error message."""
     mine = json.dumps({"layers": sorted([n, list(s)] for n, s in shapes.items()), "order": order}).encode()
     lengths = channel.wait(channel.allgather_async(torch.tensor([len(mine)], dtype=torch.int64),
                                                    name=f"{prefix}.layout.size"))
@@ -73,11 +74,12 @@ def agree_layout(channel: Channel, shapes: dict[str, tuple[int, ...]], order: li
     layouts = [json.loads(bytes(row[:int(n)].tolist())) for row, n in zip(rows, lengths.tolist())]
     sets = [{n: tuple(s) for n, s in layout["layers"]} for layout in layouts]
     if any(s != sets[0] for s in sets):
-        raise ValueError(_layout_mismatch_message(sets))
+        raise ValueError(_layout_mismatch_message(sets, layers))
     return layouts[0]["order"]
 
 
-def _layout_mismatch_message(sets: list[dict]) -> str:
+def _layout_mismatch_message(sets: list[dict], layers: str) -> str:
+    missing = "not compressed" if layers == "compressed" else f"no {layers} layer of that name"
     names = sorted({n for s in sets for n in s})
     problems = []
     for n in names:
@@ -85,13 +87,14 @@ def _layout_mismatch_message(sets: list[dict]) -> str:
         if len(set(seen)) > 1:
             by_value: dict[str, list[int]] = {}
             for rank, shape in enumerate(seen):
-                by_value.setdefault("not compressed" if shape is None else f"shape {list(shape)}", []).append(rank)
+                by_value.setdefault(missing if shape is None else f"shape {list(shape)}", []).append(rank)
             problems.append(f"{n!r}: " + " vs ".join(f"{v} on rank{'s' if len(r) > 1 else ''} "
                                                        f"{', '.join(map(str, r))}" for v, r in by_value.items()))
         if len(problems) == 5:
             problems.append("...")
             break
-    return ("AccordionCompressor: ranks compress different layers (every rank must build the same model "
+    what = "compress different layers" if layers == "compressed" else f"have different {layers} layers"
+    return (f"AccordionCompressor: ranks {what} (every rank must build the same model "
             "and compute a gradient for the same parameters): " + "; ".join(problems) + ".")
 
 
@@ -113,10 +116,10 @@ class Round1:
     """
 
     def __init__(self, channel: Channel, kind: str, prefix: str, first_cap: int = FIRST_BUCKET_BYTES,
-                 cap: int = BUCKET_BYTES) -> None:
+                 cap: int = BUCKET_BYTES, layers: str = "compressed") -> None:
         if kind not in ("allreduce", "allgather"):
             raise ValueError(f"kind must be 'allreduce' or 'allgather', got {kind!r}")
-        self.channel, self.kind, self.prefix = channel, kind, prefix
+        self.channel, self.kind, self.prefix, self.layers = channel, kind, prefix, layers
         self.first_cap, self.cap = first_cap, cap
         self.buckets: list[_Bucket] | None = None  # the agreed layout, after the first step
         self._bucket_of: dict[str, int] = {}
@@ -138,8 +141,8 @@ class Round1:
         if self.buckets is not None and name not in self._bucket_of:
             if self._launched:
                 raise ValueError(f"AccordionCompressor: layer {name!r} is not one of the {len(self._bucket_of)} "
-                                 f"compressed layers the ranks agreed on, and this step's first buckets are sent "
-                                 f"already; every step must compress the same layers")
+                                 f"{self.layers} layers the ranks agreed on, and this step's first buckets are sent "
+                                 f"already; every step must have the same {self.layers} layers")
             self.buckets = None  # nothing sent yet this step: agree on the layers again at its end
         self._payloads[name] = payload
         self._order.append(name)
@@ -180,14 +183,14 @@ class Round1:
         if missing and not self._launched:
             self.buckets = None  # a subset of the layers, nothing sent yet: agree on this set
         if self.buckets is None:
-            order = agree_layout(self.channel, self._shapes, self._order, self.prefix)
+            order = agree_layout(self.channel, self._shapes, self._order, self.prefix, self.layers)
             self.buckets = [_Bucket(names) for names in plan_buckets(order, self._nbytes, self.first_cap, self.cap)]
             self._bucket_of = {n: i for i, b in enumerate(self.buckets) for n in b.names}
         missing = sorted(n for n in self._bucket_of if n not in self._payloads)
         if missing:
             raise RuntimeError(f"AccordionCompressor: no gradient for {', '.join(map(repr, missing[:3]))} in this "
                                f"step on rank {self.channel.rank}, after some of the step's buckets were sent; every "
-                               f"rank must compress the layers agreed on (the other ranks will time out waiting)")
+                               f"rank must have the {self.layers} layers agreed on (the other ranks will time out waiting)")
         self._launch_complete()
         if then is not None:
             then()

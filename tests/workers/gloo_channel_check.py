@@ -3,7 +3,9 @@
 Our Gloo data plane (accordion_hvd/comm/gloo.py) built over Horovod's world: a grouped
 allreduce averages and keeps each tensor's shape, an allgather concatenates in rank order,
 and a collective that only rank 0 issues ends in the channel's TimeoutError naming it (no
-hang), within the timeout plus a few seconds.
+hang), within the timeout plus a few seconds. Every collective is timed, and the link fitted
+to the timings (accordion_hvd/comm/link.py) has a positive bandwidth and is the same, bit
+for bit, on every rank; a second measurement with nothing new in between finds no window.
 """
 
 import time
@@ -11,7 +13,9 @@ import time
 import horovod.torch as hvd
 import torch
 
+from accordion_hvd.comm.control import control_plane
 from accordion_hvd.comm.gloo import GlooChannel
+from accordion_hvd.comm.link import measure_link
 from worker_util import checker, say
 
 hvd.init()
@@ -27,6 +31,23 @@ check(torch.equal(a, torch.full((2, 3), mean)) and torch.equal(b, torch.full((4,
 gathered = channel.wait(channel.allgather_async(torch.tensor([rank, 10 * rank], dtype=torch.int32), name="gather"))
 check(gathered.tolist() == [v for r in range(size) for v in (r, 10 * r)], f"gathered {gathered.tolist()}")
 check(channel.issued == 2, f"issued {channel.issued}")
+
+# The link, from collectives of several sizes on two lanes.
+for floats in (256, 16384, 262144, 1048576):
+    for lane in (channel, channel.lane("q")):
+        channel.wait(lane.allreduce_mean_async([torch.ones(floats)], name=f"size.{floats}"))
+time.sleep(0.2)  # the last completion's callback may still be stamping on the group's thread
+timed = channel.timings()
+check(len(timed) == 10 and all(t.done is not None and t.done >= t.issued for t in timed),
+      f"timings {[(t.lane, t.seq, t.name, t.done) for t in timed]}")
+control = control_plane()
+measured = measure_link(channel, control)
+check(measured.link is not None and measured.link.beta > 0 and measured.collectives == 10,
+      f"measured {measured}")
+everyone = hvd.allgather_object((measured.link.alpha, measured.link.beta), name="link.check")
+check(all(v == everyone[0] for v in everyone), f"the ranks hold different links: {everyone}")
+again = measure_link(channel, control)
+check(again.link is None and again.collectives == 0 and "no collective" in again.reason, f"again {again}")
 if rank == 0:
     start = time.monotonic()
     try:

@@ -8,6 +8,7 @@ comm hook) and AccordionCompressor, but the ranks differ on purpose:
   codec  : rank 0 uses PowerSGD, rank 1 TopK                       -> configuration error
   ratio, eta, policy, interval: one setting differs                 -> configuration error
   layers : rank 0 has an extra compressed layer the others lack     -> every rank names the layer
+  dense-layers: rank 0 has an extra uncompressed layer (a bias)    -> every rank names the layer
              (Horovod only: DDP refuses models of different shapes itself, at construction)
 A rank that gets our error prints "rank R: <ExceptionType>: <message>" and exits 1.
 Usage: mismatch_check.py MODE [FRONT]    (FRONT: horovod, the default, or ddp)
@@ -37,19 +38,21 @@ else:
 
 
 class Model(torch.nn.Module):
-    def __init__(self, extra: bool):
+    def __init__(self, extra: str | None):
         super().__init__()
         torch.manual_seed(0)
         self.a = torch.nn.Linear(32, 48)
         self.head = torch.nn.Linear(48, 4)
-        # Used first in forward, so its gradient is ready last: Horovod's own (uncompressed)
-        # allreduce of its bias, which only this rank submits, comes after the compressed layers
-        # in step() and the hang happens in our exchange, where the timeout is.
-        self.extra = torch.nn.Linear(32, 32) if extra else None
+        # Only this rank has it: a compressed weight, or an uncompressed bias (averaged by the
+        # compressor's dense round, whose layout the ranks agree on too).
+        self.extra = (torch.nn.Linear(32, 32, bias=False) if extra == "weight"
+                      else torch.nn.Parameter(torch.zeros(32)) if extra == "bias" else None)
 
     def forward(self, x):
-        if self.extra is not None:
+        if isinstance(self.extra, torch.nn.Module):
             x = x + self.extra(x)
+        elif self.extra is not None:
+            x = x + self.extra
         return self.head(torch.relu(self.a(x)))
 
 
@@ -59,17 +62,17 @@ elif mode == "codec":
     codec = acc.PowerSGD(rank=2) if rank == 0 else acc.TopK(ratio=0.1)
 elif mode == "ratio":
     codec = acc.TopK(ratio=0.05 if rank == 0 else 0.1, critical_ratio=0.5)
-elif mode == "layers":
+elif mode in ("layers", "dense-layers"):
     codec = acc.PowerSGD(rank=2)
 elif mode in ("eta", "policy", "interval"):
     codec = acc.PowerSGD(rank=1, critical_rank=2)
 else:
-    raise SystemExit(f"MODE must be rank, codec, ratio, eta, policy, interval or layers, got {mode!r}")
+    raise SystemExit(f"MODE must be rank, codec, ratio, eta, policy, interval, layers or dense-layers, got {mode!r}")
 settings = {"eta": {"eta": 0.5 if rank == 0 else 0.3},
             "policy": {"policy": "accordion" if rank == 0 else "static"},
             "interval": {"interval": 100 if rank == 0 else None}}.get(mode, {})
 
-model = Model(extra=(mode == "layers" and rank == 0))
+model = Model(extra={"layers": "weight", "dense-layers": "bias"}.get(mode) if rank == 0 else None)
 compression = acc.AccordionCompressor(codec, **settings)
 opt = torch.optim.SGD(model.parameters(), lr=0.05)
 if front == "ddp":
