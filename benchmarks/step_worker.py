@@ -14,8 +14,8 @@ Only the communication differs between methods:
   background cycle costs by itself);
 * ``hvd-fp32``, ``hvd-fp16``: Horovod's dense allreduce (``hvd.Compression.none`` / ``fp16``);
 * ``ours-r1``, ``ours-r4``, ``ours-accordion`` (rank 1 <-> 4, a window every 4 steps, so it
-  switches inside the run), ``ours-topk1``: ``AccordionCompressor`` in the stock
-  ``hvd.DistributedOptimizer``;
+  switches inside the run), ``ours-topk1``, ``ours-topk10`` (1% and 10%):
+  ``AccordionCompressor`` in the stock ``hvd.DistributedOptimizer``;
 * ``plain-topk1``: TopK 1% with error feedback written the obvious way in plain torch
   (per layer: add the residual, ``topk``, allgather values and indices, scatter-add,
   average), dense allreduce for the rest, as the Accordion authors' code does it;
@@ -47,10 +47,26 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from accordion_hvd.cli import models  # noqa: E402
 
-HVD = ("hvd-idle", "hvd-fp32", "hvd-fp16", "ours-r1", "ours-r4", "ours-accordion", "ours-topk1", "plain-topk1")
+HVD = ("hvd-idle", "hvd-fp32", "hvd-fp16", "ours-r1", "ours-r4", "ours-accordion", "ours-topk1", "ours-topk10",
+       "plain-topk1")
 DDP = ("ddp-fp32", "ddp-fp16", "ddp-r1", "ddp-r4", "ddp-ours-r1", "ddp-ours-r4", "ddp-ours-accordion")
 METHODS = ("floor", *HVD, *DDP)
 FIRST, LAST = 3, 12  # the median is over steps FIRST+1..LAST (the first steps warm up)
+
+
+LM_VOCABULARY, LM_SEQ_LEN = 7783, 35  # the text task's vocabulary (benchmarks/results/lm-smoke) and sequences
+
+
+class FlatLanguageModel(torch.nn.Module):
+    """The text task's LSTM with its logits flattened to (tokens, vocabulary), so that the
+    loop's ``cross_entropy(net(x), y)`` is the language-modelling loss."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lm = models.LSTMLanguageModel(LM_VOCABULARY)
+
+    def forward(self, tokens):
+        return self.lm(tokens).reshape(-1, LM_VOCABULARY)
 
 
 def build_model(name: str):
@@ -59,11 +75,18 @@ def build_model(name: str):
         return models.ResNet18(num_classes=10, channels=3), (3, 32, 32)
     if name == "cnn-wide":
         return models.WideCNN(channels=1), (1, 8, 8)
-    raise ValueError(f"--model must be resnet18 or cnn-wide, got {name!r}")
+    if name == "lstm":
+        return FlatLanguageModel(), None
+    raise ValueError(f"--model must be resnet18, cnn-wide or lstm, got {name!r}")
 
 
 def batches(shape, batch_size: int, count: int = 4):
+    """Synthetic batches: images of ``shape`` and 10 classes, or (shape None) token
+    sequences and their next tokens, flattened."""
     gen = torch.Generator().manual_seed(1)
+    if shape is None:
+        tokens = [torch.randint(0, LM_VOCABULARY, (batch_size, LM_SEQ_LEN + 1), generator=gen) for _ in range(count)]
+        return [(t[:, :-1], t[:, 1:].reshape(-1)) for t in tokens]
     return [(torch.randn(batch_size, *shape, generator=gen), torch.randint(0, 10, (batch_size,), generator=gen))
             for _ in range(count)]
 
@@ -109,6 +132,7 @@ def our_compressor(kind: str):
         "r4": lambda: acc.AccordionCompressor(acc.PowerSGD(rank=4), policy="static"),
         "accordion": lambda: acc.AccordionCompressor(acc.PowerSGD(rank=1, critical_rank=4), interval=4),
         "topk1": lambda: acc.AccordionCompressor(acc.TopK(0.01), policy="static"),
+        "topk10": lambda: acc.AccordionCompressor(acc.TopK(0.1), policy="static"),
     }[kind]()
 
 
