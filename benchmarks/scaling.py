@@ -9,9 +9,14 @@ on 2 emulated nodes (benchmarks/step_time.py, with the step worker's collective 
 * **the link**: the median latency and bandwidth that our compressor fitted online in that
   setting's runs (``AccordionCompressor.measure_link``); a third, faster link is the
   1 Gbit/s fit with 10x the bandwidth (same latency), labelled as such;
-* **our methods**: each run's own steps 4-12 (compute as measured; buckets, their ready
-  times and their rounds' bytes as issued), replayed by ``costmodel.step_s`` at each world
-  size, the median over the steps. PowerSGD's rounds are allreduces (ring: bytes on the
+* **our methods**: each run's steps 4-12, their buckets and rounds as issued (bytes, and
+  each bucket's ready time as a fraction of backward), on a **common compute**: the floor
+  run's forward, backward and optimizer step, plus the method's own codec math (its
+  median seconds of compression per step, added to backward). On this shared VM the
+  compute of two runs minutes apart differs by 10-20%, which would otherwise decide
+  which method "wins"; the math is what truly differs between them. Replayed by
+  ``costmodel.step_s`` at each world size, the median over the steps. Straggling ranks
+  are not modelled (benchmarks/costmodel_check.py does, for the runs as measured); PowerSGD's rounds are allreduces (ring: bytes on the
   critical path nearly constant in the world size, latency terms growing with it); TopK's
   are allgathers (each rank receives every other rank's values: growing with the world);
 * **16-bit dense** (the baseline that counts): the floor run's compute, and DDP's buckets
@@ -37,7 +42,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 from accordion_hvd.costmodel import Bucket, Link, Round, step_s  # noqa: E402
-from costmodel_check import STEPS, load, online_link, step_buckets  # noqa: E402
+from costmodel_check import STEPS, load, online_link, rank_compute, step_buckets  # noqa: E402
 
 WORLDS = (2, 4, 8, 16, 32, 64, 128, 256)
 OURS = ("ours-r1", "ours-r4", "ours-accordion", "ours-topk1", "ours-topk10")
@@ -64,18 +69,27 @@ def median_step(run: dict, fn) -> float:
     return statistics.median(fn(s) for s in STEPS)
 
 
-def predict_ours(run: dict, link: Link, world: int) -> float:
+def floor_compute(floor: dict) -> tuple[float, float, float]:
+    """The floor run's median forward, backward and optimizer step."""
+    return tuple(median_step(floor, lambda s, k=k: floor["phases"][s][k]) for k in ("forward", "backward", "step"))
+
+
+def predict_ours(run: dict, floor: dict, link: Link, world: int) -> float:
+    """``run``'s buckets and rounds on the floor's compute plus ``run``'s own codec math (see
+    module doc): the methods differ by their math and their traffic only, not by the noise
+    of the moment each ran at."""
+    forward, backward, optimizer = floor_compute(floor)
+    backward += statistics.median(run["ours"][s]["compress"] for s in STEPS)
+
     def one(s: int) -> float:
-        phase, ours = run["phases"][s], run["ours"][s]
-        return step_s(phase["forward"], phase["backward"], step_buckets(run, s), link, world,
-                      max(phase["step"] - ours["comm"], 0.0))
+        own = rank_compute(run, s)[0][1]
+        buckets = step_buckets(run, s, stretch=backward / own if own > 0 else 1.0)
+        return step_s(forward, backward, buckets, link, world, optimizer)
     return median_step(run, one)
 
 
 def predict_dense(floor: dict, model: str, link: Link, world: int) -> float:
-    forward = median_step(floor, lambda s: floor["phases"][s]["forward"])
-    backward = median_step(floor, lambda s: floor["phases"][s]["backward"])
-    optimizer = median_step(floor, lambda s: floor["phases"][s]["step"])
+    forward, backward, optimizer = floor_compute(floor)
     return step_s(forward, backward, dense_buckets(model, backward), link, world, optimizer)
 
 
@@ -96,7 +110,12 @@ def main() -> None:
     p.add_argument("--out", type=Path, required=True)
     args = p.parse_args()
     found = settings(args.folder)
-    lines, figures = [], {}
+    lines = ["# Step time at 2 to 256 workers, predicted by the cost model", "",
+             f"Command: `.venv/bin/python benchmarks/scaling.py {args.folder} --out {args.out}`. Inputs: the 2-node runs "
+             f"in `{args.folder}` (benchmarks/step_time.py on the emulated cluster). How each number is made: the "
+             "docstring of benchmarks/scaling.py; how well the model predicts the measured runs: "
+             "[costmodel.md](costmodel.md). Plots: `scaling-MODEL.png` beside this file.", ""]
+    figures = {}
     for model in sorted({m for m, _ in found}):
         links: dict[str, tuple[Link, str]] = {}
         for (m, rate), methods in found.items():
@@ -115,8 +134,8 @@ def main() -> None:
             if "floor" in methods:
                 table["fp16"] = [predict_dense(methods["floor"], model, link, w) for w in WORLDS]
             for name in OURS:
-                if name in methods and "collectives" in methods[name]:
-                    table[name] = [predict_ours(methods[name], link, w) for w in WORLDS]
+                if name in methods and "collectives" in methods[name] and "floor" in methods:
+                    table[name] = [predict_ours(methods[name], methods["floor"], link, w) for w in WORLDS]
             curves[rate] = table
             lines += [f"### {rate}: {link.alpha * 1e6:.0f} us per message, {8 / link.beta / 1e6:.0f} Mbit/s ({how})",
                       "", "| predicted s/step | " + " | ".join(str(w) for w in WORLDS) + " |",

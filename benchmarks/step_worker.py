@@ -27,8 +27,9 @@ Only the communication differs between methods:
   as its comm hook (``acc.register_ddp_hook``), configured as ``ours-*``.
 
 Rank 0 writes a JSON file: per-step wall times (and, for ours, the compressor's seconds in
-compression and in waiting on its collectives, each collective's issue and completion times,
-and the link fitted to them: ``AccordionCompressor.measure_link``), and the median of steps
+compression and in waiting on its collectives, in all and during backward, each
+collective's issue and completion times, and the link fitted to them:
+``AccordionCompressor.measure_link``), every rank's per-step times, and the median of steps
 4..12.
 """
 
@@ -175,6 +176,19 @@ def setup(method: str, model, lr: float):
     return model, opt, None, hvd.rank(), hvd.size(), compression if ours else None
 
 
+def gather(method: str, mine: dict) -> list[dict] | None:
+    """Every rank's ``mine``, on rank 0 (None for the floor, whose copies do not talk)."""
+    if method == "floor":
+        return None
+    if method in DDP:
+        import torch.distributed as dist
+        everyone = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, mine)
+        return everyone
+    import horovod.torch as hvd
+    return hvd.allgather_object(mine, name="step_worker.ranks")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--method", choices=METHODS, required=True)
@@ -200,6 +214,7 @@ def main() -> None:
         t1 = time.perf_counter()
         loss.backward()
         t2 = time.perf_counter()
+        in_backward = compression.seconds["comm"] - before["comm"] if compression is not None else 0.0
         if after_backward is not None:
             after_backward()
         opt.step()
@@ -208,7 +223,7 @@ def main() -> None:
         phases.append({"forward": t1 - t0, "backward": t2 - t1, "step": t3 - t2})
         if compression is not None:
             now = dict(compression.seconds)
-            ours_s.append({k: now[k] - before[k] for k in now})
+            ours_s.append({**{k: now[k] - before[k] for k in now}, "comm_backward": in_backward})
             before = now
     total = time.perf_counter() - start
     if not torch.isfinite(loss.detach()):
@@ -218,11 +233,12 @@ def main() -> None:
         timed = [[t.lane, t.seq, t.name, t.kind, t.nbytes, t.issued, t.done]
                  for t in getattr(compression.channel, "timings", list)()]
         link = compression.measure_link()  # every rank: a control-plane collective
+    ranks = gather(args.method, {"walls": walls, "phases": phases, "ours": ours_s})
     if rank == 0:
         window = walls[FIRST:LAST]
         result = {"method": args.method, "model": args.model, "size": size, "batch_size": args.batch_size,
                   "step_s": statistics.median(window), "walls": walls, "phases": phases, "ours": ours_s,
-                  "total_s": total, "loss": loss.item()}
+                  "total_s": total, "loss": loss.item(), "ranks": ranks}
         if compression is not None:
             result["floats_sent"] = compression.stats()["floats_sent"]
             result["step_starts"], result["collectives"] = starts, timed

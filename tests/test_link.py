@@ -129,3 +129,17 @@ def test_the_gloo_channel_times_its_collectives_on_every_lane():
     assert all(t.done >= t.issued for t in channel.timings())
     channel.forget_timings({"main": 1})
     assert [t.name for t in channel.timings()] == ["b", "c"]
+
+
+def test_the_compressor_keeps_its_last_link_and_says_why_a_window_has_none():
+    import accordion_hvd as acc
+
+    def worker(rank, channel):
+        comp = acc.AccordionCompressor(acc.PowerSGD(rank=1), channel=channel)
+        out, ctx = comp.compress_named("w", torch.randn(8, 8))
+        comp.decompress(out, ctx)
+        return comp.measure_link(), comp.stats()["link"]
+
+    for measured, reported in SimulatedWorld(2).run(worker):
+        assert measured.link is None and "does not time" in measured.reason
+        assert reported is None

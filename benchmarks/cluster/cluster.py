@@ -46,7 +46,15 @@ def run_with_timeout(cmd: Sequence[str], *, timeout: float, env: Mapping[str, st
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
-        out, err = proc.communicate()
+        try:
+            out, err = proc.communicate(timeout=10)
+        except subprocess.TimeoutExpired:
+            # A process outside the group (a worker another node's launcher left behind when
+            # its parent died) still holds the pipes open: give up on the rest of the output.
+            for pipe in (proc.stdout, proc.stderr):
+                pipe.close()
+            proc.wait()
+            out, err = "(output lost: the pipes stayed open after the kill)", ""
         raise TimeoutError(f"timed out after {timeout} s: {' '.join(map(str, cmd))}\n"
                            f"--- stdout\n{out}\n--- stderr\n{err}") from None
     return subprocess.CompletedProcess(list(cmd), proc.returncode, out, err)
