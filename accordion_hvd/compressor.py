@@ -69,6 +69,7 @@ from .comm.link import LinkMeasurement, describe, measure_link
 from .exchange import BUCKET_BYTES, FIRST_BUCKET_BYTES, Round1, lane, make_exchange
 from .horovod_seam import GradientNames, bypass_allowed, find_optimizer, horovod_parameter, install_bypass, placeholder
 from .levels import DENSE, Level, check_level, positive_number
+from .network_probe import NetworkProbe
 from .policies import make_policy
 
 
@@ -161,6 +162,14 @@ class AccordionCompressor(HorovodCompressor):
                              f"compression gain, which only TopK measures; got {codec!r}")
         self.bucket_cap = int(positive_number("bucket_cap_mb", bucket_cap_mb) * 2**20)
         self.controller = RegimeController(self.policy, self.interval, accumulate=accumulate)
+        self._probe = None                           # a network-aware policy's measurements
+        if self.policy.uses_network:
+            if not accumulate:
+                raise ValueError(f"policy {self.policy!r} needs accumulate=True: it measures each level's error on "
+                                 f"the layer's gradient accumulated over the window")
+            self._probe = self.controller.probe = NetworkProbe(
+                codec, states=lambda: self._layers, buckets=lambda: [b.names for b in (self.round1.buckets or [])],
+                measure_link=self._window_link)
         self._names = None if named_parameters is None else GradientNames(named_parameters)
         self.wait = check_wait(wait)
         self._met_horovod = False                    # compress() was called by Horovod: wait installed
@@ -378,6 +387,8 @@ class AccordionCompressor(HorovodCompressor):
         started = time.perf_counter()
         if state is None:
             state = self._layers[name] = self.codec.init_state(name, tensor, self.controller.level_of(name))
+        if self._probe is not None:
+            self._probe.mark(name)
         finite = all_finite(tensor)
         if finite:
             self.controller.observe(name, tensor)  # before the codec consumes the gradient
@@ -446,6 +457,8 @@ class AccordionCompressor(HorovodCompressor):
         if self._names is not None:
             self._names.end_step()
         self.steps += 1
+        if self._probe is not None:
+            self._probe.end_step()
         lrs = self._learning_rates()
         gathered = None if lr_gather is None else self._wait(lr_gather).view(self.channel.size, -1).numpy()
         changed = self.controller.end_step(self.control, sorted(self._layers), lrs, gathered=gathered)
@@ -507,6 +520,14 @@ class AccordionCompressor(HorovodCompressor):
             self._link = measured
         return measured
 
+    def _window_link(self):
+        """For the network-aware policy at a window's end: this window's link, else the last
+        one measured (every rank holds the same)."""
+        measured = self.measure_link()
+        if measured.link is not None:
+            return measured.link
+        return self._link.link if self._link is not None else None
+
     def abort_step(self) -> None:
         """Drop the step in flight, as when Horovod Elastic interrupts a step because a worker
         failed (its exchanges will never complete). Some layers may have folded this step's
@@ -519,6 +540,8 @@ class AccordionCompressor(HorovodCompressor):
             self._dense_round.begin_step()
         if self._names is not None:
             self._names.forget_step()
+        if self._probe is not None:
+            self._probe.forget_step()
         self._new_step()
 
     def world_changed(self) -> None:

@@ -16,6 +16,10 @@ decision logic), the controller
   rank's local norm) and, every step, the learning rates (minimum and maximum over ranks:
   they must agree, and a decrease is seen by all ranks in the same step);
 * hands the policy those reduced numbers and returns its levels to the compressor;
+* for a network-aware policy (``policy.uses_network``), measures each layer's error at each
+  of the codec's levels on its window-mean gradient plus error feedback (through the
+  adapter's ``probe``), averages them over ranks in the window's collective, and adds what
+  predicts a step (the probe's ``NetworkReport``);
 * for a per-step policy (``policy.per_step``: GraVAC), reduces each step's compression gains
   and step time over the control plane and hands them to the policy in a ``StepReport``
   (``choose_step``): the policy's choice applies to that very step.
@@ -57,6 +61,7 @@ class RegimeController:
         self.windows = 0                           # detection points so far
         self._warned_epoch_end = False
         self._last_step: float | None = None       # per-step policies: when the last step chose
+        self.probe = None  # a network-aware policy's measurements, set by the adapter (network_probe.py)
 
     def config(self) -> dict:
         return {**self.policy.config(), "interval": self.interval, "accumulate": self.accumulate}
@@ -167,20 +172,39 @@ class RegimeController:
         self.windows += 1
         if not self.policy.uses_norms:
             return self.policy.end_window(WindowReport({layer: 0.0 for layer in layers}, steps))
-        local = np.asarray([self._local_norm(layer) for layer in layers], dtype=np.float64)
+        local = [self._local_norm(layer) for layer in layers]
+        probe = self.probe if self.policy.uses_network else None
+        candidates = () if probe is None else probe.levels
+        for layer in layers:  # a network-aware policy's level errors travel with the norms
+            if candidates:
+                local.extend(probe.errors(layer, self._window_mean(layer)))
         self._sums.clear()
         self._sq.clear()
         self._weight.clear()
         # The collective's name carries a digest of the layer list: ranks that compress
         # different layers fail by name instead of comparing the wrong norms.
         digest = zlib.crc32("\0".join(layers).encode())
-        total = control.allreduce(local, name=f"acc.window.{len(layers)}.{digest:08x}", op="sum")
-        norms = {layer: float(v) / control.size for layer, v in zip(layers, total)}
-        levels = self.policy.end_window(WindowReport(norms, steps))
+        suffix = f".e{len(candidates)}" if candidates else ""
+        total = control.allreduce(np.asarray(local, dtype=np.float64),
+                                  name=f"acc.window.{len(layers)}.{digest:08x}{suffix}", op="sum") / control.size
+        norms = {layer: float(v) for layer, v in zip(layers, total)}
+        errors = network = None
+        if candidates:
+            per_layer = total[len(layers):].reshape(len(layers), len(candidates))
+            errors = {layer: dict(zip(candidates, map(float, row))) for layer, row in zip(layers, per_layer)}
+            network = probe.network(control, layers)
+        levels = self.policy.end_window(WindowReport(norms, steps, errors=errors, network=network))
         log.debug("window %d (%d steps): norms %s -> levels %s", self.windows, steps,
                   {k: round(v, 6) for k, v in list(norms.items())[:8]},
                   {k: str(v) for k, v in list(levels.items())[:8]})
         return levels
+
+    def _window_mean(self, layer: str) -> torch.Tensor | None:
+        """The layer's mean raw gradient over the window (``accumulate``), or None."""
+        weight = self._weight.get(layer, 0.0)
+        if not self.accumulate or weight == 0:
+            return None
+        return self._sums[layer] / weight
 
     def _local_norm(self, layer: str) -> float:
         weight = self._weight.get(layer, 0.0)

@@ -99,6 +99,35 @@ class PowerSGD:
         n, m = state.residual.shape
         return (n + m) * state.rank
 
+    # --- what a level costs and loses (the network-aware policy) -----------------------------
+    def wire(self, shape: torch.Size, level: Level, itemsize: int = 4) -> tuple[tuple[str, int], ...]:
+        """The collectives one layer of ``shape`` costs at ``level``: (kind, bytes per rank)
+        for P (n x r) and for Q (m x r), both averaged."""
+        n, m = self.matrix_shape(shape)
+        r = self.level_rank(level, shape)
+        return ("allreduce", itemsize * n * r), ("allreduce", itemsize * m * r)
+
+    @torch.no_grad()
+    def level_errors(self, state: PowerSGDState, grad: torch.Tensor, levels: tuple[Level, ...]) -> list[float]:
+        """Squared error ``||M - M_hat||^2`` of compressing ``M = grad + e`` at each of ``levels``.
+
+        Two subspace iterations from the layer's seeded start: P = orth(M Q0), P = orth(M M^T P);
+        then ``M_hat = P P^T M`` is the projection onto P, whose error is ``||M||^2 - ||P^T M||^2``.
+        Orthogonalization keeps a column's span independent of the columns after it, so one run
+        at the largest rank gives every smaller rank's error from its first columns. This is what
+        PowerSGD's warm-started power iteration approaches after a few steps (and never below the
+        best rank-r error, the tail of M's singular values); it costs four n x m x r products."""
+        n, m = state.residual.shape
+        M = grad.reshape(n, m).to(torch.float64) + state.residual.to(torch.float64)
+        ranks = [self.level_rank(level, state.shape) for level in levels]
+        top = max(ranks)
+        start = self._fresh_columns(state.name, m, 0, top, torch.float64, M.device)
+        p = torch.linalg.qr(M @ start).Q
+        p = torch.linalg.qr(M @ (M.t() @ p)).Q
+        kept = torch.cumsum((p.t() @ M).square().sum(dim=1), 0)
+        total = float(M.square().sum())
+        return [max(0.0, total - float(kept[r - 1])) if r > 0 else total for r in ranks]
+
     # --- state ------------------------------------------------------------------------------
     def init_state(self, name: str, grad: torch.Tensor, level: Level = NORMAL) -> PowerSGDState:
         n, m = self.matrix_shape(grad.shape)

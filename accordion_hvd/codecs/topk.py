@@ -77,6 +77,34 @@ class TopK:
     def floats_sent(self, state: TopKState) -> int:
         return 2 * state.k
 
+    # --- what a level costs and loses (the network-aware policy) -----------------------------
+    levels = (NORMAL, CRITICAL, DENSE)  # the fixed levels a window policy chooses among
+
+    def wire(self, shape: torch.Size, level: Level, itemsize: int = 4) -> tuple[tuple[str, int], ...]:
+        """The collectives one layer of ``shape`` costs at ``level``: (kind, bytes per rank).
+        A level sent dense (``sends_dense``) is "dense": an allreduce of the layer outside the
+        buckets; else each rank's k values and int32 indices are allgathered in its bucket."""
+        numel = math.prod(shape)
+        k = self.level_k(level, numel)
+        if 2 * k >= numel:
+            return (("dense", itemsize * numel),)
+        return (("allgather", (itemsize + 4) * k),)
+
+    @torch.no_grad()
+    def level_errors(self, state: TopKState, grad: torch.Tensor, levels: tuple[Level, ...]) -> list[float]:
+        """Squared error ``||g - C(g)||^2`` of compressing ``g = grad + e`` at each of ``levels``:
+        exactly the energy of the entries outside the top k (0 for a level sent dense)."""
+        g = grad.reshape(-1).to(torch.float64) + state.residual.to(torch.float64)
+        energy = g.square().sort(descending=True).values
+        kept = torch.cumsum(energy, 0)
+        total = float(kept[-1]) if kept.numel() else 0.0
+        numel = g.numel()
+        errors = []
+        for level in levels:
+            k = self.level_k(level, numel)
+            errors.append(0.0 if 2 * k >= numel else max(0.0, total - float(kept[k - 1])))
+        return errors
+
     def init_state(self, name: str, grad: torch.Tensor, level: Level = NORMAL) -> TopKState:
         residual = torch.zeros(grad.numel(), dtype=residual_dtype(grad.dtype), device=grad.device)
         return TopKState(name, grad.shape, level, self.level_k(level, grad.numel()), residual)

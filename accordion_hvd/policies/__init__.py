@@ -7,20 +7,23 @@ numbers is the controller's job (accordion_hvd/controller.py).
 """
 
 from .accordion import Accordion
-from .base import Policy, StepReport, WindowReport
+from .base import NetworkReport, Policy, StepReport, WindowReport
 from .gravac import GraVAC
+from .network_aware import NetworkAware
 from .static import Static
 
-__all__ = ["Accordion", "GraVAC", "Policy", "Static", "StepReport", "WindowReport", "make_policy"]
+__all__ = ["Accordion", "GraVAC", "NetworkAware", "NetworkReport", "Policy", "Static", "StepReport", "WindowReport", "make_policy"]
 
 
 def make_policy(policy, *, eta: float, codec_adaptive: bool) -> Policy:
     """``policy`` as given to AccordionCompressor: None (Accordion when the codec has two
-    levels, else Static), a name ("accordion", "static", "gravac"), or a Policy instance."""
+    levels, else Static), a name ("accordion", "static", "gravac", "network-aware"), or a
+    Policy instance."""
     if policy is None:
         return Accordion(eta) if codec_adaptive else Static()
     if isinstance(policy, str):
-        choices = {"accordion": lambda: Accordion(eta), "static": Static, "gravac": GraVAC}
+        choices = {"accordion": lambda: Accordion(eta), "static": Static, "gravac": GraVAC,
+                   "network-aware": lambda: NetworkAware(eta)}
         if policy not in choices:
             raise ValueError(f"policy must be one of {sorted(choices)} or a Policy instance, got {policy!r}")
         return choices[policy]()

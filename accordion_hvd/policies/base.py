@@ -4,7 +4,32 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..costmodel import Link
 from ..levels import Level
+
+
+@dataclass(frozen=True)
+class NetworkReport:
+    """What a network-aware policy needs to predict a step (``Policy.uses_network``), the
+    same on every rank.
+
+    link: the alpha-beta link fitted to the window's collectives (comm/link.py), or None when
+        the window did not determine one.
+    world: the number of ranks.
+    backward_s: from the step's first compressed gradient to its last one (mean over the
+        window's steps and over ranks): the part of backward that can hide communication.
+    ready_s: per compressed layer, when its gradient was ready, in seconds after the first.
+    buckets: the exchange's agreed buckets of layers, in the order they are issued.
+    wire: per layer and level, the collectives the layer costs, (kind, bytes per rank), in
+        round order: "allreduce" or "allgather" in its bucket's round, or "dense" (sent alone,
+        outside the buckets, by an allreduce issued when the layer is ready).
+    """
+    link: Link | None
+    world: int
+    backward_s: float
+    ready_s: dict[str, float]
+    buckets: tuple[tuple[str, ...], ...]
+    wire: dict[str, dict[Level, tuple[tuple[str, int], ...]]]
 
 
 @dataclass(frozen=True)
@@ -16,10 +41,16 @@ class WindowReport:
         ranks of each rank's local norm), in sorted layer order.
     steps: optimizer steps in the window.
     lr_decreased: whether the learning rate went down during the window.
+    errors: for a network-aware policy, per layer and candidate level, the squared error of
+        compressing the layer's window-mean gradient plus its error feedback at that level
+        (mean over ranks); None for other policies, or when nothing measured them.
+    network: for a network-aware policy, what predicts a step (``NetworkReport``), or None.
     """
     norms: dict[str, float]
     steps: int
     lr_decreased: bool = False
+    errors: dict[str, dict[Level, float]] | None = None
+    network: NetworkReport | None = None
 
 
 @dataclass(frozen=True)
@@ -46,6 +77,10 @@ class Policy:
     called in the step the learning rate goes down, and returns levels to use from the next
     step (or None: no change).
 
+    Network-aware (``uses_network = True``): each window's report also carries, per layer,
+    the error of each of the codec's levels and what predicts a step's time (``errors``,
+    ``network``), measured by the adapter and reduced over ranks by the controller.
+
     Per step (policies with ``per_step = True``): each step, every layer is encoded at the
     widest of ``step_levels()``, the gain of each of those levels is measured and reduced
     over all ranks, and ``choose_step`` picks the level every compressed layer sends in that
@@ -57,6 +92,7 @@ class Policy:
     uses_norms = True    # False: the controller need not gather gradient norms at all
     reacts_to_lr = True  # False: no per-step learning-rate reduction either
     per_step = False     # True: step_levels() and choose_step() decide every step
+    uses_network = False  # True: windows carry level errors and a NetworkReport
 
     def config(self) -> dict:
         return {"policy": self.name}

@@ -1,0 +1,208 @@
+"""NetworkAware: per layer, the level that gives the fastest predicted step, never losing more
+than Accordion's rule allows.
+
+Accordion (Agarwal et al., MLSys 2021) decides *when* to compress gently: a layer in a
+critical regime gets the codec's gentle level. L-GreCo (Markov et al., MLSys 2024) decides
+*which layers* take which setting, under a budget of total compression error. This policy
+does both, against the network it runs on:
+
+1. **The budget** is Accordion's decision, run unchanged inside (``self.regimes``, with the
+   same eta, learning-rate decays included): the total squared compression error of every
+   layer at the level Accordion gives it, aggressive in normal regimes, gentle in critical
+   ones. The chosen levels never exceed it.
+2. **The error of a level** is measured as L-GreCo does, on the error-feedback-corrected
+   gradient: at each window's end, each layer's mean gradient over the window plus its
+   error feedback is compressed at every candidate level (TopK: exactly, the energy outside
+   the top k; PowerSGD: two subspace iterations, codecs/*.py ``level_errors``), averaged
+   over ranks by the controller.
+3. **The time of a choice** is the cost model's step (accordion_hvd/costmodel.py): the
+   exchange's buckets, issued when their last layer is ready in backward, each collective
+   priced by the alpha-beta link fitted online to this window's own collectives.
+4. **The choice** is greedy over single-layer moves, starting from the budget's levels:
+   (a) every layer, earliest-ready first, takes its gentlest level (dense where the codec
+   has one) that does not make the predicted step longer: communication that hides under the
+   rest of backward costs nothing, so such a layer stays gentle or dense; (b) the error this
+   saved is spent on making layers more aggressive, the move that saves the most predicted
+   time per unit of error first, while one saves time and fits the budget; (c) (a) again.
+   L-GreCo solves its knapsack by dynamic programming over bytes; here the objective is a
+   simulated step with overlap, not a sum over layers, hence a greedy search; with the two
+   or three levels per layer of our codecs it evaluates O(layers^2 x levels) steps.
+
+Where a window gives nothing to predict with (no link determined, no timings, a non-finite
+error), the policy keeps Accordion's levels and says why: it then behaves exactly like
+``Accordion``. Every input is reduced over ranks and the search is deterministic, so every
+rank decides the same levels by construction.
+
+``tolerance``: a move of (a) may lengthen the predicted step by up to this fraction of the
+budget's predicted step (0: only moves that cost nothing). Codec kernel time per level is
+not in the prediction (it is measured in the backward timings at the current levels only).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+
+from ..costmodel import Bucket, Round, step_s
+from ..levels import CRITICAL, Level
+from .accordion import Accordion
+from .base import NetworkReport, Policy, WindowReport
+
+log = logging.getLogger("accordion_hvd.policies")
+_SLACK = 1e-9  # relative: float noise in sums of errors and in simulated times
+
+
+class NetworkAware(Policy):
+    """Args:
+        eta: Accordion's threshold on the relative change of a layer's window norm (0.5).
+        tolerance: fraction of a step a gentler level may add to the predicted step (0.0).
+    """
+
+    name = "network-aware"
+    uses_network = True
+
+    def __init__(self, eta: float = 0.5, *, tolerance: float = 0.0) -> None:
+        self.regimes = Accordion(eta)
+        if isinstance(tolerance, bool) or not isinstance(tolerance, (int, float)) or not 0 <= tolerance < 1:
+            raise ValueError(f"tolerance must be a number in [0, 1), got {tolerance!r}")
+        self.tolerance = float(tolerance)
+        self._levels: dict[str, Level] = {}
+        self.last: dict = {}  # the last window's decision, for logs and stats
+
+    @property
+    def eta(self) -> float:
+        return self.regimes.eta
+
+    def __repr__(self) -> str:
+        return f"NetworkAware(eta={self.eta}, tolerance={self.tolerance})"
+
+    def config(self) -> dict:
+        return {"policy": self.name, "eta": self.eta, "tolerance": self.tolerance}
+
+    def initial_level(self, layer: str) -> Level:
+        return CRITICAL
+
+    def end_window(self, report: WindowReport) -> dict[str, Level]:
+        budget = self.regimes.end_window(report)
+        why = _unusable(report, budget)
+        if why:
+            log.info("NetworkAware: Accordion's levels kept: %s", why)
+            self.last = {"kept": why}
+            chosen = budget
+        else:
+            chosen = self.choose(budget, report.errors, report.network)
+        self._levels.update(chosen)
+        return chosen
+
+    def lr_decreased(self, layers: list[str]) -> dict[str, Level]:
+        return self.regimes.lr_decreased(layers)
+
+    # --- the search -----------------------------------------------------------------------------
+    def choose(self, budget: dict[str, Level], errors: dict[str, dict[Level, float]],
+               network: NetworkReport) -> dict[str, Level]:
+        """The levels of the fastest predicted step within the budget (see module doc)."""
+        layers = sorted(budget, key=lambda n: (network.ready_s[n], n))
+        # each layer's candidates, gentlest (least error) first; ties keep the cheaper wire
+        order = {n: sorted(errors[n], key=lambda lv: (errors[n][lv], _bytes(network.wire[n][lv]), str(lv)))
+                 for n in layers}
+        limit = sum(errors[n][budget[n]] for n in layers) * (1 + _SLACK)
+        levels = dict(budget)
+        reference = self.predict(levels, network)
+        ceiling = reference * (1 + self.tolerance) + _SLACK * reference
+
+        def error(lv):
+            return sum(errors[n][lv[n]] for n in layers)
+
+        def gentler():
+            for n in layers:
+                for candidate in order[n]:  # gentlest first: take the first that costs no time
+                    if errors[n][candidate] >= errors[n][levels[n]]:
+                        break
+                    trial = {**levels, n: candidate}
+                    if self.predict(trial, network) <= ceiling:
+                        levels[n] = candidate
+                        break
+
+        gentler()
+        now = self.predict(levels, network)
+        while True:  # spend the saved error where it buys the most time
+            best, best_rate = None, 0.0
+            spare = limit - error(levels)
+            for n in layers:
+                for candidate in order[n]:
+                    extra = errors[n][candidate] - errors[n][levels[n]]
+                    if extra <= 0 or extra > spare:
+                        continue
+                    trial = {**levels, n: candidate}
+                    saved = now - self.predict(trial, network)
+                    if saved > _SLACK * now and saved / extra > best_rate:
+                        best, best_rate = (n, candidate), saved / extra
+            if best is None:
+                break
+            levels[best[0]] = best[1]
+            now = self.predict(levels, network)
+        ceiling = min(ceiling, now * (1 + self.tolerance) + _SLACK * now)
+        gentler()
+        chosen = self.predict(levels, network)
+        self.last = {"predicted_s": chosen, "accordion_s": reference, "error": error(levels), "budget": error(budget),
+                     "changed": sum(levels[n] != budget[n] for n in layers)}
+        log.info("NetworkAware: predicted step %.4f s (Accordion's levels: %.4f s), error %.4g of a budget of %.4g, "
+                 "%d of %d layers away from Accordion's level", chosen, reference, self.last["error"],
+                 self.last["budget"], self.last["changed"], len(layers))
+        return levels
+
+    @staticmethod
+    def predict(levels: dict[str, Level], network: NetworkReport) -> float:
+        """Predicted seconds from the step's first ready gradient to its end, with ``levels``
+        (the cost model's step: buckets issued when complete, one collective at a time; a
+        layer sent dense is an allreduce of its own, issued when it is ready)."""
+        buckets = []
+        for names in network.buckets:
+            rounds: list[list] = []
+            for n in names:
+                wire = network.wire[n][levels[n]]
+                if wire[0][0] == "dense":  # outside the buckets: its own allreduce when ready
+                    buckets.append(Bucket(network.ready_s[n], [Round("allreduce", wire[0][1])]))
+                    continue
+                for i, (kind, nbytes) in enumerate(wire):
+                    if i == len(rounds):
+                        rounds.append([kind, 0])
+                    rounds[i][1] += nbytes
+            if rounds:
+                ready = max(network.ready_s[n] for n in names)
+                buckets.append(Bucket(ready, [Round(kind, nbytes) for kind, nbytes in rounds]))
+        buckets.sort(key=lambda b: b.ready_s)
+        backward = max([network.backward_s, *(b.ready_s for b in buckets)])
+        return step_s(0.0, backward, buckets, network.link, network.world)
+
+    # --- state --------------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        return {"regimes": self.regimes.state_dict(), "levels": {k: v.to_state() for k, v in self._levels.items()}}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.regimes.load_state_dict(state["regimes"])
+        self._levels = {str(k): Level.from_state(v) for k, v in state["levels"].items()}
+
+
+def _bytes(wire) -> int:
+    return sum(nbytes for _, nbytes in wire)
+
+
+def _unusable(report: WindowReport, budget: dict[str, Level]) -> str | None:
+    """Why this window's report cannot predict a step, or None."""
+    if report.errors is None or report.network is None:
+        return "no level errors or timings in this window (the adapter measures them; none yet)"
+    network = report.network
+    if network.link is None:
+        return "no link measured in this window"
+    missing = sorted(n for n in budget if n not in report.errors or n not in network.ready_s or n not in network.wire)
+    if missing:
+        return f"no measurements for {', '.join(missing[:3])}"
+    if not all(math.isfinite(e) and e >= 0 for n in budget for e in report.errors[n].values()):
+        return "a level error is not finite"
+    if not (math.isfinite(network.backward_s) and all(math.isfinite(network.ready_s[n]) for n in budget)):
+        return "a timing is not finite"
+    return None
+
+
+__all__ = ["NetworkAware"]

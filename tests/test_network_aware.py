@@ -1,0 +1,177 @@
+"""The network-aware policy (accordion_hvd/policies/network_aware.py): the codecs' level errors
+against brute force, the search on synthetic networks (what hides under backward goes
+gentle, saved error is spent where it buys time, the budget holds), its fallbacks, state
+and bad input; the whole path through the compressor on the simulated world; and under real
+horovodrun (tests/workers/network_aware_check.py)."""
+
+import math
+
+import pytest
+import torch
+
+import accordion_hvd as acc
+from accordion_hvd.comm import SimulatedWorld
+from accordion_hvd.comm.link import LinkMeasurement
+from accordion_hvd.costmodel import Link
+from accordion_hvd.levels import CRITICAL, DENSE, NORMAL
+from accordion_hvd.policies import NetworkAware, NetworkReport, WindowReport
+from launch import run_worker
+
+SLOW = Link(alpha=100e-6, beta=8 / 100e6)  # 100 Mbit/s
+
+
+# --- the codecs' level errors -----------------------------------------------------------------
+def test_topk_level_errors_are_the_energy_outside_the_top_k():
+    codec = acc.TopK(ratio=0.1, critical_ratio=0.3)
+    grad = torch.randn(20, 10, dtype=torch.float64)
+    state = codec.init_state("w", grad)
+    state.residual.copy_(torch.randn(200, dtype=torch.float64))
+    g = grad.reshape(-1) + state.residual
+    expected = []
+    for k in (20, 60):
+        kept = g.abs().sort(descending=True).values[:k]
+        expected.append(float(g.square().sum() - kept.square().sum()))
+    got = codec.level_errors(state, grad, (NORMAL, CRITICAL, DENSE))
+    assert got[:2] == pytest.approx(expected, rel=1e-12) and got[2] == 0.0
+
+
+def test_powersgd_level_errors_are_near_the_best_low_rank_error_and_never_below_it():
+    torch.manual_seed(0)
+    codec = acc.PowerSGD(rank=1, critical_rank=4)
+    low = torch.randn(64, 4, dtype=torch.float64) @ torch.diag(torch.tensor([8.0, 4.0, 2.0, 1.0], dtype=torch.float64)) \
+        @ torch.randn(4, 48, dtype=torch.float64)
+    grad = low + 0.1 * torch.randn(64, 48, dtype=torch.float64)
+    state = codec.init_state("w", grad)
+    errors = codec.level_errors(state, grad, (NORMAL, CRITICAL))
+    s = torch.linalg.svdvals(grad).square()
+    best = [float(s[1:].sum()), float(s[4:].sum())]
+    for got, floor in zip(errors, best):
+        assert floor * (1 - 1e-9) <= got <= 1.5 * floor
+    assert errors[0] > errors[1]
+
+
+def test_wire_matches_what_the_codecs_send():
+    shape = torch.Size([64, 8, 3, 3])
+    assert acc.PowerSGD(rank=2).wire(shape, NORMAL) == (("allreduce", 4 * 64 * 2), ("allreduce", 4 * 72 * 2))
+    topk = acc.TopK(ratio=0.01, critical_ratio=0.6)
+    assert topk.wire(shape, NORMAL) == (("allgather", 8 * math.ceil(0.01 * 4608)),)
+    assert topk.wire(shape, CRITICAL) == (("dense", 4 * 4608),)  # keeping >= half: sent dense
+    assert topk.wire(shape, DENSE) == (("dense", 4 * 4608),)
+
+
+# --- the search ----------------------------------------------------------------------------------
+def topk_network(link, ready, backward, sizes, buckets):
+    codec = acc.TopK(ratio=0.01, critical_ratio=0.1)
+    wire = {n: {lv: codec.wire(torch.Size([sizes[n]]), lv) for lv in codec.levels} for n in sizes}
+    return NetworkReport(link=link, world=4, backward_s=backward, ready_s=ready, buckets=buckets, wire=wire)
+
+
+def errors_for(sizes):
+    """A level's error: 1% keeps a tenth of the energy lost at 10%... (made up, monotone)."""
+    return {n: {NORMAL: 1.0 * sizes[n], CRITICAL: 0.5 * sizes[n], DENSE: 0.0} for n in sizes}
+
+
+def window(policy, norms, errors, network, steps=10):
+    return policy.end_window(WindowReport(norms, steps, errors=errors, network=network))
+
+
+def test_layers_whose_communication_hides_under_backward_go_dense_the_last_ones_stay():
+    sizes = {"early": 1 << 16, "late": 1 << 22}
+    ready = {"early": 0.0, "late": 0.5}
+    network = topk_network(SLOW, ready, 0.5, sizes, (("early",), ("late",)))
+    policy = NetworkAware()
+    norms = {"early": 1.0, "late": 1.0}
+    window(policy, norms, None, None)  # first window: everything critical, nothing to compare
+    levels = window(policy, norms, errors_for(sizes), network)  # same norms: Accordion says normal
+    assert levels == {"early": DENSE, "late": NORMAL}
+    last = policy.last
+    assert last["predicted_s"] <= last["accordion_s"] + 1e-12 and last["error"] <= last["budget"]
+
+
+def test_error_saved_where_it_is_free_is_spent_where_it_buys_time():
+    # Critical regime (first windows): the budget is every layer at 10%. The early layer goes
+    # dense for free, and the error it saves lets the big late layer drop to 1%.
+    sizes = {"early": 1 << 20, "late": 1 << 20}
+    ready = {"early": 0.0, "late": 1.0}
+    network = topk_network(SLOW, ready, 1.0, sizes, (("early",), ("late",)))
+    policy = NetworkAware()
+    levels = window(policy, {"early": 1.0, "late": 1.0}, errors_for(sizes), network)
+    assert levels == {"early": DENSE, "late": NORMAL}
+    assert policy.last["error"] <= policy.last["budget"]
+    assert policy.last["predicted_s"] < policy.last["accordion_s"]
+
+
+def test_a_layer_that_cannot_hide_never_goes_gentler_than_its_budget():
+    sizes = {"only": 1 << 16}
+    network = topk_network(SLOW, {"only": 0.2}, 0.2, sizes, (("only",),))
+    policy = NetworkAware()
+    norms = {"only": 1.0}
+    window(policy, norms, None, None)
+    assert window(policy, norms, errors_for(sizes), network) == {"only": NORMAL}
+    assert NetworkAware(tolerance=0.9).end_window(WindowReport(norms, 1, errors=errors_for(sizes), network=network)) \
+        == {"only": DENSE}  # 90% of a step of tolerance pays dense's 31 ms: the gentlest level
+
+
+@pytest.mark.parametrize("why,change", [
+    ("no link", dict(link=None)),
+    ("not finite", dict(backward_s=math.nan)),
+])
+def test_without_a_usable_network_report_it_is_accordion(why, change):
+    sizes = {"a": 1 << 16, "b": 1 << 20}
+    base = dict(link=SLOW, world=2, backward_s=1.0, ready_s={"a": 0.0, "b": 1.0}, buckets=(("a", "b"),),
+                wire=topk_network(SLOW, {}, 0, sizes, ()).wire)
+    network = NetworkReport(**{**base, **change})
+    policy, reference = NetworkAware(eta=0.3), acc.policies.Accordion(eta=0.3)
+    for norms in ({"a": 1.0, "b": 1.0}, {"a": 1.0, "b": 2.0}, {"a": 1.1, "b": 2.0}):
+        report = WindowReport(norms, 5, errors=errors_for(sizes), network=network)
+        assert policy.end_window(report) == reference.end_window(report)
+    assert why in policy.last["kept"]
+
+
+def test_state_round_trip_and_bad_input():
+    policy = NetworkAware(eta=0.4, tolerance=0.02)
+    policy.end_window(WindowReport({"a": 1.0}, 3))
+    state = policy.state_dict()
+    again = NetworkAware(eta=0.4, tolerance=0.02)
+    again.load_state_dict(state)
+    assert again.state_dict() == state and again.config() == policy.config()
+    for bad in (-0.1, 1.0, "0.1", True):
+        with pytest.raises(ValueError, match="tolerance"):
+            NetworkAware(tolerance=bad)
+    with pytest.raises(ValueError, match="eta"):
+        NetworkAware(eta=0)
+    with pytest.raises(ValueError, match="accumulate=True"):
+        acc.AccordionCompressor(acc.PowerSGD(rank=1, critical_rank=2), policy=NetworkAware(), accumulate=False)
+    assert isinstance(acc.AccordionCompressor(policy="network-aware").policy, NetworkAware)
+
+
+# --- through the compressor ----------------------------------------------------------------------
+@pytest.mark.parametrize("codec", ["powersgd", "topk"])
+def test_the_compressor_measures_and_every_rank_decides_the_same(codec):
+    shapes = {"a.weight": (64, 32), "b.weight": (128, 64), "c.weight": (32, 128)}
+
+    def worker(rank, channel):
+        make = acc.PowerSGD(rank=1, critical_rank=2) if codec == "powersgd" else acc.TopK(0.05, 0.2)
+        comp = acc.AccordionCompressor(make, policy=NetworkAware(eta=0.3), interval=3, channel=channel)
+        # the simulated data plane times nothing: the link is given, the same on every rank
+        comp.measure_link = lambda: LinkMeasurement(SLOW, 10)
+        gen = torch.Generator().manual_seed(rank)
+        decided = []
+        for step in range(9):
+            ctxs = [comp.compress_named(n, torch.randn(s, generator=gen) * (1 + step % 4)) for n, s in shapes.items()]
+            for out, ctx in ctxs:
+                comp.decompress(out, ctx)
+            decided.append(dict(comp.controller.levels))
+        return decided, dict(comp.policy.last)
+
+    results = SimulatedWorld(2).run(worker)
+    assert results[0] == results[1]  # levels every step, and the last decision's figures
+    last = results[0][1]
+    assert "predicted_s" in last and last["error"] <= last["budget"] * (1 + 1e-9)
+
+
+@pytest.mark.horovod
+@pytest.mark.parametrize("codec", ["powersgd", "topk"])
+def test_under_horovodrun_a_real_link_is_measured_and_ranks_agree(codec):
+    out = run_worker("network_aware_check.py", codec, "24", np=2, backend="gloo")
+    assert out.count(": OK network-aware") == 2, out
