@@ -115,17 +115,28 @@ def test_a_layer_that_cannot_hide_never_goes_gentler_than_its_budget():
 @pytest.mark.parametrize("why,change", [
     ("no link", dict(link=None)),
     ("not finite", dict(backward_s=math.nan)),
+    ("negative", dict(ready_s={"a": -1.0, "b": 1.0})),
+    ("no exchange", dict(buckets=())),
+    ("negative", "errors"),
+    ("no exchange yet", "none"),
 ])
-def test_without_a_usable_network_report_it_is_accordion(why, change):
+def test_without_a_usable_report_every_layer_is_gentle_and_ranks_still_agree(why, change, caplog):
     sizes = {"a": 1 << 16, "b": 1 << 20}
     base = dict(link=SLOW, world=2, backward_s=1.0, ready_s={"a": 0.0, "b": 1.0}, buckets=(("a", "b"),),
                 wire=topk_network(SLOW, {}, 0, sizes, ()).wire)
-    network = NetworkReport(**{**base, **change})
-    policy, reference = NetworkAware(eta=0.3), acc.policies.Accordion(eta=0.3)
-    for norms in ({"a": 1.0, "b": 1.0}, {"a": 1.0, "b": 2.0}, {"a": 1.1, "b": 2.0}):
-        report = WindowReport(norms, 5, errors=errors_for(sizes), network=network)
-        assert policy.end_window(report) == reference.end_window(report)
-    assert why in policy.last["kept"]
+    network = NetworkReport(**{**base, **(change if isinstance(change, dict) else {})})
+    errors = errors_for(sizes)
+    if change == "errors":
+        errors["a"][NORMAL] = -1.0
+    if change == "none":
+        errors = network = None
+    policy, regimes = NetworkAware(eta=0.3), acc.policies.Accordion(eta=0.3)
+    for norms in ({"a": 1.0, "b": 1.0}, {"a": 1.0, "b": 1.0}, {"a": 1.1, "b": 2.0}):
+        report = WindowReport(norms, 5, errors=errors, network=network)
+        assert policy.end_window(report) == {"a": CRITICAL, "b": CRITICAL}
+        regimes.end_window(report)
+    assert why in policy.last["kept"] and why in caplog.text
+    assert policy.regimes.state_dict() == regimes.state_dict()  # regime detection went on underneath
 
 
 def test_state_round_trip_and_bad_input():

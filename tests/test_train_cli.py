@@ -170,3 +170,22 @@ def test_language_model_on_the_standard_library_reports_perplexity(tmp_path):
         rows = list(csv.DictReader(f))
     assert len(rows) == 1 and rows[0]["accuracy"] == "" and float(rows[0]["perplexity"]) > 1
     assert (tmp_path / "perplexity_vs_floats.png").is_file()
+
+
+def test_network_aware_policy_trains_checkpoints_and_resumes(tmp_path):
+    """--policy network-aware: trains digits past 90% in 8 epochs, its decisions are in the
+    checkpoint (Accordion's regimes underneath, the levels it chose), and a resumed run goes on
+    from them."""
+    args = ["--codec", "topk", "--ratio", "0.01", "--critical-ratio", "0.1", "--policy", "network-aware",
+            "--interval", "10", "--no-progress"]
+    ckpt = tmp_path / "ckpt"
+    run_module("accordion_hvd.train", *args, "--epochs", "2", "--checkpoint", str(ckpt), np=2, backend="gloo")
+    saved = torch.load(f"{ckpt}.rank0", weights_only=False)["compression"]["controller"]["policy"]
+    assert set(saved) == {"regimes", "levels"} and saved["levels"], saved
+    out = run_module("accordion_hvd.train", *args, "--epochs", "8", "--resume", str(ckpt), "--logdir",
+                     str(tmp_path), np=2, backend="gloo")
+    assert "resumed from" in out and "at epoch 2" in out, out
+    with open(tmp_path / "steps.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert int(rows[-1]["floats_sent"]) < int(rows[-1]["floats_dense"]), rows[-1]
+    assert float(out.split("final test accuracy: ")[1].split()[0]) > 0.9, out  # Accordion: 0.82 at 4 epochs

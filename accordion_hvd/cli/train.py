@@ -47,7 +47,7 @@ from .metrics import progress
 log = logging.getLogger("accordion_hvd.train")
 
 CODECS = ("none", "fp16", "powersgd", "topk")
-POLICIES = ("accordion", "static", "gravac")
+POLICIES = ("accordion", "static", "gravac", "network-aware")
 DATASETS = ("digits", "synthetic", "cifar10", "text")
 MODELS = ("cnn", "cnn-wide", "resnet18", "lstm")
 DEVICES = ("auto", "cpu", "cuda")

@@ -28,9 +28,10 @@ does both, against the network it runs on:
    simulated step with overlap, not a sum over layers, hence a greedy search; with the two
    or three levels per layer of our codecs it evaluates O(layers^2 x levels) steps.
 
-Where a window gives nothing to predict with (no link determined, no timings, a non-finite
-error), the policy keeps Accordion's levels and says why: it then behaves exactly like
-``Accordion``. Every input is reduced over ranks and the search is deterministic, so every
+Where a window gives nothing to predict with (no link determined, a window with no exchange,
+a non-finite or negative timing or error), every layer takes the gentle level for that
+window, the safe choice, with a logged reason; Accordion's regime detection goes on
+underneath, so the next usable window decides as usual. Every input is reduced over ranks and the search is deterministic, so every
 rank decides the same levels by construction.
 
 ``tolerance``: a move of (a) may lengthen the predicted step by up to this fraction of the
@@ -85,10 +86,10 @@ class NetworkAware(Policy):
     def end_window(self, report: WindowReport) -> dict[str, Level]:
         budget = self.regimes.end_window(report)
         why = _unusable(report, budget)
-        if why:
-            log.info("NetworkAware: Accordion's levels kept: %s", why)
+        if why:  # the safe choice: every layer gentle, whatever Accordion's regimes say
+            log.warning("NetworkAware: every layer at the gentle level for this window: %s", why)
             self.last = {"kept": why}
-            chosen = budget
+            chosen = {layer: CRITICAL for layer in budget}
         else:
             chosen = self.choose(budget, report.errors, report.network)
         self._levels.update(chosen)
@@ -191,7 +192,7 @@ def _bytes(wire) -> int:
 def _unusable(report: WindowReport, budget: dict[str, Level]) -> str | None:
     """Why this window's report cannot predict a step, or None."""
     if report.errors is None or report.network is None:
-        return "no level errors or timings in this window (the adapter measures them; none yet)"
+        return "no level errors or timings in this window (no exchange yet)"
     network = report.network
     if network.link is None:
         return "no link measured in this window"
@@ -199,9 +200,12 @@ def _unusable(report: WindowReport, budget: dict[str, Level]) -> str | None:
     if missing:
         return f"no measurements for {', '.join(missing[:3])}"
     if not all(math.isfinite(e) and e >= 0 for n in budget for e in report.errors[n].values()):
-        return "a level error is not finite"
-    if not (math.isfinite(network.backward_s) and all(math.isfinite(network.ready_s[n]) for n in budget)):
-        return "a timing is not finite"
+        return "a level error is negative or not finite"
+    timings = [network.backward_s, *(network.ready_s[n] for n in budget)]
+    if not all(math.isfinite(t) and t >= 0 for t in timings):
+        return "a timing is negative or not finite"
+    if not network.buckets:
+        return "no exchange in this window"
     return None
 
 
