@@ -59,6 +59,48 @@ def test_wire_matches_what_the_codecs_send():
     assert topk.wire(shape, DENSE) == (("dense", 4 * 4608),)
 
 
+def test_powersgd_dense_level_sends_m_itself_and_settles_or_keeps_its_error_feedback():
+    """A PowerSGD layer at DENSE: the result is the exact average of every rank's M = grad + e
+    (in its bucket's P round), e is zero afterwards; a skipped step (NaN on one rank) keeps
+    e = M; back at NORMAL the layer warm-starts from the Q it had; floats are counted."""
+    shape = (24, 16)
+
+    def worker(rank, channel):
+        comp = acc.AccordionCompressor(acc.PowerSGD(rank=2), policy="static", channel=channel)
+        gen = torch.Generator().manual_seed(rank)
+        grads = [torch.randn(shape, generator=gen) for _ in range(4)]
+        seen = []
+
+        def step(g):
+            out, ctx = comp.compress_named("w", g.clone())
+            return comp.decompress(out, ctx).clone()
+
+        step(grads[0])  # NORMAL: leaves some error feedback
+        e0 = comp._layers["w"].residual.clone()
+        q0 = comp._layers["w"].q.clone()
+        comp.set_level("w", DENSE)
+        seen.append((step(grads[1]), grads[1] + e0, comp._layers["w"].residual.clone()))
+        bad = grads[2].clone()
+        if rank == 1:
+            bad[0, 0] = float("nan")
+        seen.append((step(bad), grads[2], comp._layers["w"].residual.clone(), comp.step_skipped))
+        comp.set_level("w", NORMAL)
+        assert torch.equal(comp._layers["w"].q, q0)
+        step(grads[3])
+        return seen, comp.stats()["layers"]["w"]
+
+    results = SimulatedWorld(2).run(worker)
+    average = (results[0][0][0][1] + results[1][0][0][1]) / 2
+    for (dense, _, e_after), (skipped, g2, e_kept, was_skipped) in (r[0] for r in results):
+        torch.testing.assert_close(dense, average, rtol=0, atol=1e-6)
+        assert torch.count_nonzero(e_after) == 0
+        assert was_skipped and torch.count_nonzero(skipped) == 0
+    # rank 0's gradient of the skipped step is kept in e (its e was zero before it)
+    torch.testing.assert_close(results[0][0][1][2], results[0][0][1][1])
+    stats = results[0][1]
+    assert stats["floats_sent"] == 2 * (24 + 16) * 2 + 2 * 24 * 16 and stats["level"] == "normal"
+
+
 # --- the search ----------------------------------------------------------------------------------
 def topk_network(link, ready, backward, sizes, buckets):
     codec = acc.TopK(ratio=0.01, critical_ratio=0.1)

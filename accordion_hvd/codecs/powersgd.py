@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from .. import ops, reference
-from ..levels import CRITICAL, NORMAL, Level, check_level, positive_number
+from ..levels import CRITICAL, DENSE, NORMAL, Level, check_level, positive_number
 from ._common import residual_dtype
 
 
@@ -74,7 +74,7 @@ class PowerSGD:
     def adaptive(self) -> bool:
         return self.critical_rank != self.rank
 
-    levels = (NORMAL, CRITICAL)  # the levels this codec has
+    levels = (NORMAL, CRITICAL, DENSE)  # the levels this codec has (DENSE: M itself, averaged in the P round)
     measures_gain = False         # no per-step gain measurement (policies/base.py: per_step)
 
     # --- which layers ---------------------------------------------------------------------
@@ -90,20 +90,24 @@ class PowerSGD:
         return n * m >= self.min_compression_rate * (n + m) * r
 
     def level_rank(self, level: Level, shape: torch.Size) -> int:
-        """The rank a layer of ``shape`` uses at ``level`` (NORMAL or CRITICAL)."""
+        """The rank a layer of ``shape`` uses at ``level`` (NORMAL or CRITICAL; 0 for DENSE)."""
         n, m = self.matrix_shape(shape)
         check_level("level", level, allowed=self.levels)
+        if level == DENSE:
+            return 0
         return min(self.critical_rank if level == CRITICAL else self.rank, n, m)
 
     def floats_sent(self, state: PowerSGDState) -> int:
         n, m = state.residual.shape
-        return (n + m) * state.rank
+        return n * m if state.level == DENSE else (n + m) * state.rank
 
     # --- what a level costs and loses (the network-aware policy) -----------------------------
     def wire(self, shape: torch.Size, level: Level, itemsize: int = 4) -> tuple[tuple[str, int], ...]:
         """The collectives one layer of ``shape`` costs at ``level``: (kind, bytes per rank)
-        for P (n x r) and for Q (m x r), both averaged."""
+        for P (n x r) and for Q (m x r), both averaged; at DENSE, M (n x m) in the P round."""
         n, m = self.matrix_shape(shape)
+        if level == DENSE:  # M itself, in its bucket's P round; no Q round
+            return (("allreduce", itemsize * n * m),)
         r = self.level_rank(level, shape)
         return ("allreduce", itemsize * n * r), ("allreduce", itemsize * m * r)
 
@@ -120,28 +124,33 @@ class PowerSGD:
         n, m = state.residual.shape
         M = grad.reshape(n, m).to(torch.float64) + state.residual.to(torch.float64)
         ranks = [self.level_rank(level, state.shape) for level in levels]
+        if max(ranks) == 0:
+            return [0.0] * len(levels)
         top = max(ranks)
         start = self._fresh_columns(state.name, m, 0, top, torch.float64, M.device)
         p = torch.linalg.qr(M @ start).Q
         p = torch.linalg.qr(M @ (M.t() @ p)).Q
         kept = torch.cumsum((p.t() @ M).square().sum(dim=1), 0)
         total = float(M.square().sum())
-        return [max(0.0, total - float(kept[r - 1])) if r > 0 else total for r in ranks]
+        return [max(0.0, total - float(kept[r - 1])) if r > 0 else 0.0 for r in ranks]  # rank 0: DENSE, exact
 
     # --- state ------------------------------------------------------------------------------
     def init_state(self, name: str, grad: torch.Tensor, level: Level = NORMAL) -> PowerSGDState:
         n, m = self.matrix_shape(grad.shape)
         dtype = residual_dtype(grad.dtype)
-        rank = self.level_rank(level, grad.shape)
+        rank = self.level_rank(NORMAL if level == DENSE else level, grad.shape)  # DENSE keeps a Q for later
         residual = torch.zeros(n, m, dtype=dtype, device=grad.device)
         q = _as_transposed(self._fresh_columns(name, m, 0, rank, dtype, grad.device))
         return PowerSGDState(name, grad.shape, level, rank, residual, q)
 
     def set_level(self, state: PowerSGDState, level: Level) -> None:
         """Change a layer's rank: keep the Q columns it has, add fresh seeded ones (the same on
-        every rank) or drop the last ones. Error feedback is kept."""
+        every rank) or drop the last ones. Error feedback is kept. At DENSE the layer keeps its
+        Q (unused), so a return to a compressed level warm-starts from it."""
+        state.level = check_level("level", level, allowed=self.levels)
+        if level == DENSE:
+            return
         rank = self.level_rank(level, state.shape)
-        state.level = level
         if rank > state.rank:
             extra = self._fresh_columns(state.name, state.q.shape[0], state.rank, rank, state.q.dtype, state.q.device)
             state.q = torch.cat([state.q.t(), extra.t()]).t()
@@ -159,7 +168,9 @@ class PowerSGD:
         n, m = self.matrix_shape(shape)
         level, rank = Level.from_state(d["level"]), int(d["rank"])
         residual, qt = d["residual"], d["qt"]
-        if rank != self.level_rank(level, shape) or tuple(residual.shape) != (n, m) or tuple(qt.shape) != (rank, m):
+        expected = rank if level == DENSE else self.level_rank(level, shape)  # DENSE keeps its last Q
+        if rank != expected or not 0 < rank <= min(n, m) or tuple(residual.shape) != (n, m) \
+                or tuple(qt.shape) != (rank, m):
             raise ValueError(f"PowerSGD state of {name!r} does not fit this codec: level {level!r} needs rank "
                              f"{self.level_rank(level, shape)}, got rank {rank}, residual {tuple(residual.shape)} "
                              f"(expected {(n, m)}), Q^T {tuple(qt.shape)}")
@@ -177,14 +188,29 @@ class PowerSGD:
 
     # --- the three phases of a step ---------------------------------------------------------
     def start(self, state: PowerSGDState, grad: torch.Tensor) -> torch.Tensor:
-        """M = grad + e (into the residual buffer); returns P = M Q, to be averaged."""
+        """M = grad + e (into the residual buffer); returns P = M Q, to be averaged (at DENSE,
+        a copy of M itself: the residual keeps M until ``settle_dense``)."""
         ops.ef_add_(grad.reshape(state.residual.shape), state.residual)
+        if state.level == DENSE:
+            return state.residual.clone()
         return state.residual @ state.q
 
     def poisoned(self, state: PowerSGDState) -> torch.Tensor:
         """What a rank sends as P for a layer whose gradient is not finite: NaN (so every rank
         sees the fault in the averaged P); ``e`` is not touched."""
-        return state.residual.new_full((state.residual.shape[0], state.rank), float("nan"))
+        columns = state.residual.shape[1] if state.level == DENSE else state.rank
+        return state.residual.new_full((state.residual.shape[0], columns), float("nan"))
+
+    @staticmethod
+    def finish_dense(state: PowerSGDState, m_avg: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+        """A DENSE layer's result: the average of every rank's M, shaped and typed like
+        ``grad``. Its residual still holds this rank's M (a skipped step keeps it)."""
+        return m_avg.reshape(state.shape).to(grad.dtype)
+
+    @staticmethod
+    def settle_dense(state: PowerSGDState) -> None:
+        """The step of a DENSE layer went through: everything was sent, e = 0."""
+        state.residual.zero_()
 
     def middle(self, states: list[PowerSGDState], p_avgs: list[torch.Tensor]) -> list[torch.Tensor]:
         """Orthogonalizes every layer's averaged P (in one kernel call); returns each layer's

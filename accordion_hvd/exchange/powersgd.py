@@ -17,6 +17,11 @@ order relative to the P rounds. The Q rounds therefore go on a separate lane of 
 (``exchange.buckets.lane``: its own Gloo group, whose collectives pair by their own order,
 always bucket order). A step issues 2 collectives per bucket.
 
+A layer at ``levels.DENSE`` sends M = grad + e itself in its bucket's P round (one allreduce
+with the others' P); its average is the result, it has no Q round, and its error feedback is
+zero once the step is settled. A network-aware policy uses it for layers whose transfer
+hides under backward (policies/network_aware.py).
+
 Non-finite gradients: a rank sends NaN as P for such a layer, so the fault shows in the
 averaged P that every rank reads; that bucket's Q round is not issued (on any rank), the
 step is flagged, and ``end_step(skipped=True)`` puts each finished layer's M_hat back into
@@ -32,6 +37,7 @@ import torch
 
 from ..comm.channel import Channel
 from ..codecs._common import all_finite
+from ..levels import DENSE
 from .buckets import BUCKET_BYTES, FIRST_BUCKET_BYTES, Round1, lane
 
 
@@ -55,11 +61,13 @@ class PowerSGDExchange:
         self.before_last = before_last
         self.seconds = seconds if seconds is not None else {"compress": 0.0, "comm": 0.0}
         self._undo: list[tuple[Any, torch.Tensor]] = []
+        self._settle: list[Any] = []  # DENSE layers finished this step: e = 0 once it is not skipped
         self._begin()
 
     def _begin(self) -> None:
         self._layers: dict[str, tuple[Any, torch.Tensor]] = {}  # this step: name -> (state, grad)
         self._q: list[tuple[int, list[str], Any]] = []          # Q rounds issued: (bucket, names, handle)
+        self._dense: dict[str, torch.Tensor] = {}               # DENSE layers' averaged M, once back
         self._next_q = 0        # the next bucket whose Q round is due, in layout order
         self._closed = False    # every P round issued
         self.fault = False      # some rank's gradient was not finite (the same on every rank)
@@ -94,13 +102,16 @@ class PowerSGDExchange:
             averages = self.round1.take(index)
             self.seconds["comm"] += time.perf_counter() - started
             self._next_q += 1
-            names = list(averages)
+            if not all(all_finite(a[0]) for a in averages.values()):  # a rank sent NaN: no Q round
+                self.fault = True
+                continue
+            dense = [n for n in averages if self._layers[n][0].level == DENSE]
+            for n in dense:  # M itself was averaged: that is the result, no Q round
+                self._dense[n] = averages[n][0]
+            names = [n for n in averages if n not in self._dense]
             if not names:
                 continue
             p_avgs = [averages[n][0] for n in names]
-            if not all(all_finite(p) for p in p_avgs):  # a rank sent NaN: no Q round for this bucket
-                self.fault = True
-                continue
             started = time.perf_counter()
             qs = self.codec.middle([self._layers[n][0] for n in names], p_avgs)
             self.seconds["compress"] += time.perf_counter() - started
@@ -125,11 +136,15 @@ class PowerSGDExchange:
                 out[n] = self.codec.finish(state, q, grad)
                 self._undo.append((state.residual, out[n]))
             self.seconds["compress"] += time.perf_counter() - started
+        for n, m_avg in self._dense.items():
+            state, grad = self._layers[n]
+            out[n] = self.codec.finish_dense(state, m_avg, grad)
+            self._settle.append(state)
         for n, (state, grad) in self._layers.items():
             if n not in out:  # its bucket had a fault: e already holds M = grad + e
                 out[n] = torch.zeros_like(grad)
         self.round1.begin_step()
-        self._layers, self._q, self._next_q, self._closed = {}, [], 0, False  # ``fault`` stays until end_step
+        self._layers, self._q, self._dense, self._next_q, self._closed = {}, [], {}, 0, False  # ``fault`` stays
         return out
 
     @torch.no_grad()
@@ -139,7 +154,10 @@ class PowerSGDExchange:
         if skipped:
             for residual, m_hat in self._undo:
                 residual.add_(m_hat.reshape(residual.shape).to(residual.dtype))
-        self._undo = []
+        else:  # a DENSE layer's e held M until now (a skipped step keeps it)
+            for state in self._settle:
+                self.codec.settle_dense(state)
+        self._undo, self._settle = [], []
         if self.round1.active:  # layers reported but no results taken (nothing to decompress)
             self.round1.results()
         self._begin()
@@ -147,5 +165,5 @@ class PowerSGDExchange:
     def abort(self) -> None:
         """Forget the step in flight (its collectives will never complete)."""
         self.round1.begin_step()
-        self._undo = []
+        self._undo, self._settle = [], []
         self._begin()
