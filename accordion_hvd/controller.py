@@ -175,8 +175,8 @@ class RegimeController:
         local = [self._local_norm(layer) for layer in layers]
         probe = self.probe if self.policy.uses_network else None
         candidates = () if probe is None else probe.levels
-        for layer in layers:  # a network-aware policy's level errors travel with the norms
-            if candidates:
+        if candidates:  # a network-aware policy's level errors travel with the norms
+            for layer in layers:
                 local.extend(probe.errors(layer, self._window_mean(layer)))
         self._sums.clear()
         self._sq.clear()

@@ -94,16 +94,15 @@ class TopK:
     def level_errors(self, state: TopKState, grad: torch.Tensor, levels: tuple[Level, ...]) -> list[float]:
         """Squared error ``||g - C(g)||^2`` of compressing ``g = grad + e`` at each of ``levels``:
         exactly the energy of the entries outside the top k (0 for a level sent dense)."""
-        g = grad.reshape(-1).to(torch.float64) + state.residual.to(torch.float64)
-        energy = g.square().sort(descending=True).values
-        kept = torch.cumsum(energy, 0)
-        total = float(kept[-1]) if kept.numel() else 0.0
-        numel = g.numel()
-        errors = []
-        for level in levels:
-            k = self.level_k(level, numel)
-            errors.append(0.0 if 2 * k >= numel else max(0.0, total - float(kept[k - 1])))
-        return errors
+        energy = (grad.reshape(-1).to(torch.float64) + state.residual.to(torch.float64)).square()
+        numel = energy.numel()
+        ks = [self.level_k(level, numel) for level in levels]
+        sparse = [k for k in ks if 2 * k < numel]  # the others are sent dense: no error
+        if not sparse:
+            return [0.0] * len(levels)
+        kept = torch.cumsum(energy.topk(max(sparse), sorted=True).values, 0)
+        total = float(energy.sum())
+        return [0.0 if 2 * k >= numel else max(0.0, total - float(kept[k - 1])) for k in ks]
 
     def init_state(self, name: str, grad: torch.Tensor, level: Level = NORMAL) -> TopKState:
         residual = torch.zeros(grad.numel(), dtype=residual_dtype(grad.dtype), device=grad.device)
