@@ -30,7 +30,8 @@ Only the communication differs between methods:
 Rank 0 writes a JSON file: per-step wall times (and, for ours, the compressor's seconds in
 compression and in waiting on its collectives, in all and during backward, each
 collective's issue and completion times, and the link fitted to them:
-``AccordionCompressor.measure_link``), every rank's per-step times, and the median of steps
+``AccordionCompressor.measure_link``; how many layers were at each level after every step,
+and NetworkAware's last decision), every rank's per-step times, and the median of steps
 4..12.
 """
 
@@ -205,7 +206,7 @@ def main() -> None:
     model, shape = build_model(args.model)
     net, opt, after_backward, rank, size, compression = setup(args.method, model, args.lr)
     data = batches(shape, args.batch_size)
-    walls, phases, ours_s, starts = [], [], [], []
+    walls, phases, ours_s, starts, levels = [], [], [], [], []
     before = dict(compression.seconds) if compression is not None else None
     start = time.perf_counter()
     for step in range(args.steps):
@@ -228,6 +229,10 @@ def main() -> None:
             now = dict(compression.seconds)
             ours_s.append({**{k: now[k] - before[k] for k in now}, "comm_backward": in_backward})
             before = now
+            counts: dict[str, int] = {}  # how many layers at each level for the next step
+            for level in compression.controller.levels.values():
+                counts[str(level)] = counts.get(str(level), 0) + 1
+            levels.append(counts)
     total = time.perf_counter() - start
     if not torch.isfinite(loss.detach()):
         raise RuntimeError(f"{args.method}: loss is not finite")
@@ -246,6 +251,8 @@ def main() -> None:
             result["floats_sent"] = compression.stats()["floats_sent"]
             result["step_starts"], result["collectives"] = starts, timed
             result["link"] = compression.stats()["link"] if link.link is not None else {"none": link.reason}
+            result["levels"] = levels
+            result["policy_last"] = getattr(compression.policy, "last", None)  # NetworkAware's last decision
         args.out.write_text(json.dumps(result))
     if args.method in DDP:
         import torch.distributed as dist

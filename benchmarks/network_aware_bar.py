@@ -1,0 +1,52 @@
+"""NetworkAware's bar, from a step_time.py CSV (benchmarks/results/network-aware-protocol.md).
+
+    .venv/bin/python benchmarks/network_aware_bar.py benchmarks/results/network-aware-steps.csv
+
+Per model and link rate, within each round: NetworkAware's step over the fastest of the
+peers (Horovod fp16 dense, static gentle PowerSGD rank 4, Accordion), and over Accordion's;
+the median over rounds against the bar (at most 1.03x the fastest; below 1.0x Accordion at
+100 Mbit/s). Prints a Markdown table (append it to the results file by hand, with a reading).
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import statistics
+from collections import defaultdict
+from pathlib import Path
+
+OURS, PEERS, ACCORDION = "ours-network-aware", ("hvd-fp16", "ours-r4", "ours-accordion"), "ours-accordion"
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("csv", type=Path)
+    args = p.parse_args()
+    steps: dict[tuple, dict[str, float]] = defaultdict(dict)
+    with open(args.csv) as f:
+        for row in csv.DictReader(f):
+            if row["step_s"]:
+                steps[(row["model"], row["rate"], row["round"])][row["method"]] = float(row["step_s"])
+    ratios: dict[tuple, dict[str, list]] = defaultdict(lambda: defaultdict(list))
+    for (model, rate, _), methods in steps.items():
+        if OURS not in methods or not all(m in methods for m in PEERS):
+            continue
+        best = min(PEERS, key=methods.get)
+        ratios[(model, rate)]["best"].append((methods[OURS] / methods[best], best))
+        ratios[(model, rate)]["accordion"].append(methods[OURS] / methods[ACCORDION])
+    print(f"Command: `.venv/bin/python benchmarks/network_aware_bar.py {args.csv}`\n")
+    print("| model | rate | NetworkAware / fastest peer, per round (which) | median | bar 1.03x | "
+          "/ Accordion, per round | median | bar (100 Mbit/s) < 1.0x |")
+    print("|---|---|---|---:|---|---|---:|---|")
+    for (model, rate), r in sorted(ratios.items()):
+        best = statistics.median(x for x, _ in r["best"])
+        acc = statistics.median(r["accordion"])
+        rounds = ", ".join(f"{x:.3f} ({peer})" for x, peer in r["best"])
+        acc_bar = ("met" if acc < 1.0 else "not met") if rate == "100mbit" else "-"
+        print(f"| {model} | {rate} | {rounds} | {best:.3f} | {'met' if best <= 1.03 else 'not met'} | "
+              f"{', '.join(f'{x:.3f}' for x in r['accordion'])} | {acc:.3f} | {acc_bar} |")
+
+
+if __name__ == "__main__":
+    main()
