@@ -134,13 +134,28 @@ def test_error_saved_where_it_is_free_is_spent_where_it_buys_time():
     # Critical regime (first windows): the budget is every layer at 10%. The early layer goes
     # dense for free, and the error it saves lets the big late layer drop to 1%.
     sizes = {"early": 1 << 20, "late": 1 << 20}
-    ready = {"early": 0.0, "late": 1.0}
-    network = topk_network(SLOW, ready, 1.0, sizes, (("early",), ("late",)))
+    ready = {"early": 0.0, "late": 2.0}  # dense early: 0.5 s on the link, 1 s planned (headroom 2)
+    network = topk_network(SLOW, ready, 2.0, sizes, (("early",), ("late",)))
     policy = NetworkAware()
     levels = window(policy, {"early": 1.0, "late": 1.0}, errors_for(sizes), network)
     assert levels == {"early": DENSE, "late": NORMAL}
     assert policy.last["error"] <= policy.last["budget"]
     assert policy.last["predicted_s"] < policy.last["accordion_s"]
+
+
+def test_margins_a_transfer_that_hides_only_on_the_measured_link_and_a_trade_for_a_small_gain():
+    # Dense early takes 0.5 s on the measured link, under a backward of 0.8 s: hidden on the
+    # link as measured, not on one twice as slow. The late layer's trade saves ~0.18 s of ~1 s.
+    sizes = {"early": 1 << 20, "late": 1 << 20}
+    network = topk_network(SLOW, {"early": 0.0, "late": 0.8}, 0.8, sizes, (("early",), ("late",)))
+    norms, errors = {"early": 1.0, "late": 1.0}, errors_for(sizes)
+    bare = NetworkAware(headroom=1.0, min_gain=0.0).end_window(WindowReport(norms, 1, errors=errors, network=network))
+    assert bare == {"early": DENSE, "late": NORMAL}
+    careful = NetworkAware().end_window(WindowReport(norms, 1, errors=errors, network=network))
+    assert careful == {"early": CRITICAL, "late": CRITICAL}  # Accordion's: nothing hides with the margin
+    picky = NetworkAware(headroom=1.0, min_gain=0.5)
+    assert picky.end_window(WindowReport(norms, 1, errors=errors, network=network)) == {"early": DENSE,
+                                                                                        "late": CRITICAL}
 
 
 def test_a_layer_that_cannot_hide_never_goes_gentler_than_its_budget():
@@ -182,15 +197,20 @@ def test_without_a_usable_report_every_layer_is_gentle_and_ranks_still_agree(why
 
 
 def test_state_round_trip_and_bad_input():
-    policy = NetworkAware(eta=0.4, tolerance=0.02)
+    policy = NetworkAware(eta=0.4, tolerance=0.02, headroom=1.5, min_gain=0.1)
     policy.end_window(WindowReport({"a": 1.0}, 3))
     state = policy.state_dict()
-    again = NetworkAware(eta=0.4, tolerance=0.02)
+    again = NetworkAware(eta=0.4, tolerance=0.02, headroom=1.5, min_gain=0.1)
     again.load_state_dict(state)
     assert again.state_dict() == state and again.config() == policy.config()
     for bad in (-0.1, 1.0, "0.1", True):
         with pytest.raises(ValueError, match="tolerance"):
             NetworkAware(tolerance=bad)
+        with pytest.raises(ValueError, match="min_gain"):
+            NetworkAware(min_gain=bad)
+    for bad in (0.5, math.inf, math.nan, "2"):
+        with pytest.raises(ValueError, match="headroom"):
+            NetworkAware(headroom=bad)
     with pytest.raises(ValueError, match="eta"):
         NetworkAware(eta=0)
     with pytest.raises(ValueError, match="accumulate=True"):

@@ -34,6 +34,14 @@ window, the safe choice, with a logged reason; Accordion's regime detection goes
 underneath, so the next usable window decides as usual. Every input is reduced over ranks and the search is deterministic, so every
 rank decides the same levels by construction.
 
+Two margins keep the model's error from costing time (the first version, without them, sent
+layers dense that were predicted to hide and did not, for predicted gains of 0.1% of a step:
+benchmarks/results/network-aware-steps.md): every prediction is made on a link ``headroom``
+times slower than the one measured (latency and time per byte both; default 2), so a
+transfer counts as hidden only with that margin; and the error-for-time trades of (b) are
+kept only if the step they give is predicted at least ``min_gain`` (default 2%) shorter than
+at Accordion's levels, else the levels after (a) stand.
+
 ``tolerance``: a move of (a) may lengthen the predicted step by up to this fraction of the
 budget's predicted step (0: only moves that cost nothing). Codec kernel time per level is
 not in the prediction (it is measured in the backward timings at the current levels only).
@@ -43,8 +51,9 @@ from __future__ import annotations
 
 import logging
 import math
+from dataclasses import replace
 
-from ..costmodel import Bucket, Round, step_s
+from ..costmodel import Bucket, Link, Round, step_s
 from ..levels import CRITICAL, Level
 from .accordion import Accordion
 from .base import NetworkReport, Policy, WindowReport
@@ -57,16 +66,21 @@ class NetworkAware(Policy):
     """Args:
         eta: Accordion's threshold on the relative change of a layer's window norm (0.5).
         tolerance: fraction of a step a gentler level may add to the predicted step (0.0).
+        headroom: plan for a link this many times slower than measured (2.0; at least 1).
+        min_gain: trades of error for time only for a predicted step this fraction shorter (0.02).
     """
 
     name = "network-aware"
     uses_network = True
 
-    def __init__(self, eta: float = 0.5, *, tolerance: float = 0.0) -> None:
+    def __init__(self, eta: float = 0.5, *, tolerance: float = 0.0, headroom: float = 2.0,
+                 min_gain: float = 0.02) -> None:
         self.regimes = Accordion(eta)
-        if isinstance(tolerance, bool) or not isinstance(tolerance, (int, float)) or not 0 <= tolerance < 1:
-            raise ValueError(f"tolerance must be a number in [0, 1), got {tolerance!r}")
-        self.tolerance = float(tolerance)
+        self.tolerance = _fraction("tolerance", tolerance)
+        self.min_gain = _fraction("min_gain", min_gain)
+        if isinstance(headroom, bool) or not isinstance(headroom, (int, float)) or not 1 <= headroom < math.inf:
+            raise ValueError(f"headroom must be a finite number >= 1, got {headroom!r}")
+        self.headroom = float(headroom)
         self._levels: dict[str, Level] = {}
         self.last: dict = {}  # the last window's decision, for logs and stats
 
@@ -75,10 +89,12 @@ class NetworkAware(Policy):
         return self.regimes.eta
 
     def __repr__(self) -> str:
-        return f"NetworkAware(eta={self.eta}, tolerance={self.tolerance})"
+        return (f"NetworkAware(eta={self.eta}, tolerance={self.tolerance}, headroom={self.headroom}, "
+                f"min_gain={self.min_gain})")
 
     def config(self) -> dict:
-        return {"policy": self.name, "eta": self.eta, "tolerance": self.tolerance}
+        return {"policy": self.name, "eta": self.eta, "tolerance": self.tolerance, "headroom": self.headroom,
+                "min_gain": self.min_gain}
 
     def initial_level(self, layer: str) -> Level:
         return CRITICAL
@@ -102,6 +118,8 @@ class NetworkAware(Policy):
     def choose(self, budget: dict[str, Level], errors: dict[str, dict[Level, float]],
                network: NetworkReport) -> dict[str, Level]:
         """The levels of the fastest predicted step within the budget (see module doc)."""
+        link = network.link
+        network = replace(network, link=Link(alpha=link.alpha * self.headroom, beta=link.beta * self.headroom))
         layers = sorted(budget, key=lambda n: (network.ready_s[n], n))
         # each layer's candidates, gentlest (least error) first; ties keep the cheaper wire
         order = {n: sorted(errors[n], key=lambda lv: (errors[n][lv], _bytes(network.wire[n][lv]), str(lv)))
@@ -125,6 +143,7 @@ class NetworkAware(Policy):
                         break
 
         gentler()
+        free = dict(levels)  # gentler where it costs nothing: kept unless the trades below gain enough
         now = self.predict(levels, network)
         while True:  # spend the saved error where it buys the most time
             best, best_rate = None, 0.0
@@ -145,6 +164,8 @@ class NetworkAware(Policy):
         ceiling = min(ceiling, now * (1 + self.tolerance) + _SLACK * now)
         gentler()
         chosen = self.predict(levels, network)
+        if chosen > reference * (1 - self.min_gain):  # a gain within the model's error: not worth a trade
+            levels, chosen = free, self.predict(free, network)
         self.last = {"predicted_s": chosen, "accordion_s": reference, "error": error(levels), "budget": error(budget),
                      "changed": sum(levels[n] != budget[n] for n in layers)}
         log.info("NetworkAware: predicted step %.4f s (Accordion's levels: %.4f s), error %.4g of a budget of %.4g, "
@@ -187,6 +208,12 @@ class NetworkAware(Policy):
 
 def _bytes(wire) -> int:
     return sum(nbytes for _, nbytes in wire)
+
+
+def _fraction(name: str, value) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < 1:
+        raise ValueError(f"{name} must be a number in [0, 1), got {value!r}")
+    return float(value)
 
 
 def _unusable(report: WindowReport, budget: dict[str, Level]) -> str | None:
