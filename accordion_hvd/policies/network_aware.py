@@ -82,7 +82,7 @@ class NetworkAware(Policy):
             raise ValueError(f"headroom must be a finite number >= 1, got {headroom!r}")
         self.headroom = float(headroom)
         self._levels: dict[str, Level] = {}
-        self.last: dict = {}  # the last window's decision, for logs and stats
+        self.last: dict = {}  # the last window's decision (its predictions on the planning link), for logs
 
     @property
     def eta(self) -> float:
