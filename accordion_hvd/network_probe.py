@@ -11,7 +11,10 @@ needs beyond gradient norms (policies/base.py: ``WindowReport.errors``, ``Networ
   the window's steps, then over ranks in one control collective of ``layers + 1`` floats),
   the exchange's agreed buckets, what each layer costs on the wire at each level
   (``codec.wire``), and the link fitted to the window's own collectives
-  (``AccordionCompressor.measure_link``: two small control collectives).
+  (``AccordionCompressor.measure_link``: two small control collectives);
+* **the step it got**: the median time between consecutive steps' ends over the window
+  (mean over ranks, in the same collective as the ready times), which the policy compares
+  between the windows of different levels (policies/network_aware.py, ``verify``).
 
 Nothing here sends data-plane traffic. Every rank calls ``network`` at the same point (the
 window's end), so the control collectives pair.
@@ -50,6 +53,8 @@ class NetworkProbe:
         self._counts: dict[str, int] = {}
         self._backward = 0.0
         self._steps = 0
+        self._last_end: float | None = None  # when the previous step ended
+        self._periods: list[float] = []      # this window: seconds from one step's end to the next
 
     # --- per step (called by the adapter) --------------------------------------------------------
     def mark(self, name: str) -> None:
@@ -60,16 +65,21 @@ class NetworkProbe:
         self._marks[name] = now - self._first
 
     def end_step(self) -> None:
+        now = time.perf_counter()
+        if self._last_end is not None:
+            self._periods.append(now - self._last_end)
+        self._last_end = now
         for name, seconds in self._marks.items():
             self._ready[name] = self._ready.get(name, 0.0) + seconds
             self._counts[name] = self._counts.get(name, 0) + 1
         if self._marks:
             self._backward += max(self._marks.values())
             self._steps += 1
-        self.forget_step()
+        self._marks, self._first = {}, None
 
     def forget_step(self) -> None:
-        self._marks, self._first = {}, None
+        """The step was abandoned (a world change): forget it, and time the next from its start."""
+        self._marks, self._first, self._last_end = {}, None, None
 
     # --- per window (called by the controller) ---------------------------------------------------
     @torch.no_grad()
@@ -87,8 +97,11 @@ class NetworkProbe:
         window's timings."""
         local = [self._ready.get(n, 0.0) / self._counts[n] if self._counts.get(n) else 0.0 for n in layers]
         local.append(self._backward / self._steps if self._steps else 0.0)
-        self._ready, self._counts, self._backward, self._steps = {}, {}, 0.0, 0
-        mean = np.asarray(control.allreduce(local, name=f"acc.ready.{len(layers)}", op="sum")) / control.size
+        local.extend([float(np.median(self._periods)), 1.0] if self._periods else [0.0, 0.0])  # [median, measured]
+        self._ready, self._counts, self._backward, self._steps, self._periods = {}, {}, 0.0, 0, []
+        mean = np.asarray(control.allreduce(local, name=f"acc.ready.{len(layers)}.s", op="sum")) / control.size
+        step = float(mean[-2]) if mean[-1] == 1.0 else None  # only if every rank measured its steps
+        mean = mean[:-2]
         link = self._measure_link()
         buckets = self._buckets()
         if not buckets:
@@ -98,4 +111,4 @@ class NetworkProbe:
                     for level in self.levels} for n in layers}
         return NetworkReport(link=link, world=control.size, backward_s=float(mean[-1]),
                              ready_s={n: float(v) for n, v in zip(layers, mean[:-1])},
-                             buckets=tuple(tuple(b) for b in buckets), wire=wire)
+                             buckets=tuple(tuple(b) for b in buckets), wire=wire, step_s=step)

@@ -10,7 +10,7 @@ loop, one worker per emulated node, one thread per worker; ours and Horovod's un
 ``horovodrun --gloo``, DDP under ``torchrun`` (Gloo, default buckets), the floor as one copy
 per node at the same time with no communication at all. In each round every method runs once,
 back to back, so that slow phases of this shared machine hit all methods alike; ratios are
-taken within a round. Reported per setting: each method's median step (steps 4-12) over the
+taken within a round. Reported per setting: each method's median step (steps 4-12, or to --steps - 2) over the
 rounds with its range, its time over the floor, and the per-round ratios of ours to DDP's.
 
 Writes the .md given by --out (default benchmarks/results/step-time.md), a .csv beside it with
@@ -34,7 +34,7 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 sys.path.insert(0, str(REPO / "benchmarks" / "cluster"))
 from machine import cpu_model  # noqa: E402
 from report import kept_analysis  # noqa: E402
-from step_worker import DDP, METHODS  # noqa: E402
+from step_worker import DDP, LAST, METHODS  # noqa: E402
 
 WORKER = REPO / "benchmarks" / "step_worker.py"
 DEFAULT_METHODS = ("floor", "hvd-fp16", "ddp-fp16", "ddp-r1", "ours-r1", "ddp-r4", "ours-r4", "ours-accordion",
@@ -50,9 +50,10 @@ PAIRS = [("ours-r1", "ddp-r1"), ("ours-r4", "ddp-r4"), ("ours-accordion", "ddp-r
 HOROVOD_DEFAULTS = {"HOROVOD_CYCLE_TIME": "1"}
 
 
-def run(cluster, method: str, model: str, out: Path, timeout: float, env: dict | None = None) -> dict:
+def run(cluster, method: str, model: str, out: Path, timeout: float, env: dict | None = None,
+        steps: int = LAST + 2) -> dict:
     out.unlink(missing_ok=True)  # a failed run must not leave an earlier run's result in its place
-    args = [str(WORKER), "--method", method, "--model", model, "--out", str(out)]
+    args = [str(WORKER), "--method", method, "--model", model, "--steps", str(steps), "--out", str(out)]
     if env is None:
         env = {} if method.startswith("ours-") else HOROVOD_DEFAULTS
     if method in DDP:
@@ -127,6 +128,8 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--methods", default=",".join(DEFAULT_METHODS))
     p.add_argument("--timeout", type=float, default=600, help="seconds per run")
+    p.add_argument("--steps", type=int, default=LAST + 2,
+                   help=f"steps per run; the median is over steps 4 to steps - 2 (default {LAST + 2}: 4-{LAST})")
     p.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "step-time.md")
     p.add_argument("--start-round", type=int, default=0,
                    help="rounds before this one are read from their JSON, not run (adding rounds to a run)")
@@ -138,6 +141,8 @@ def main() -> None:
     unknown = [m for m in methods if m not in METHODS]
     if unknown or args.rounds < 1:
         p.error(f"unknown methods {unknown} (known: {', '.join(METHODS)})" if unknown else "--rounds must be >= 1")
+    if args.steps < LAST + 2:
+        p.error(f"--steps must be at least {LAST + 2}, got {args.steps}")
     from cluster import Cluster  # needs root, ip and tc: refuses with one line otherwise
 
     raw = args.out.with_suffix("")
@@ -153,7 +158,8 @@ def main() -> None:
                             out = raw / f"{model}-{nodes}n-{rate}-r{round_}-{name}.json"
                             try:
                                 reuse = args.report_only or round_ < args.start_round
-                                result = read(out) if reuse else run(cluster, name, model, out, args.timeout)
+                                result = read(out) if reuse else run(cluster, name, model, out, args.timeout,
+                                                                                steps=args.steps)
                                 seconds, error = result["step_s"], ""
                             except Exception as exc:  # a timeout, a crash: record it, go on
                                 seconds, error = None, f"{type(exc).__name__}: {exc}"
@@ -170,11 +176,12 @@ def main() -> None:
         writer.writerows(rows)
     command = (f".venv/bin/python benchmarks/step_time.py --models {args.models} --nodes {args.nodes} "
                f"--rates {args.rates} --rounds {args.rounds} --methods {args.methods} "
-               f"--out {os.path.relpath(args.out, REPO)}")
+               + (f"--steps {args.steps} " if args.steps != LAST + 2 else "")
+               + f"--out {os.path.relpath(args.out, REPO)}")
     header = ["# Time per step: ours against DDP and the compute floor", "",
               f"Machine: {platform.node()}, {cpu_model()}, {os.cpu_count()} cores shared by all nodes (one worker "
               "per node, 1 thread each). Synthetic batches of 32 per worker, SGD with momentum; median of steps "
-              f"4-12 of each run (benchmarks/step_worker.py). {args.rounds} rounds; in each, every method ran "
+              f"4-{args.steps - 2} of each run (benchmarks/step_worker.py). {args.rounds} rounds; in each, every method ran "
               f"once, back to back. Command: `{command}`. Per-run JSON: `{os.path.relpath(raw, REPO)}/`.", "",
               "*ours / peer* < 1 means our step is the faster one; it is computed within each round. "
               "*over the floor* is a method's step minus the floor's step of the same round.", ""]

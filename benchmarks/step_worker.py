@@ -54,7 +54,7 @@ HVD = ("hvd-idle", "hvd-fp32", "hvd-fp16", "ours-r1", "ours-r4", "ours-accordion
        "ours-topk1", "ours-topk10", "plain-topk1")
 DDP = ("ddp-fp32", "ddp-fp16", "ddp-r1", "ddp-r4", "ddp-ours-r1", "ddp-ours-r4", "ddp-ours-accordion")
 METHODS = ("floor", *HVD, *DDP)
-FIRST, LAST = 3, 12  # the median is over steps FIRST+1..LAST (the first steps warm up)
+FIRST, LAST = 3, 12  # the median is over steps FIRST+1..LAST (the first steps warm up), or to --steps - 2
 
 
 LM_VOCABULARY, LM_SEQ_LEN = 7783, 35  # the text task's vocabulary (benchmarks/results/lm-smoke) and sequences
@@ -206,7 +206,7 @@ def main() -> None:
     model, shape = build_model(args.model)
     net, opt, after_backward, rank, size, compression = setup(args.method, model, args.lr)
     data = batches(shape, args.batch_size)
-    walls, phases, ours_s, starts, levels = [], [], [], [], []
+    walls, phases, ours_s, starts, levels, decisions = [], [], [], [], [], []
     before = dict(compression.seconds) if compression is not None else None
     start = time.perf_counter()
     for step in range(args.steps):
@@ -233,6 +233,9 @@ def main() -> None:
             for level in compression.controller.levels.values():
                 counts[str(level)] = counts.get(str(level), 0) + 1
             levels.append(counts)
+            decision = getattr(compression.policy, "last", None)  # NetworkAware's: its check against the clock
+            if decision and (not decisions or decisions[-1][1] is not decision):
+                decisions.append((step, decision))
     total = time.perf_counter() - start
     if not torch.isfinite(loss.detach()):
         raise RuntimeError(f"{args.method}: loss is not finite")
@@ -243,7 +246,7 @@ def main() -> None:
         link = compression.measure_link()  # every rank: a control-plane collective
     ranks = gather(args.method, {"walls": walls, "phases": phases, "ours": ours_s})
     if rank == 0:
-        window = walls[FIRST:LAST]
+        window = walls[FIRST:max(LAST, args.steps - 2)]  # the last steps wind down
         result = {"method": args.method, "model": args.model, "size": size, "batch_size": args.batch_size,
                   "step_s": statistics.median(window), "walls": walls, "phases": phases, "ours": ours_s,
                   "total_s": total, "loss": loss.item(), "ranks": ranks}
@@ -253,6 +256,7 @@ def main() -> None:
             result["link"] = compression.stats()["link"] if link.link is not None else {"none": link.reason}
             result["levels"] = levels
             result["policy_last"] = getattr(compression.policy, "last", None)  # NetworkAware's last decision
+            result["decisions"] = [{"after_step": k + 1, **d} for k, d in decisions]  # and each window's
         args.out.write_text(json.dumps(result))
     if args.method in DDP:
         import torch.distributed as dist

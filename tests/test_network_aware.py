@@ -4,7 +4,9 @@ gentle, saved error is spent where it buys time, the budget holds), its fallback
 and bad input; the whole path through the compressor on the simulated world; and under real
 horovodrun (tests/workers/network_aware_check.py)."""
 
+import logging
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -121,7 +123,7 @@ def test_layers_whose_communication_hides_under_backward_go_dense_the_last_ones_
     sizes = {"early": 1 << 16, "late": 1 << 22}
     ready = {"early": 0.0, "late": 0.5}
     network = topk_network(SLOW, ready, 0.5, sizes, (("early",), ("late",)))
-    policy = NetworkAware()
+    policy = NetworkAware(verify=False)
     norms = {"early": 1.0, "late": 1.0}
     window(policy, norms, None, None)  # first window: everything critical, nothing to compare
     levels = window(policy, norms, errors_for(sizes), network)  # same norms: Accordion says normal
@@ -136,7 +138,7 @@ def test_error_saved_where_it_is_free_is_spent_where_it_buys_time():
     sizes = {"early": 1 << 20, "late": 1 << 20}
     ready = {"early": 0.0, "late": 2.0}  # dense early: 0.5 s on the link, 1 s planned (headroom 2)
     network = topk_network(SLOW, ready, 2.0, sizes, (("early",), ("late",)))
-    policy = NetworkAware()
+    policy = NetworkAware(verify=False)
     levels = window(policy, {"early": 1.0, "late": 1.0}, errors_for(sizes), network)
     assert levels == {"early": DENSE, "late": NORMAL}
     assert policy.last["error"] <= policy.last["budget"]
@@ -149,11 +151,11 @@ def test_margins_a_transfer_that_hides_only_on_the_measured_link_and_a_trade_for
     sizes = {"early": 1 << 20, "late": 1 << 20}
     network = topk_network(SLOW, {"early": 0.0, "late": 0.8}, 0.8, sizes, (("early",), ("late",)))
     norms, errors = {"early": 1.0, "late": 1.0}, errors_for(sizes)
-    bare = NetworkAware(headroom=1.0, min_gain=0.0).end_window(WindowReport(norms, 1, errors=errors, network=network))
+    bare = NetworkAware(headroom=1.0, min_gain=0.0, verify=False).end_window(WindowReport(norms, 1, errors=errors, network=network))
     assert bare == {"early": DENSE, "late": NORMAL}
-    careful = NetworkAware().end_window(WindowReport(norms, 1, errors=errors, network=network))
+    careful = NetworkAware(verify=False).end_window(WindowReport(norms, 1, errors=errors, network=network))
     assert careful == {"early": CRITICAL, "late": CRITICAL}  # Accordion's: nothing hides with the margin
-    picky = NetworkAware(headroom=1.0, min_gain=0.5)
+    picky = NetworkAware(headroom=1.0, min_gain=0.5, verify=False)
     assert picky.end_window(WindowReport(norms, 1, errors=errors, network=network)) == {"early": DENSE,
                                                                                         "late": CRITICAL}
 
@@ -161,11 +163,11 @@ def test_margins_a_transfer_that_hides_only_on_the_measured_link_and_a_trade_for
 def test_a_layer_that_cannot_hide_never_goes_gentler_than_its_budget():
     sizes = {"only": 1 << 16}
     network = topk_network(SLOW, {"only": 0.2}, 0.2, sizes, (("only",),))
-    policy = NetworkAware()
+    policy = NetworkAware(verify=False)
     norms = {"only": 1.0}
     window(policy, norms, None, None)
     assert window(policy, norms, errors_for(sizes), network) == {"only": NORMAL}
-    assert NetworkAware(tolerance=0.9).end_window(WindowReport(norms, 1, errors=errors_for(sizes), network=network)) \
+    assert NetworkAware(tolerance=0.9, verify=False).end_window(WindowReport(norms, 1, errors=errors_for(sizes), network=network)) \
         == {"only": DENSE}  # 90% of a step of tolerance pays dense's 31 ms: the gentlest level
 
 
@@ -196,6 +198,44 @@ def test_without_a_usable_report_every_layer_is_gentle_and_ranks_still_agree(why
     assert policy.regimes.state_dict() == regimes.state_dict()  # regime detection went on underneath
 
 
+def test_its_own_levels_only_after_accordions_were_measured_and_only_while_they_measure_no_slower(caplog):
+    # The search's choice of the first test (early dense, late normal), under the check against
+    # the clock: each window reports the step measured at the levels the policy gave it.
+    caplog.set_level(logging.INFO, "accordion_hvd.policies")
+    sizes = {"early": 1 << 16, "late": 1 << 22}
+    network = topk_network(SLOW, {"early": 0.0, "late": 0.5}, 0.5, sizes, (("early",), ("late",)))
+    norms, errors = {"early": 1.0, "late": 1.0}, errors_for(sizes)
+    accordion, own = {"early": NORMAL, "late": NORMAL}, {"early": DENSE, "late": NORMAL}
+
+    def run(policy, step_of):
+        """Windows in which a step takes ``step_of(levels)`` seconds; the levels of each."""
+        levels, seen = {"early": CRITICAL, "late": CRITICAL}, []
+        for _ in range(6):
+            report = replace(network, step_s=step_of(levels))
+            levels = {**levels, **window(policy, norms, errors if seen else None, report if seen else None)}
+            seen.append(dict(levels))
+        return seen
+
+    faster = run(NetworkAware(), lambda lv: 0.9 if lv == own else 1.0)
+    assert faster[1] == accordion  # first window with a budget of normal levels: measure them
+    assert faster[2:] == [own] * 4  # then its own, kept while they measure faster
+    slower = NetworkAware()
+    seen = run(slower, lambda lv: 1.1 if lv == own else 1.0)
+    assert seen[1:] == [accordion, own, accordion, accordion, accordion]  # tried once, measured slower
+    assert "measured 1.1000 s per step" in caplog.text and "measured slower" in slower.last["verified"]
+    unmeasured = run(NetworkAware(), lambda lv: None)  # no rank timed a step: Accordion's levels throughout
+    assert unmeasured[1:] == [accordion] * 5
+    # a verdict expires: after `memory` windows Accordion's levels are measured again, then tried again
+    forgetful = run(NetworkAware(memory=1), lambda lv: 1.1 if lv == own else 1.0)
+    assert forgetful[1:] == [accordion, own, accordion, accordion, own]
+    # the state carries the measurements: a resumed policy decides as the uninterrupted one
+    first, again = NetworkAware(), NetworkAware()
+    run(first, lambda lv: 1.1 if lv == own else 1.0)
+    again.load_state_dict(first.state_dict())
+    assert again.state_dict() == first.state_dict()
+    assert window(again, norms, errors, replace(network, step_s=1.0)) == accordion
+
+
 def test_state_round_trip_and_bad_input():
     policy = NetworkAware(eta=0.4, tolerance=0.02, headroom=1.5, min_gain=0.1)
     policy.end_window(WindowReport({"a": 1.0}, 3))
@@ -213,6 +253,11 @@ def test_state_round_trip_and_bad_input():
             NetworkAware(headroom=bad)
     with pytest.raises(ValueError, match="eta"):
         NetworkAware(eta=0)
+    for bad in (0, 1.5, True, "3"):
+        with pytest.raises(ValueError, match="memory"):
+            NetworkAware(memory=bad)
+    with pytest.raises(ValueError, match="verify"):
+        NetworkAware(verify=1)
     with pytest.raises(ValueError, match="accumulate=True"):
         acc.AccordionCompressor(acc.PowerSGD(rank=1, critical_rank=2), policy=NetworkAware(), accumulate=False)
     assert isinstance(acc.AccordionCompressor(policy="network-aware").policy, NetworkAware)
@@ -235,12 +280,13 @@ def test_the_compressor_measures_and_every_rank_decides_the_same(codec):
             for out, ctx in ctxs:
                 comp.decompress(out, ctx)
             decided.append(dict(comp.controller.levels))
-        return decided, dict(comp.policy.last)
+        return decided, dict(comp.policy.last), comp.policy.state_dict()["measured"]
 
     results = SimulatedWorld(2).run(worker)
-    assert results[0] == results[1]  # levels every step, and the last decision's figures
-    last = results[0][1]
+    assert results[0] == results[1]  # levels every step, the last decision's figures, the measured steps
+    last, measured = results[0][1], results[0][2]
     assert "predicted_s" in last and last["error"] <= last["budget"] * (1 + 1e-9)
+    assert measured and all(seconds > 0 for _, seconds in measured.values())
 
 
 @pytest.mark.horovod

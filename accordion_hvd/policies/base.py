@@ -23,6 +23,8 @@ class NetworkReport:
     wire: per layer and level, the collectives the layer costs, (kind, bytes per rank), in
         round order: "allreduce" or "allgather" in its bucket's round, or "dense" (sent alone,
         outside the buckets, by an allreduce issued when the layer is ready).
+    step_s: the window's measured step, from one step's end to the next (the median over the
+        window's steps, mean over ranks), or None when some rank measured none.
     """
     link: Link | None
     world: int
@@ -30,6 +32,7 @@ class NetworkReport:
     ready_s: dict[str, float]
     buckets: tuple[tuple[str, ...], ...]
     wire: dict[str, dict[Level, tuple[tuple[str, int], ...]]]
+    step_s: float | None = None
 
 
 @dataclass(frozen=True)

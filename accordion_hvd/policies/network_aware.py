@@ -42,6 +42,19 @@ transfer counts as hidden only with that margin; and the error-for-time trades o
 kept only if the step they give is predicted at least ``min_gain`` (default 2%) shorter than
 at Accordion's levels, else the levels after (a) stand.
 
+The model is checked against the clock (``verify``, on by default): a prediction that is
+right about the link can still be wrong about the machine (on the emulated cluster, whose
+nodes share two cores, a dense layer's transfer that hid on the link slowed both ranks'
+backward: benchmarks/results/network-aware-steps-v2.md). So the policy leaves Accordion's
+levels only after it has measured them: for each budget (Accordion's levels of a window), it
+first runs a window at exactly those levels and keeps their measured step (the probe's
+median time between steps' ends, network_probe.py); then it runs its own levels, and as soon
+as the windows at its own levels for that budget measure slower on average than the budget's
+window, it goes back to the budget's levels for that budget. Measurements and that verdict
+expire after ``memory`` windows (the network or the model may have changed), so the policy
+measures again. Its cost against Accordion is at most the trial windows; without a measured
+step (a rank timed none) it keeps Accordion's levels.
+
 ``tolerance``: a move of (a) may lengthen the predicted step by up to this fraction of the
 budget's predicted step (0: only moves that cost nothing). Codec kernel time per level is
 not in the prediction (it is measured in the backward timings at the current levels only).
@@ -51,6 +64,7 @@ from __future__ import annotations
 
 import logging
 import math
+import zlib
 from dataclasses import replace
 
 from ..costmodel import Bucket, Link, Round, step_s
@@ -68,20 +82,33 @@ class NetworkAware(Policy):
         tolerance: fraction of a step a gentler level may add to the predicted step (0.0).
         headroom: plan for a link this many times slower than measured (2.0; at least 1).
         min_gain: trades of error for time only for a predicted step this fraction shorter (0.02).
+        verify: leave Accordion's levels only while that measures no slower (True; see module doc).
+        memory: windows after which a measured step or a verdict expires (20).
     """
 
     name = "network-aware"
     uses_network = True
 
     def __init__(self, eta: float = 0.5, *, tolerance: float = 0.0, headroom: float = 2.0,
-                 min_gain: float = 0.02) -> None:
+                 min_gain: float = 0.02, verify: bool = True, memory: int = 20) -> None:
         self.regimes = Accordion(eta)
         self.tolerance = _fraction("tolerance", tolerance)
         self.min_gain = _fraction("min_gain", min_gain)
         if isinstance(headroom, bool) or not isinstance(headroom, (int, float)) or not 1 <= headroom < math.inf:
             raise ValueError(f"headroom must be a finite number >= 1, got {headroom!r}")
         self.headroom = float(headroom)
+        if not isinstance(verify, bool):
+            raise ValueError(f"verify must be True or False, got {verify!r}")
+        if isinstance(memory, bool) or not isinstance(memory, int) or memory < 1:
+            raise ValueError(f"memory must be an int >= 1 (windows), got {memory!r}")
+        self.verify, self.memory = verify, memory
         self._levels: dict[str, Level] = {}
+        self._window = 0                                   # windows ended so far
+        self._measured: dict[str, list] = {}              # levels' signature -> [window, step seconds]
+        self._trials: dict[str, list] = {}                # budget's signature -> [first window, [step seconds]]
+        self._vetoed: dict[str, int] = {}                 # budget's signature -> window of the verdict
+        self._trial_of: str | None = None                 # the budget the current window's own levels are tried for
+        self._mixed = False                                # levels changed inside the window (a decay)
         self.last: dict = {}  # the last window's decision (its predictions on the planning link), for logs
 
     @property
@@ -90,29 +117,77 @@ class NetworkAware(Policy):
 
     def __repr__(self) -> str:
         return (f"NetworkAware(eta={self.eta}, tolerance={self.tolerance}, headroom={self.headroom}, "
-                f"min_gain={self.min_gain})")
+                f"min_gain={self.min_gain}, verify={self.verify}, memory={self.memory})")
 
     def config(self) -> dict:
         return {"policy": self.name, "eta": self.eta, "tolerance": self.tolerance, "headroom": self.headroom,
-                "min_gain": self.min_gain}
+                "min_gain": self.min_gain, "verify": self.verify, "memory": self.memory}
 
     def initial_level(self, layer: str) -> Level:
         return CRITICAL
 
     def end_window(self, report: WindowReport) -> dict[str, Level]:
+        self._window += 1
         budget = self.regimes.end_window(report)
+        ran = {layer: self._levels.get(layer, CRITICAL) for layer in budget}
+        self._record(ran, None if report.network is None else report.network.step_s)
         why = _unusable(report, budget)
+        self._trial_of = None
         if why:  # the safe choice: every layer gentle, whatever Accordion's regimes say
             log.warning("NetworkAware: every layer at the gentle level for this window: %s", why)
             self.last = {"kept": why}
             chosen = {layer: CRITICAL for layer in budget}
         else:
             chosen = self.choose(budget, report.errors, report.network)
+            if self.verify and chosen != budget:
+                chosen = self._verified(chosen, budget)
+        self.last["measured_s"] = None if report.network is None else report.network.step_s  # the window's own
         self._levels.update(chosen)
         return chosen
 
     def lr_decreased(self, layers: list[str]) -> dict[str, Level]:
-        return self.regimes.lr_decreased(layers)
+        decided = self.regimes.lr_decreased(layers)
+        self._levels.update(decided)
+        self._mixed = True  # this window's step no longer measures one set of levels
+        self._trial_of = None
+        return decided
+
+    # --- the check against the clock (module doc) --------------------------------------------
+    def _fresh(self, since: int) -> bool:
+        return self._window - since <= self.memory
+
+    def _record(self, ran: dict[str, Level], step_s: float | None) -> None:
+        """File the ended window's measured step under the levels it ran, and judge a trial."""
+        mixed, self._mixed = self._mixed, False
+        for table in (self._measured, self._trials, self._vetoed):  # forget what expired
+            for key in [k for k, v in table.items() if not self._fresh(v if isinstance(v, int) else v[0])]:
+                del table[key]
+        if mixed or step_s is None or not math.isfinite(step_s) or step_s <= 0:
+            return
+        self._measured[_signature(ran)] = [self._window, step_s]
+        budget = self._trial_of
+        if budget is None or budget not in self._measured:
+            return
+        first, steps = self._trials.setdefault(budget, [self._window, []])
+        steps.append(step_s)
+        base, mean = self._measured[budget][1], sum(steps) / len(steps)
+        if mean > base:
+            self._vetoed[budget] = self._window
+            log.info("NetworkAware: its levels measured %.4f s per step over %d window(s), Accordion's %.4f s: "
+                     "back to Accordion's levels for %d windows", mean, len(steps), base, self.memory)
+
+    def _verified(self, chosen: dict[str, Level], budget: dict[str, Level]) -> dict[str, Level]:
+        """``chosen`` if it may be tried against the budget's measured step, else the budget."""
+        key = _signature(budget)
+        if key in self._vetoed:
+            self.last["verified"] = "measured slower than Accordion's levels: Accordion's levels"
+            return dict(budget)
+        if key not in self._measured:
+            self.last["verified"] = "Accordion's levels not measured yet: measuring them first"
+            return dict(budget)
+        self.last["verified"] = "trying its own levels against Accordion's measured step"
+        self._trial_of = key
+        return chosen
 
     # --- the search -----------------------------------------------------------------------------
     def choose(self, budget: dict[str, Level], errors: dict[str, dict[Level, float]],
@@ -199,11 +274,25 @@ class NetworkAware(Policy):
 
     # --- state --------------------------------------------------------------------------------
     def state_dict(self) -> dict:
-        return {"regimes": self.regimes.state_dict(), "levels": {k: v.to_state() for k, v in self._levels.items()}}
+        return {"regimes": self.regimes.state_dict(), "levels": {k: v.to_state() for k, v in self._levels.items()},
+                "window": self._window, "measured": {k: list(v) for k, v in self._measured.items()},
+                "trials": {k: [v[0], list(v[1])] for k, v in self._trials.items()}, "vetoed": dict(self._vetoed),
+                "trial_of": self._trial_of}
 
     def load_state_dict(self, state: dict) -> None:
         self.regimes.load_state_dict(state["regimes"])
         self._levels = {str(k): Level.from_state(v) for k, v in state["levels"].items()}
+        # checkpoints from before the check against the clock carry none of it: start measuring afresh
+        self._window = int(state.get("window", 0))
+        self._measured = {str(k): [int(v[0]), float(v[1])] for k, v in state.get("measured", {}).items()}
+        self._trials = {str(k): [int(v[0]), [float(x) for x in v[1]]] for k, v in state.get("trials", {}).items()}
+        self._vetoed = {str(k): int(v) for k, v in state.get("vetoed", {}).items()}
+        self._trial_of = state.get("trial_of")
+
+
+def _signature(levels: dict[str, Level]) -> str:
+    """A short name for a set of per-layer levels (a checkpoint keeps it as a plain string)."""
+    return f"{zlib.crc32(';'.join(f'{n}={levels[n]}' for n in sorted(levels)).encode()):08x}"
 
 
 def _bytes(wire) -> int:

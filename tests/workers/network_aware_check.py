@@ -5,7 +5,7 @@ and AccordionCompressor(codec, policy=NetworkAware()), detection every 4 steps, 
 where the real Gloo data plane's own collectives determined a link the policy predicted
 steps with it (else it kept Accordion's levels, saying why), every rank holds the same levels after every step
 and the same decision figures, the error never exceeded the budget, and the parameters are
-identical on every rank.
+identical on every rank, as are the steps the policy measured to check its choices.
 Usage: network_aware_check.py CODEC STEPS   (CODEC: powersgd | topk)
 """
 
@@ -45,10 +45,13 @@ for step in range(steps):
     if (step + 1) % 4 == 0:
         decisions.append(dict(policy.last))
 
-everyone = hvd.allgather_object((levels, decisions, compression.stats()["link"]), name="check.levels")
+measured = policy.state_dict()["measured"]  # steps timed by the probe, averaged over ranks
+everyone = hvd.allgather_object((levels, decisions, compression.stats()["link"], measured), name="check.levels")
 check(all(e[0] == levels for e in everyone), "ranks hold different levels")
 check(all(e[1] == decisions for e in everyone), f"ranks decided differently: {[e[1] for e in everyone]}")
 check(all(e[2] == everyone[0][2] for e in everyone), "ranks measured different links")
+check(all(e[3] == measured for e in everyone), "ranks hold different measured steps")
+check(len(measured) > 0 and all(seconds > 0 for _, seconds in measured.values()), f"no step measured: {measured}")
 predicted = [d for d in decisions if "predicted_s" in d]
 kept = [d for d in decisions if "kept" in d]
 check(len(predicted) + len(kept) == len(decisions), f"a window neither predicted nor fell back: {decisions}")
