@@ -6,16 +6,21 @@ Per model and link rate, within each round: NetworkAware's step over the fastest
 peers (Horovod fp16 dense, static gentle PowerSGD rank 4, Accordion), and over Accordion's;
 the median over rounds against the bar (at most 1.03x the fastest; below 1.0x Accordion at
 100 Mbit/s). Prints a Markdown table (append it to the results file by hand, with a reading).
+Where the per-run JSON beside the CSV records NetworkAware's decisions (``verify``), a second
+table says, per run, what its check against the clock did: the windows that tried its own
+levels, the verdicts, and how many of the measured steps ran in those windows.
 """
 
 from __future__ import annotations
 
 import argparse
 import csv
+import json
 import statistics
 from collections import defaultdict
 from pathlib import Path
 
+WINDOW = 4  # steps per NetworkAware window in step_worker.py
 OURS, PEERS, ACCORDION = "ours-network-aware", ("hvd-fp16", "ours-r4", "ours-accordion"), "ours-accordion"
 
 
@@ -46,6 +51,22 @@ def main() -> None:
         acc_bar = ("met" if acc < 1.0 else "not met") if rate == "100mbit" else "-"
         print(f"| {model} | {rate} | {rounds} | {best:.3f} | {'met' if best <= 1.03 else 'not met'} | "
               f"{', '.join(f'{x:.3f}' for x in r['accordion'])} | {acc:.3f} | {acc_bar} |")
+
+    runs = sorted(args.csv.with_suffix("").glob(f"*-{OURS}.json"))
+    traced = [(path, json.loads(path.read_text())) for path in runs]
+    traced = [(path, run) for path, run in traced if run.get("decisions")]
+    if traced:
+        print("\n| run | windows trying its own levels (after step) | verdicts: slower (after step) | "
+              "measured steps in those windows |")
+        print("|---|---|---|---:|")
+    for path, run in traced:
+        decisions = run["decisions"]
+        trying = [d["after_step"] for d in decisions if d.get("verified", "").startswith("trying")]
+        slower = [d["after_step"] for d in decisions if d.get("verified", "").startswith("measured slower")]
+        last = len(run["walls"]) - 2  # the median is over steps 4..last (step_worker.py)
+        own = sum(len(range(max(k, 3), min(k + WINDOW, last))) for k in trying)
+        print(f"| {path.stem.removesuffix('-' + OURS)} | {', '.join(map(str, trying)) or '-'} | "
+              f"{', '.join(map(str, slower)) or '-'} | {own} of {last - 3} |")
 
 
 if __name__ == "__main__":
