@@ -8,7 +8,7 @@ needs beyond gradient norms (policies/base.py: ``WindowReport.errors``, ``Networ
   controller averages them over ranks in the window's own control collective;
 * **a step's shape**: when each layer's gradient was ready, timed at ``compress`` as
   backward produces it (seconds after the step's first compressed gradient, averaged over
-  the window's steps, then over ranks in one control collective of ``layers + 1`` floats),
+  the window's steps, then over ranks in one control collective of ``layers + 3`` floats),
   the exchange's agreed buckets, what each layer costs on the wire at each level
   (``codec.wire``), and the link fitted to the window's own collectives
   (``AccordionCompressor.measure_link``: two small control collectives);

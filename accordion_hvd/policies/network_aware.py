@@ -168,7 +168,7 @@ class NetworkAware(Policy):
         budget = self._trial_of
         if budget is None or budget not in self._measured:
             return
-        first, steps = self._trials.setdefault(budget, [self._window, []])
+        _, steps = self._trials.setdefault(budget, [self._window, []])
         steps.append(step_s)
         base, mean = self._measured[budget][1], sum(steps) / len(steps)
         if mean > base:
