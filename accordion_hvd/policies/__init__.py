@@ -12,7 +12,8 @@ from .gravac import GraVAC
 from .network_aware import NetworkAware
 from .static import Static
 
-__all__ = ["Accordion", "GraVAC", "NetworkAware", "NetworkReport", "Policy", "Static", "StepReport", "WindowReport", "make_policy"]
+__all__ = ["Accordion", "GraVAC", "NetworkAware", "NetworkReport", "Policy", "Static", "StepReport", "WindowReport",
+           "make_policy"]
 
 
 def make_policy(policy, *, eta: float, codec_adaptive: bool) -> Policy:

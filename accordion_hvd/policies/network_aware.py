@@ -31,8 +31,8 @@ does both, against the network it runs on:
 Where a window gives nothing to predict with (no link determined, a window with no exchange,
 a non-finite or negative timing or error), every layer takes the gentle level for that
 window, the safe choice, with a logged reason; Accordion's regime detection goes on
-underneath, so the next usable window decides as usual. Every input is reduced over ranks and the search is deterministic, so every
-rank decides the same levels by construction.
+underneath, so the next usable window decides as usual. Every input is reduced over ranks
+and the search is deterministic, so every rank decides the same levels by construction.
 
 Two margins keep the model's error from costing time (the first version, without them, sent
 layers dense that were predicted to hide and did not, for predicted gains of 0.1% of a step:
