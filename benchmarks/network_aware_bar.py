@@ -8,7 +8,9 @@ the median over rounds against the bar (at most 1.03x the fastest; below 1.0x Ac
 100 Mbit/s). Prints a Markdown table (append it to the results file by hand, with a reading).
 Where the per-run JSON beside the CSV records NetworkAware's decisions (``verify``), a second
 table says, per run, what its check against the clock did: the windows that tried its own
-levels, the verdicts, and how many of the measured steps ran in those windows.
+levels, the verdicts, how many of the measured steps ran in those windows, its step over the
+same round's Accordion on the steps where both ran Accordion's levels (the machine's noise),
+and what a window's end cost it more than Accordion.
 """
 
 from __future__ import annotations
@@ -57,16 +59,24 @@ def main() -> None:
     traced = [(path, run) for path, run in traced if run.get("decisions")]
     if traced:
         print("\n| run | windows trying its own levels (after step) | verdicts: slower (after step) | "
-              "measured steps in those windows |")
-        print("|---|---|---|---:|")
+              "measured steps in those windows | / Accordion on the other steps, window ends left out | "
+              "window-end step minus Accordion's, median (s) |")
+        print("|---|---|---|---:|---:|---:|")
     for path, run in traced:
         decisions = run["decisions"]
         trying = [d["after_step"] for d in decisions if d.get("verified", "").startswith("trying")]
         slower = [d["after_step"] for d in decisions if d.get("verified", "").startswith("measured slower")]
         last = len(run["walls"]) - 2  # the median is over steps 4..last (step_worker.py)
-        own = sum(len(range(max(k, 3), min(k + WINDOW, last))) for k in trying)
+        own = {i for k in trying for i in range(k, k + WINDOW)}  # 0-based steps run at its own levels
+        # the same round's Accordion, step by step: where NetworkAware ran Accordion's own levels
+        # (leaving out the steps that end a window), any difference is the machine's noise
+        peer = json.loads(path.with_name(path.name.replace(OURS, ACCORDION)).read_text())["walls"]
+        same = [i for i in range(3, last) if i not in own and (i + 1) % WINDOW]
+        noise = statistics.median(run["walls"][i] for i in same) / statistics.median(peer[i] for i in same)
+        ends = statistics.median(run["walls"][i] - peer[i] for i in range(WINDOW - 1, last, WINDOW))
         print(f"| {path.stem.removesuffix('-' + OURS)} | {', '.join(map(str, trying)) or '-'} | "
-              f"{', '.join(map(str, slower)) or '-'} | {own} of {last - 3} |")
+              f"{', '.join(map(str, slower)) or '-'} | {len(own & set(range(3, last)))} of {last - 3} | "
+              f"{noise:.3f} | {ends:+.3f} |")
 
 
 if __name__ == "__main__":
