@@ -16,10 +16,10 @@ decision logic), the controller
   rank's local norm) and, every step, the learning rates (minimum and maximum over ranks:
   they must agree, and a decrease is seen by all ranks in the same step);
 * hands the policy those reduced numbers and returns its levels to the compressor;
-* for a network-aware policy (``policy.uses_network``), measures each layer's error at each
-  of the codec's levels on its window-mean gradient plus error feedback (through the
-  adapter's ``probe``), averages them over ranks in the window's collective, and adds what
-  predicts a step (the probe's ``NetworkReport``);
+* for a network-aware policy (``policy.uses_network``), adds what predicts a step (the
+  adapter's ``probe``: a ``NetworkReport``) and, only if the policy asks for them, each
+  layer's error at each of the codec's levels on its window-mean gradient plus error
+  feedback, averaged over ranks in a collective of their own;
 * for a per-step policy (``policy.per_step``: GraVAC), reduces each step's compression gains
   and step time over the control plane and hands them to the policy in a ``StepReport``
   (``choose_step``): the policy's choice applies to that very step.
@@ -30,6 +30,7 @@ levels in the same step; a rank-dependent local norm cannot make them disagree.
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import time
@@ -172,32 +173,38 @@ class RegimeController:
         self.windows += 1
         if not self.policy.uses_norms:
             return self.policy.end_window(WindowReport({layer: 0.0 for layer in layers}, steps))
-        local = [self._local_norm(layer) for layer in layers]
-        probe = self.probe if self.policy.uses_network else None
-        candidates = () if probe is None else probe.levels
-        if candidates:  # a network-aware policy's level errors travel with the norms
-            for layer in layers:
-                local.extend(probe.errors(layer, self._window_mean(layer)))
-        self._sums.clear()
-        self._sq.clear()
-        self._weight.clear()
-        # The collective's name carries a digest of the layer list: ranks that compress
-        # different layers fail by name instead of comparing the wrong norms.
+        # The collectives' names carry a digest of the layer list: ranks that compress
+        # different layers fail by name instead of comparing the wrong numbers.
         digest = zlib.crc32("\0".join(layers).encode())
-        suffix = f".e{len(candidates)}" if candidates else ""
-        total = control.allreduce(np.asarray(local, dtype=np.float64),
-                                  name=f"acc.window.{len(layers)}.{digest:08x}{suffix}", op="sum") / control.size
-        norms = {layer: float(v) for layer, v in zip(layers, total)}
-        errors = network = None
-        if candidates:
-            per_layer = total[len(layers):].reshape(len(layers), len(candidates))
-            errors = {layer: dict(zip(candidates, map(float, row))) for layer, row in zip(layers, per_layer)}
-            network = probe.network(control, layers)
-        levels = self.policy.end_window(WindowReport(norms, steps, errors=errors, network=network))
+        try:
+            local = np.asarray([self._local_norm(layer) for layer in layers], dtype=np.float64)
+            total = control.allreduce(local, name=f"acc.window.{len(layers)}.{digest:08x}", op="sum") / control.size
+            norms = {layer: float(v) for layer, v in zip(layers, total)}
+            probe = self.probe if self.policy.uses_network else None
+            network = measure = None
+            if probe is not None and probe.levels:
+                network = probe.network(control, layers)
+                measure = functools.partial(self._level_errors, control, layers, probe, digest)
+            levels = self.policy.end_window(WindowReport(norms, steps, network=network, measure_errors=measure))
+        finally:  # the window's sums are spent, whatever the policy did with them
+            self._sums.clear()
+            self._sq.clear()
+            self._weight.clear()
         log.debug("window %d (%d steps): norms %s -> levels %s", self.windows, steps,
                   {k: round(v, 6) for k, v in list(norms.items())[:8]},
                   {k: str(v) for k, v in list(levels.items())[:8]})
         return levels
+
+    def _level_errors(self, control: Any, layers: list[str], probe, digest: int) -> dict[str, dict[Level, float]]:
+        """Each layer's error at each of the codec's levels on its window-mean gradient plus
+        error feedback, mean over ranks (one control collective). Only when a network-aware
+        policy asks: a window whose levels are already decided (Accordion's, vetoed or not yet
+        timed) skips the products."""
+        local = [e for layer in layers for e in probe.errors(layer, self._window_mean(layer))]
+        total = control.allreduce(np.asarray(local, dtype=np.float64), op="sum",
+                                  name=f"acc.errors.{len(layers)}x{len(probe.levels)}.{digest:08x}") / control.size
+        per_layer = np.asarray(total).reshape(len(layers), len(probe.levels))
+        return {layer: dict(zip(probe.levels, map(float, row))) for layer, row in zip(layers, per_layer)}
 
     def _window_mean(self, layer: str) -> torch.Tensor | None:
         """The layer's mean raw gradient over the window (``accumulate``), or None."""

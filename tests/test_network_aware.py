@@ -4,6 +4,7 @@ gentle, saved error is spent where it buys time, the budget holds), its fallback
 and bad input; the whole path through the compressor on the simulated world; and under real
 horovodrun (tests/workers/network_aware_check.py)."""
 
+import functools
 import logging
 import math
 from dataclasses import replace
@@ -35,6 +36,23 @@ def test_topk_level_errors_are_the_energy_outside_the_top_k():
         expected.append(float(g.square().sum() - kept.square().sum()))
     got = codec.level_errors(state, grad, (NORMAL, CRITICAL, DENSE))
     assert got[:2] == pytest.approx(expected, rel=1e-12) and got[2] == 0.0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_level_errors_of_32_and_16_bit_gradients_match_float64(dtype):
+    """The products run in the residual's precision (float32), the sums in float64: the
+    errors stay within float32's rounding of the float64 ones."""
+    torch.manual_seed(1)
+    grad = torch.randn(96, 40, dtype=dtype)
+    residual = torch.randn(96, 40)
+    for codec in (acc.TopK(ratio=0.05, critical_ratio=0.2), acc.PowerSGD(rank=1, critical_rank=4)):
+        state, exact = codec.init_state("w", grad), codec.init_state("w", grad.double())
+        assert state.residual.dtype == torch.float32
+        state.residual.copy_(residual.reshape(state.residual.shape))
+        exact.residual.copy_(residual.reshape(exact.residual.shape).double())
+        got = codec.level_errors(state, grad, codec.levels)
+        expected = codec.level_errors(exact, grad.double(), codec.levels)
+        assert got == pytest.approx(expected, rel=1e-5), type(codec).__name__
 
 
 def test_powersgd_level_errors_are_near_the_best_low_rank_error_and_never_below_it():
@@ -189,7 +207,9 @@ def test_without_a_usable_report_every_layer_is_gentle_and_ranks_still_agree(why
         errors["a"][NORMAL] = -1.0
     if change == "none":
         errors = network = None
-    policy, regimes = NetworkAware(eta=0.3), acc.policies.Accordion(eta=0.3)
+    # Level errors are looked at only when the search runs; with the check against the clock it
+    # would not before Accordion's levels were timed, so the bad errors' case runs without it.
+    policy, regimes = NetworkAware(eta=0.3, verify=change != "errors"), acc.policies.Accordion(eta=0.3)
     for norms in ({"a": 1.0, "b": 1.0}, {"a": 1.0, "b": 1.0}, {"a": 1.1, "b": 2.0}):
         report = WindowReport(norms, 5, errors=errors, network=network)
         assert policy.end_window(report) == {"a": CRITICAL, "b": CRITICAL}
@@ -207,21 +227,33 @@ def test_its_own_levels_only_after_accordions_were_measured_and_only_while_they_
     norms, errors = {"early": 1.0, "late": 1.0}, errors_for(sizes)
     accordion, own = {"early": NORMAL, "late": NORMAL}, {"early": DENSE, "late": NORMAL}
 
-    def run(policy, step_of):
-        """Windows in which a step takes ``step_of(levels)`` seconds; the levels of each."""
+    def run(policy, step_of, measured=None):
+        """Windows in which a step takes ``step_of(levels)`` seconds; the levels of each. The
+        errors come on demand, as from the controller: ``measured`` lists the windows that
+        asked for them."""
         levels, seen = {"early": CRITICAL, "late": CRITICAL}, []
-        for _ in range(6):
-            report = replace(network, step_s=step_of(levels))
-            levels = {**levels, **window(policy, norms, errors if seen else None, report if seen else None)}
+
+        def measure(i):
+            if measured is not None:
+                measured.append(i)
+            return errors
+
+        for i in range(6):
+            report = WindowReport(norms, 10, network=replace(network, step_s=step_of(levels)) if seen else None,
+                                  measure_errors=functools.partial(measure, i))
+            levels = {**levels, **policy.end_window(report)}
             seen.append(dict(levels))
         return seen
 
-    faster = run(NetworkAware(), lambda lv: 0.9 if lv == own else 1.0)
+    asked = []
+    faster = run(NetworkAware(), lambda lv: 0.9 if lv == own else 1.0, asked)
     assert faster[1] == accordion  # first window with a budget of normal levels: measure them
     assert faster[2:] == [own] * 4  # then its own, kept while they measure faster
-    slower = NetworkAware()
-    seen = run(slower, lambda lv: 1.1 if lv == own else 1.0)
+    assert asked == [2, 3, 4, 5]  # the errors only where the search ran
+    slower, asked = NetworkAware(), []
+    seen = run(slower, lambda lv: 1.1 if lv == own else 1.0, asked)
     assert seen[1:] == [accordion, own, accordion, accordion, accordion]  # tried once, measured slower
+    assert asked == [2]  # once vetoed, a window ends without the level errors' products
     assert "measured 1.1000 s per step" in caplog.text and "measured slower" in slower.last["verified"]
     unmeasured = run(NetworkAware(), lambda lv: None)  # no rank timed a step: Accordion's levels throughout
     assert unmeasured[1:] == [accordion] * 5

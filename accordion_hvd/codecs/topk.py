@@ -93,15 +93,17 @@ class TopK:
     @torch.no_grad()
     def level_errors(self, state: TopKState, grad: torch.Tensor, levels: tuple[Level, ...]) -> list[float]:
         """Squared error ``||g - C(g)||^2`` of compressing ``g = grad + e`` at each of ``levels``:
-        exactly the energy of the entries outside the top k (0 for a level sent dense)."""
-        energy = (grad.reshape(-1).to(torch.float64) + state.residual.to(torch.float64)).square()
+        exactly the energy of the entries outside the top k (0 for a level sent dense). As
+        PowerSGD's: the squares in the residual's precision (what the encoder selects on),
+        only their sums in float64."""
+        energy = (grad.reshape(-1).to(state.residual.dtype) + state.residual).square()
         numel = energy.numel()
         ks = [self.level_k(level, numel) for level in levels]
         sparse = [k for k in ks if 2 * k < numel]  # the others are sent dense: no error
         if not sparse:
             return [0.0] * len(levels)
-        kept = torch.cumsum(energy.topk(max(sparse), sorted=True).values, 0)
-        total = float(energy.sum())
+        kept = torch.cumsum(energy.topk(max(sparse), sorted=True).values, 0, dtype=torch.float64)
+        total = float(energy.sum(dtype=torch.float64))
         return [0.0 if 2 * k >= numel else max(0.0, total - float(kept[k - 1])) for k in ks]
 
     def init_state(self, name: str, grad: torch.Tensor, level: Level = NORMAL) -> TopKState:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 from ..costmodel import Link
 from ..levels import Level
@@ -48,12 +49,23 @@ class WindowReport:
         compressing the layer's window-mean gradient plus its error feedback at that level
         (mean over ranks); None for other policies, or when nothing measured them.
     network: for a network-aware policy, what predicts a step (``NetworkReport``), or None.
+    measure_errors: when ``errors`` is None, a network-aware policy may get them here, on
+        demand: the controller measures them only then (they cost four products per layer
+        and a control collective), so the policy calls it on every rank or on none, which a
+        decision made on this report's reduced numbers guarantees. Use ``level_errors()``.
     """
     norms: dict[str, float]
     steps: int
     lr_decreased: bool = False
     errors: dict[str, dict[Level, float]] | None = None
     network: NetworkReport | None = None
+    measure_errors: Callable[[], dict[str, dict[Level, float]]] | None = None
+
+    def level_errors(self) -> dict[str, dict[Level, float]] | None:
+        """``errors``, or those measured now by ``measure_errors`` (once: call it once per report)."""
+        if self.errors is None and self.measure_errors is not None:
+            return self.measure_errors()
+        return self.errors
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,9 @@ does both, against the network it runs on:
    gradient: at each window's end, each layer's mean gradient over the window plus its
    error feedback is compressed at every candidate level (TopK: exactly, the energy outside
    the top k; PowerSGD: two subspace iterations, codecs/*.py ``level_errors``), averaged
-   over ranks by the controller.
+   over ranks by the controller. Only when the search runs: a window whose levels the
+   clock has already decided (below) asks for none, and costs what Accordion's costs plus
+   the probe's timings.
 3. **The time of a choice** is the cost model's step (accordion_hvd/costmodel.py): the
    exchange's buckets, issued when their last layer is ready in backward, each collective
    priced by the alpha-beta link fitted online to this window's own collectives.
@@ -131,19 +133,30 @@ class NetworkAware(Policy):
         budget = self.regimes.end_window(report)
         ran = {layer: self._levels.get(layer, CRITICAL) for layer in budget}
         self._record(ran, None if report.network is None else report.network.step_s)
-        why = _unusable(report, budget)
         self._trial_of = None
+        self.last = {}
+        why = _unusable(report.network, budget)
+        if not why and self.verify:
+            settled = self._settled(budget)
+            if settled is not None:  # Accordion's levels, decided without the level errors
+                return self._decided(settled, report)
+        if not why:
+            errors = report.level_errors()  # measured only now that the search needs them
+            why = _unusable_errors(errors, budget)
         if why:  # the safe choice: every layer gentle, whatever Accordion's regimes say
             log.warning("NetworkAware: every layer at the gentle level for this window: %s", why)
             self.last = {"kept": why}
-            chosen = {layer: CRITICAL for layer in budget}
-        else:
-            chosen = self.choose(budget, report.errors, report.network)
-            if self.verify and chosen != budget:
-                chosen = self._verified(chosen, budget)
+            return self._decided({layer: CRITICAL for layer in budget}, report)
+        chosen = self.choose(budget, errors, report.network)
+        if self.verify and chosen != budget:
+            self.last["verified"] = "trying its own levels against Accordion's measured step"
+            self._trial_of = _signature(budget)
+        return self._decided(chosen, report)
+
+    def _decided(self, levels: dict[str, Level], report: WindowReport) -> dict[str, Level]:
         self.last["measured_s"] = None if report.network is None else report.network.step_s  # the window's own
-        self._levels.update(chosen)
-        return chosen
+        self._levels.update(levels)
+        return levels
 
     def lr_decreased(self, layers: list[str]) -> dict[str, Level]:
         decided = self.regimes.lr_decreased(layers)
@@ -176,18 +189,17 @@ class NetworkAware(Policy):
             log.info("NetworkAware: its levels measured %.4f s per step over %d window(s), Accordion's %.4f s: "
                      "back to Accordion's levels for %d windows", mean, len(steps), base, self.memory)
 
-    def _verified(self, chosen: dict[str, Level], budget: dict[str, Level]) -> dict[str, Level]:
-        """``chosen`` if it may be tried against the budget's measured step, else the budget."""
+    def _settled(self, budget: dict[str, Level]) -> dict[str, Level] | None:
+        """The budget's own levels when the clock has decided for them (measured slower, or not
+        measured yet), else None: the search may try its levels."""
         key = _signature(budget)
         if key in self._vetoed:
             self.last["verified"] = "measured slower than Accordion's levels: Accordion's levels"
-            return dict(budget)
-        if key not in self._measured:
+        elif key not in self._measured:
             self.last["verified"] = "Accordion's levels not measured yet: measuring them first"
-            return dict(budget)
-        self.last["verified"] = "trying its own levels against Accordion's measured step"
-        self._trial_of = key
-        return chosen
+        else:
+            return None
+        return dict(budget)
 
     # --- the search -----------------------------------------------------------------------------
     def choose(self, budget: dict[str, Level], errors: dict[str, dict[Level, float]],
@@ -305,23 +317,32 @@ def _fraction(name: str, value) -> float:
     return float(value)
 
 
-def _unusable(report: WindowReport, budget: dict[str, Level]) -> str | None:
-    """Why this window's report cannot predict a step, or None."""
-    if report.errors is None or report.network is None:
-        return "no level errors or timings in this window (no exchange yet)"
-    network = report.network
+def _unusable(network: NetworkReport | None, budget: dict[str, Level]) -> str | None:
+    """Why this window's timings cannot predict a step, or None."""
+    if network is None:
+        return "no timings in this window (no exchange yet)"
     if network.link is None:
         return "no link measured in this window"
-    missing = sorted(n for n in budget if n not in report.errors or n not in network.ready_s or n not in network.wire)
+    missing = sorted(n for n in budget if n not in network.ready_s or n not in network.wire)
     if missing:
         return f"no measurements for {', '.join(missing[:3])}"
-    if not all(math.isfinite(e) and e >= 0 for n in budget for e in report.errors[n].values()):
-        return "a level error is negative or not finite"
     timings = [network.backward_s, *(network.ready_s[n] for n in budget)]
     if not all(math.isfinite(t) and t >= 0 for t in timings):
         return "a timing is negative or not finite"
     if not network.buckets:
         return "no exchange in this window"
+    return None
+
+
+def _unusable_errors(errors: dict[str, dict[Level, float]] | None, budget: dict[str, Level]) -> str | None:
+    """Why this window's level errors cannot bound a choice, or None."""
+    if errors is None:
+        return "no level errors in this window"
+    missing = sorted(n for n in budget if n not in errors)
+    if missing:
+        return f"no level errors for {', '.join(missing[:3])}"
+    if not all(math.isfinite(e) and e >= 0 for n in budget for e in errors[n].values()):
+        return "a level error is negative or not finite"
     return None
 
 

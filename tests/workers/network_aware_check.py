@@ -3,7 +3,8 @@
 Trains an MLP with layers of very different sizes through the stock hvd.DistributedOptimizer
 and AccordionCompressor(codec, policy=NetworkAware()), detection every 4 steps, then checks:
 where the real Gloo data plane's own collectives determined a link the policy predicted
-steps with it (else it kept Accordion's levels, saying why), every rank holds the same levels after every step
+steps with it or the clock had settled the window's levels (else it kept the gentle level,
+saying why), every rank holds the same levels after every step
 and the same decision figures, the error never exceeded the budget, and the parameters are
 identical on every rank, as are the steps the policy measured to check its choices.
 Usage: network_aware_check.py CODEC STEPS   (CODEC: powersgd | topk)
@@ -54,14 +55,17 @@ check(all(e[3] == measured for e in everyone), "ranks hold different measured st
 check(len(measured) > 0 and all(seconds > 0 for _, seconds in measured.values()), f"no step measured: {measured}")
 predicted = [d for d in decisions if "predicted_s" in d]
 kept = [d for d in decisions if "kept" in d]
-check(len(predicted) + len(kept) == len(decisions), f"a window neither predicted nor fell back: {decisions}")
+# a window whose levels the clock decided (Accordion's: not timed yet, or timed faster) searches nothing
+settled = [d for d in decisions if "predicted_s" not in d and "Accordion's levels" in d.get("verified", "")]
+check(len(predicted) + len(kept) + len(settled) == len(decisions),
+      f"a window neither predicted, fell back nor was settled by the clock: {decisions}")
 # On loopback, small messages are latency-bound and a window may determine no bandwidth; the
 # policy then keeps Accordion's levels and says so. Once some window measured a link, the
 # windows after it use it (the last link is kept).
 check(all("no link" in d["kept"] for d in kept), f"fell back for another reason: {kept}")
 if compression.stats()["link"] is not None:
-    first = next(i for i, d in enumerate(decisions) if "predicted_s" in d)
-    check(all("predicted_s" in d for d in decisions[first:]), f"a window after the first link fell back: {decisions}")
+    first = next((i for i, d in enumerate(decisions) if "kept" not in d), len(decisions))
+    check(not any("kept" in d for d in decisions[first:]), f"a window after the first link fell back: {decisions}")
 check(all(d["error"] <= d["budget"] * (1 + 1e-9) for d in predicted), f"over the error budget: {predicted}")
 check(all(d["predicted_s"] <= d["accordion_s"] * (1 + 1e-9) for d in predicted), f"slower than Accordion: {predicted}")
 flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
