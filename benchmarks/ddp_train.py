@@ -52,6 +52,7 @@ def parse_args():
     p.add_argument("--fold", type=int, default=0, help="the fold that is the test set (as our CLI)")
     p.add_argument("--bucket-cap-mb", type=float, default=None,
                    help="DDP's bucket size; default: DDP's own (25 MB, the first bucket 1 MB)")
+    p.add_argument("--max-steps", type=int, default=None, help="stop after N optimizer steps (smoke runs)")
     p.add_argument("--logdir", type=Path, default=None)
     return p.parse_args()
 
@@ -79,6 +80,11 @@ def gloo_options():
     callbacks block at once no thread is left to run the allreduces they wait for (py-spy:
     both threads in ``unpack_uncompressed_tensors_and_allreduce_ps``). With more threads than
     buckets a blocked callback always leaves one free, so DDP keeps its default buckets.
+    That trades the hang for a race: two buckets' callbacks issue their allreduces from two
+    threads, Gloo numbers collectives in the order they are issued, and the ranks can pair
+    different tensors. On the LSTM (2 buckets) it fails every time ("collective mismatch",
+    benchmarks/ddp_hook_gloo.py, results/ddp-hook-gloo.md); there the evidence runs give DDP
+    one bucket (``--bucket-cap-mb 1000``, protocol evidence-v1, amendment 1).
     """
     options = dist.ProcessGroupGloo._Options()
     options._threads = 8
@@ -147,12 +153,16 @@ def main() -> None:
                 metrics.log_step(step, epoch=epoch + 1, loss=loss.item(), lr=lr, floats_sent=sent,
                                  floats_dense=step * dense, levels={}, compress_s=math.nan, comm_s=math.nan,
                                  wall_s=time.perf_counter() - start)
+            if step == args.max_steps:  # every rank stops at the same step: no collective left waiting
+                break
         score = evaluate(model, valid, metric)
         if metrics is not None:
             metrics.log_eval(step, epoch=epoch + 1, wall_s=time.perf_counter() - start, floats_sent=sent,
                              **{metric: score})
         if rank == 0:
             print(f"epoch {epoch + 1} {metric} {score:.4f} wall {time.perf_counter() - start:.1f} s", flush=True)
+        if step == args.max_steps:
+            break
     if valid is not test:
         score = evaluate(model, test, metric)
     if rank == 0:
