@@ -66,7 +66,8 @@ def main() -> None:
             code, output = one_try(extra, port, args.limit)
             outcome = classify(code, output)
             log = OUT / f"{'default' if not extra else 'one-bucket'}-try{i + 1}.txt"
-            log.write_text("\n".join(line for line in output.splitlines() if line.startswith("[default"))[-6000:] + "\n")
+            ranks_output = [line for line in output.splitlines() if line.startswith("[default")]
+            log.write_text("\n".join(ranks_output)[-6000:] + "\n")
             rows.append((name, i + 1, outcome, log.name))
             print(f"{name} try {i + 1}: {outcome}", flush=True)
     lines = ["# DDP's powerSGD_hook on Gloo: default buckets against one bucket (LM task)", "",
