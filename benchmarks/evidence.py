@@ -62,12 +62,20 @@ METHODS = {  # name -> (launcher, arguments)
     "topk-1": ("horovod", ["--codec", "topk", "--ratio", "0.01"]),
     "topk-10": ("horovod", ["--codec", "topk", "--ratio", "0.1"]),
     "topk-accordion": ("horovod", ["--codec", "topk", "--ratio", "0.01", "--critical-ratio", "0.1"]),
+    # Amendment 2: the network-aware policy on the same levels as Accordion.
+    "powersgd-network-aware": ("horovod", ["--codec", "powersgd", "--rank", "1", "--critical-rank", "4",
+                                           "--policy", "network-aware"]),
+    "topk-network-aware": ("horovod", ["--codec", "topk", "--ratio", "0.01", "--critical-ratio", "0.1",
+                                       "--policy", "network-aware"]),
     "ddp-powersgd-r1": ("ddp", ["--rank", "1"]),
     "ddp-powersgd-r4": ("ddp", ["--rank", "4"]),
 }
 # The protocol's bar, per codec: (Accordion, static high, static low).
 BAR = {"PowerSGD": ("powersgd-accordion", "powersgd-r4", "powersgd-r1"),
        "TopK": ("topk-accordion", "topk-10", "topk-1")}
+# Amendment 2's bar, per codec: (NetworkAware, Accordion).
+NETWORK_BAR = {"PowerSGD": ("powersgd-network-aware", "powersgd-accordion"),
+               "TopK": ("topk-network-aware", "topk-accordion")}
 
 
 def run_dir(task: str, method: str, seed: int, fold: int | None) -> Path:
@@ -190,7 +198,7 @@ def summarize() -> list[str]:
                       "on Gloo, results/ddp-hook-gloo.md), so it starts communicating only after the whole "
                       "backward pass; a working two-bucket run might step somewhat faster."]
         lines += ["", *time_to_baseline_lines(runs, spec), "", *bar_lines(runs, spec), "",
-                  *plot_lines(task, runs, spec), ""]
+                  *network_bar_lines(runs, spec), "", *plot_lines(task, runs, spec), ""]
     return lines
 
 
@@ -283,6 +291,29 @@ def bar_lines(runs: dict, spec: dict) -> list[str]:
     if detectable:
         out += ["", "The smallest difference this design can detect (twice the standard error of the paired "
                 "static high - static low difference): " + "; ".join(detectable) + "."]
+    return out
+
+
+def network_bar_lines(runs: dict, spec: dict) -> list[str]:
+    """Amendment 2's bar per codec: NetworkAware's quality within one sd of Accordion's runs
+    (or better), at no more floats than Accordion's."""
+    sign = 1 if spec["higher_is_better"] else -1
+    out = ["NetworkAware against Accordion (amendment 2):", "",
+           "| codec | runs (NA, Accordion) | 1. within one sd of Accordion's quality, or better | "
+           "2. floats <= Accordion's | met |", "|---|---|---|---|---|"]
+    for codec, (na, acc) in NETWORK_BAR.items():
+        if len(runs[na]) < 1 or len(runs[acc]) < 2:
+            out.append(f"| {codec} | {len(runs[na])}, {len(runs[acc])} | not enough runs | | |")
+            continue
+        qn = [r["quality"] for r in runs[na].values()]
+        qa = [r["quality"] for r in runs[acc].values()]
+        gap = sign * (statistics.mean(qa) - statistics.mean(qn))  # how much worse NetworkAware is
+        allowed = statistics.stdev(qa)
+        ratio = statistics.mean(r["floats"] for r in runs[na].values()) / \
+            statistics.mean(r["floats"] for r in runs[acc].values())
+        c1, c2 = gap <= allowed, ratio <= 1.0
+        out.append(f"| {codec} | {len(qn)}, {len(qa)} | {'yes' if c1 else 'no'} (worse by {gap:.4f}, allowed "
+                   f"{allowed:.4f}) | {'yes' if c2 else 'no'} ({ratio:.2f}x) | {'**yes**' if c1 and c2 else 'no'} |")
     return out
 
 
