@@ -20,6 +20,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+from matplotlib import colormaps
 from matplotlib.colors import ListedColormap
 from matplotlib.figure import Figure
 from matplotlib.patches import Patch
@@ -57,6 +58,14 @@ def _column(rows: list[dict], name: str, path: Path) -> np.ndarray:
         raise ValueError(f"{path} has no column {name!r}") from None
 
 
+def _line_style(i: int) -> dict:
+    """The i-th line's colour, dash and marker: no two of up to 20 lines share a colour (tab20's
+    strong shades first, then its light ones), and neighbours differ in dash and marker too, so
+    a plot of a dozen methods stays readable in grey."""
+    colour = colormaps["tab20"]((2 * i) % 20 + (i // 10) % 2)
+    return {"color": colour, "linestyle": ("-", "--", "-.", ":")[i % 4], "marker": "osD^vP"[i % 6]}
+
+
 def _accuracy_figure(curves: dict[str, tuple[np.ndarray, np.ndarray]], xlabel: str, title: str,
                      log_x: bool | None = None, metric: str = "accuracy") -> Figure:
     """Test accuracy (%) or perplexity against x, one line per curve. ``log_x=None``:
@@ -66,8 +75,8 @@ def _accuracy_figure(curves: dict[str, tuple[np.ndarray, np.ndarray]], xlabel: s
     fig = Figure(figsize=(6.4, 4.2), dpi=DPI, layout="constrained")
     ax = fig.add_subplot()
     scale = 100 if metric == "accuracy" else 1
-    for label, (x, acc) in curves.items():
-        ax.plot(x, scale * acc, marker="o", markersize=3, label=label)
+    for i, (label, (x, acc)) in enumerate(curves.items()):
+        ax.plot(x, scale * acc, markersize=3, label=label, **_line_style(i))
     xs = np.concatenate([x for x, _ in curves.values()])
     if log_x is None:
         log_x = bool(xs.size) and xs.min() > 0 and xs.max() / xs.min() >= 100
