@@ -2,6 +2,7 @@
 
     .venv/bin/python benchmarks/evidence.py --task digits             # every method, seeds 0-4, folds 0-4
     .venv/bin/python benchmarks/evidence.py --task lm                 # every method, seeds 0-2
+    .venv/bin/python benchmarks/evidence.py --task lm --max-runs 3    # the next 3 runs left, then stop
     .venv/bin/python benchmarks/evidence.py --task digits --methods fp16,powersgd-accordion --seeds 0 --folds 0
     .venv/bin/python benchmarks/evidence.py --summarize               # benchmarks/results/evidence-v1.md
 
@@ -127,9 +128,10 @@ def machine() -> str:
     return f"{platform.node()}, {cpu_model()}, Python {platform.python_version()}"
 
 
-def run_all(task: str, methods: list[str], seeds, folds, timeout: float) -> None:
+def run_all(task: str, methods: list[str], seeds, folds, timeout: float, max_runs: int | None = None) -> None:
     todo = [(m, s, f) for s in seeds for f in folds for m in methods if not (run_dir(task, m, s, f) / "run.json").exists()]
-    print(f"{task}: {len(todo)} runs to do", flush=True)
+    print(f"{task}: {len(todo)} runs to do" + (f", {min(max_runs, len(todo))} now" if max_runs else ""), flush=True)
+    todo = todo[:max_runs] if max_runs else todo  # a session that must stop stops between runs
     with Cluster(2, rate=RATE, prefix="accev-") as cluster:
         for i, (method, seed, fold) in enumerate(todo, 1):
             record = one_run(cluster, task, method, seed, fold, timeout)
@@ -326,6 +328,7 @@ def main() -> None:
     p.add_argument("--seeds", default=None, help="comma-separated (default: the protocol's)")
     p.add_argument("--folds", default=None, help="comma-separated (digits; default: the protocol's)")
     p.add_argument("--timeout", type=float, default=3600, help="seconds one run may take")
+    p.add_argument("--max-runs", type=int, default=None, help="do at most N of the runs left, then stop")
     p.add_argument("--summarize", action="store_true", help=f"write benchmarks/results/{PROTOCOL}.md")
     args = p.parse_args()
     if args.task:
@@ -336,7 +339,9 @@ def main() -> None:
         spec = TASKS[args.task]
         seeds = [int(s) for s in args.seeds.split(",")] if args.seeds else list(spec["seeds"])
         folds = [int(f) for f in args.folds.split(",")] if args.folds and args.task == "digits" else list(spec["folds"])
-        run_all(args.task, methods, seeds, folds, args.timeout)
+        if args.max_runs is not None and args.max_runs < 1:
+            p.error(f"--max-runs: expected a positive number of runs, got {args.max_runs}")
+        run_all(args.task, methods, seeds, folds, args.timeout, args.max_runs)
     if args.summarize or not args.task:
         out = REPO / "benchmarks" / "results" / f"{PROTOCOL}.md"
         out.write_text("\n".join(summarize()) + "\n")
