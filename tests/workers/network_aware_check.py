@@ -60,7 +60,7 @@ settled = [d for d in decisions if "predicted_s" not in d and "Accordion's level
 check(len(predicted) + len(kept) + len(settled) == len(decisions),
       f"a window neither predicted, fell back nor was settled by the clock: {decisions}")
 # On loopback, small messages are latency-bound and a window may determine no bandwidth; the
-# policy then keeps Accordion's levels and says so. Once some window measured a link, the
+# policy then puts every layer at the gentle level and says so. Once some window measured a link, the
 # windows after it use it (the last link is kept).
 check(all("no link" in d["kept"] for d in kept), f"fell back for another reason: {kept}")
 if compression.stats()["link"] is not None:
