@@ -78,3 +78,10 @@ def test_too_few_runs_are_said_not_judged():
     runs = runs_of(powersgd_accordion=([0.95], 50.0), powersgd_r4=([0.95], 100.0), powersgd_r1=([0.9], 20.0))
     assert "not enough runs" in row(evidence.bar_lines(runs, ACCURACY), "PowerSGD")
     assert "not enough runs" in row(evidence.network_bar_lines(runs, ACCURACY), "TopK")
+
+
+def test_network_aware_floats_are_also_described_run_by_run():
+    runs = runs_of(powersgd_accordion=([0.95, 0.96, 0.97], 100.0), powersgd_network_aware=([0.95, 0.96, 0.97], 100.0))
+    runs["powersgd-network-aware"]["seed1"] = {**runs["powersgd-network-aware"]["seed1"], "floats": 110.0}
+    line = next(x for x in evidence.network_bar_lines(runs, ACCURACY) if x.startswith("- PowerSGD, paired"))
+    assert "mean 1.033 (sd 0.058, 1.000-1.100), above 1 in 1 of 3 runs" in line
