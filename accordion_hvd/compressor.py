@@ -45,6 +45,8 @@ alone and sends NaN in its place, so the fault is in the exchanged data that eve
 reads (a dense layer's NaN is in Horovod's average anyway). A step with a fault ends with
 every decompressed gradient zero on every rank, and ``step_skipped`` True; each layer's
 gradient of that step stays in its error feedback (nothing is lost, nothing is poisoned).
+All of it is decided on the device with 0-d bool flags (step_faults.py): the compressor
+never reads a tensor on the host inside a step; reading ``step_skipped`` does.
 Zero gradients still let momentum and weight decay move the parameters; for an exact skip,
 step the optimizer only when ``step_skipped`` is False (README: "Non-finite gradients").
 """
@@ -61,8 +63,9 @@ from typing import Any
 
 import torch
 
+from . import ops
 from .codecs import PowerSGD, TopK
-from .codecs._common import all_finite, residual_dtype
+from .codecs._common import finite_flag, residual_dtype
 from .controller import RegimeController
 from .comm.horovod import check_wait, install_polite_wait
 from .comm.link import LinkMeasurement, describe, measure_link
@@ -71,6 +74,7 @@ from .horovod_seam import GradientNames, bypass_allowed, find_optimizer, horovod
 from .levels import DENSE, Level, check_level, positive_number
 from .network_probe import NetworkProbe
 from .policies import make_policy
+from .step_faults import StepFaults
 
 
 # Who carries a layer this step: Horovod's allreduce, our exchange, or our uncompressed round.
@@ -191,16 +195,13 @@ class AccordionCompressor(HorovodCompressor):
         self._sent: dict[str, int] = {}              # cumulative floats sent, per layer
         self._dense: dict[str, int] = {}             # cumulative floats a dense allreduce sends
         self.steps = 0
-        self.skipped_steps = 0
-        self.step_skipped = False                    # the last step had a non-finite gradient
+        self._faults = StepFaults()                  # non-finite gradients, on the device
         self._config_checked = False
         self._new_step()
 
     def _new_step(self) -> None:
         """What one step keeps until its end, to settle it or to skip it."""
         self._outputs: list[torch.Tensor] = []  # every gradient returned to Horovod
-        self._local_faults: list[str] = []       # layers whose gradient is not finite on this rank
-        self._fault = False                      # some rank's was not (the same on every rank)
         self._results: dict[str, torch.Tensor] | None = None  # the step's rounds', once waited for
         self._rounds: set[str] = set()           # which of our rounds carry layers this step
         self._dtypes: dict[str, torch.dtype] = {}  # an uncompressed layer's gradient dtype (its round may promote)
@@ -323,8 +324,8 @@ class AccordionCompressor(HorovodCompressor):
             if self._results is None:  # the step's first: wait for the step's rounds
                 self._results = self._collect()
             tensor = self._results.pop(name)
-        if kind != _COMPRESSED and tensor.is_floating_point() and not all_finite(tensor):
-            self._fault = True  # an average: the same on every rank
+        if kind != _COMPRESSED and tensor.is_floating_point():
+            self._faults.seen(~finite_flag(tensor))  # an average: the same on every rank
         self._outputs.append(tensor)
         self._in_step.discard(name)
         if not self._in_step:  # the step's last layer: the step is over on this rank
@@ -342,7 +343,7 @@ class AccordionCompressor(HorovodCompressor):
                 results[name] = average if average.dtype == dtype else average.to(dtype)
         if _COMPRESSED in self._rounds:
             results.update(self.exchange.results())
-            self._fault = self._fault or self.exchange.fault
+            self._faults.seen(self.exchange.fault)
         return results
 
     # --- the same, with the parameter named explicitly (tests, other front ends) -------------
@@ -389,11 +390,9 @@ class AccordionCompressor(HorovodCompressor):
             state = self._layers[name] = self.codec.init_state(name, tensor, self.controller.level_of(name))
         if self._probe is not None:
             self._probe.mark(name)
-        finite = all_finite(tensor)
-        if finite:
-            self.controller.observe(name, tensor)  # before the codec consumes the gradient
-        else:
-            self._local_faults.append(name)
+        finite = finite_flag(tensor)  # on the device: masks, never read here
+        self.controller.observe(name, tensor, finite=finite)  # before the codec consumes the gradient
+        self._faults.local(name, finite)
         self.seconds["compress"] += time.perf_counter() - started  # the exchange counts its own
         dense = self.exchange.add(name, state, tensor, finite)  # starts its bucket's round once the bucket is full
         self._sent[name] = self._sent.get(name, 0) + (dense_floats if dense is not None
@@ -437,21 +436,17 @@ class AccordionCompressor(HorovodCompressor):
     def _end_step(self) -> None:
         """Every rank, once per optimizer step, after the step's last decompress: skip or
         settle the step, count it and let the controller switch levels for the next one."""
-        if self._local_faults:
-            log.warning("rank %d: non-finite gradient in %s at step %d", self.channel.rank,
-                        ", ".join(self._local_faults[:3]) + (" ..." if len(self._local_faults) > 3 else ""),
-                        self.steps + 1)
-            if not self._fault:  # cannot happen: the NaN sent in its place reaches every rank
-                raise RuntimeError("AccordionCompressor: a non-finite gradient was not seen in the exchange")
-        if self._exchange is not None:  # before the zeroing: PowerSGD's rollback reads its results
-            self._exchange.end_step(skipped=self._fault)
-        if self._fault:
-            for out in self._outputs:
+        self._faults.rank = self.channel.rank
+        device = self._outputs[0].device if self._outputs else torch.device("cpu")
+        skipped = self._faults.settle(self.steps + 1, device)  # 0-d bool; the host reads it later, if at all
+        if self._exchange is not None:  # before the zeroing: PowerSGD's settling reads its results
+            self._exchange.end_step(skipped=skipped)
+        # A skipped step's results are zero (they may hold NaN), decided on the device.
+        ops.zero_if_([out for out in self._outputs if out.layout == torch.strided], skipped)
+        sparse = [out for out in self._outputs if out.layout != torch.strided]
+        if sparse and bool(skipped):  # a sparse gradient (passed through as it is): the one host read, for it alone
+            for out in sparse:
                 out.zero_()
-            self.skipped_steps += 1
-            log.warning("step %d skipped on every rank: a gradient was not finite on some rank; gradients set to "
-                        "zero, error feedback kept (%d skipped so far)", self.steps + 1, self.skipped_steps)
-        self.step_skipped = self._fault
         lr_gather = self._lr_gather
         self._new_step()
         if self._names is not None:
@@ -542,6 +537,7 @@ class AccordionCompressor(HorovodCompressor):
             self._names.forget_step()
         if self._probe is not None:
             self._probe.forget_step()
+        self._faults.forget()
         self._new_step()
 
     def world_changed(self) -> None:
@@ -575,6 +571,23 @@ class AccordionCompressor(HorovodCompressor):
         self._between_steps("set_level")
         self.codec.set_level(self._layers[name], level)
         self.controller.levels[name] = level
+
+    @property
+    def step_skipped(self) -> bool:
+        """Whether the last step was skipped: some rank's gradient was not finite, so every
+        result of the step is zero and the error feedback kept its gradient. Step the
+        optimizer only when it is False. Reading it waits for the device (on a GPU, one small
+        copy), as a GradScaler's skip check does; the compressor itself never waits."""
+        return self._faults.last_skipped
+
+    @property
+    def skipped_steps(self) -> int:
+        """Steps skipped so far (reading it waits for the device)."""
+        return self._faults.count
+
+    @skipped_steps.setter
+    def skipped_steps(self, value: int) -> None:
+        self._faults.count = value
 
     @_DefaultInstanceMethod
     def stats(self) -> dict:

@@ -40,6 +40,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from . import ops
 from .levels import Level, positive_number
 from .policies import Policy, StepReport, WindowReport
 
@@ -55,8 +56,10 @@ class RegimeController:
         self.accumulate = accumulate
         self.levels: dict[str, Level] = {}         # the level each layer uses now
         self._sums: dict[str, torch.Tensor] = {}   # accumulate=True: sum of raw gradients
-        self._sq: dict[str, float] = {}            # accumulate=False: sum of squared norms
-        self._weight: dict[str, float] = {}        # what the sums above are sums of (steps)
+        # Floats, or 0-d tensors on the gradients' device: a step adds to them without the host
+        # reading anything; the window's end reads them all at once.
+        self._sq: dict[str, float | torch.Tensor] = {}      # accumulate=False: sum of squared norms
+        self._weight: dict[str, float | torch.Tensor] = {}  # what the sums above are sums of (steps)
         self._window_steps = 0
         self._lrs: list[float] | None = None       # learning rates agreed at the last step
         self.windows = 0                           # detection points so far
@@ -74,21 +77,29 @@ class RegimeController:
         return self.levels[layer]
 
     @torch.no_grad()
-    def observe(self, layer: str, grad: torch.Tensor, weight: float = 1.0) -> None:
+    def observe(self, layer: str, grad: torch.Tensor, weight: float = 1.0,
+                finite: torch.Tensor | None = None) -> None:
         """Called with each compressed layer's raw local gradient, before compression.
         ``weight``: how many samples' worth the gradient is the mean of, in units the window
-        divides by (1 per step for the compressor; micro-batches for the batch-size mode)."""
+        divides by (1 per step for the compressor; micro-batches for the batch-size mode).
+        ``finite`` (0-d bool): a gradient flagged False does not count (decided on the device)."""
         if not self.policy.uses_norms:
             return
-        self._weight[layer] = self._weight.get(layer, 0.0) + weight
+        counted = weight if finite is None else finite * weight
+        self._weight[layer] = self._weight.get(layer, 0.0) + counted
         if self.accumulate:
             total = self._sums.get(layer)
             if total is None:
                 self._sums[layer] = total = torch.zeros(grad.numel(), dtype=torch.float32, device=grad.device)
-            total.add_(grad.reshape(-1), alpha=weight)
+            if finite is None:
+                total.add_(grad.reshape(-1), alpha=weight)
+            elif weight == 1 and grad.dtype in (torch.float32, torch.float16, torch.bfloat16) and ops.has_kernel(total):
+                ops.ef_add_(grad.reshape(-1), total, finite)  # the masked add in one pass (error feedback's op)
+            else:
+                total.add_(torch.where(finite, grad.reshape(-1), 0.0), alpha=weight)
         else:
-            norm = float(torch.linalg.vector_norm(grad, dtype=torch.float64))
-            self._sq[layer] = self._sq.get(layer, 0.0) + weight * norm ** 2
+            sq = torch.linalg.vector_norm(grad, dtype=torch.float64) ** 2
+            self._sq[layer] = self._sq.get(layer, 0.0) + weight * (sq if finite is None else torch.where(finite, sq, 0.0))
 
     def end_step(self, control: Any, layers: list[str], lrs: list[float] | None,
                  gathered: np.ndarray | None = None) -> dict[str, Level] | None:
@@ -177,7 +188,7 @@ class RegimeController:
         # different layers fail by name instead of comparing the wrong numbers.
         digest = zlib.crc32("\0".join(layers).encode())
         try:
-            local = np.asarray([self._local_norm(layer) for layer in layers], dtype=np.float64)
+            local = np.asarray(self._local_norms(layers), dtype=np.float64)
             total = control.allreduce(local, name=f"acc.window.{len(layers)}.{digest:08x}", op="sum") / control.size
             norms = {layer: float(v) for layer, v in zip(layers, total)}
             probe = self.probe if self.policy.uses_network else None
@@ -208,25 +219,28 @@ class RegimeController:
 
     def _window_mean(self, layer: str) -> torch.Tensor | None:
         """The layer's mean raw gradient over the window (``accumulate``), or None."""
-        weight = self._weight.get(layer, 0.0)
+        weight = float(self._weight.get(layer, 0.0))
         if not self.accumulate or weight == 0:
             return None
         return self._sums[layer] / weight
 
-    def _local_norm(self, layer: str) -> float:
-        weight = self._weight.get(layer, 0.0)
-        if weight == 0:
-            return 0.0
+    def _local_norms(self, layers: list[str]) -> list[float]:
+        """Each layer's window-mean gradient norm on this rank (0 for a layer not seen), read
+        from the device in one go."""
+        weights = _host_floats([self._weight.get(layer, 0.0) for layer in layers])
         if self.accumulate:
-            return float(torch.linalg.vector_norm(self._sums[layer], dtype=torch.float64)) / weight
-        return math.sqrt(self._sq[layer] / weight)
+            sq = _host_floats([torch.linalg.vector_norm(self._sums[layer], dtype=torch.float64) ** 2
+                               if w > 0 else 0.0 for layer, w in zip(layers, weights)])
+            return [math.sqrt(s) / w if w > 0 else 0.0 for s, w in zip(sq, weights)]
+        sq = _host_floats([self._sq.get(layer, 0.0) if w > 0 else 0.0 for layer, w in zip(layers, weights)])
+        return [math.sqrt(s / w) if w > 0 else 0.0 for s, w in zip(sq, weights)]
 
     # --- state ------------------------------------------------------------------------------
     def state_dict(self) -> dict:
         return {"levels": {k: v.to_state() for k, v in self.levels.items()}, "window_steps": self._window_steps, "windows": self.windows,
                 "lrs": None if self._lrs is None else list(self._lrs),
-                "sums": {k: v.clone() for k, v in self._sums.items()}, "sq": dict(self._sq),
-                "weight": dict(self._weight),
+                "sums": {k: v.clone() for k, v in self._sums.items()}, "sq": {k: float(v) for k, v in self._sq.items()},
+                "weight": {k: float(v) for k, v in self._weight.items()},
                 "policy": self.policy.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
@@ -238,3 +252,13 @@ class RegimeController:
         self._sq = {k: float(v) for k, v in state["sq"].items()}
         self._weight = {k: float(v) for k, v in state["weight"].items()}
         self.policy.load_state_dict(state["policy"])
+
+
+def _host_floats(values: list) -> list[float]:
+    """Floats and 0-d tensors (all on one device) as floats, with one read from the device
+    rather than one per tensor."""
+    tensors = [v for v in values if isinstance(v, torch.Tensor)]
+    if not tensors:
+        return [float(v) for v in values]
+    read = iter(torch.stack([t.to(torch.float64) for t in tensors]).tolist())
+    return [next(read) if isinstance(v, torch.Tensor) else float(v) for v in values]

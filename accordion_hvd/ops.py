@@ -40,10 +40,12 @@ def ef_add(grad: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
     return torch.ops.accordion.ef_add.default(grad, residual)
 
 
-def ef_add_(grad: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-    """In place: ``residual += grad``; returns ``residual``."""
+def ef_add_(grad: torch.Tensor, residual: torch.Tensor, finite: torch.Tensor | None = None) -> torch.Tensor:
+    """In place: ``residual += grad``; returns ``residual``. With ``finite`` (a 0-d bool tensor
+    on the gradient's device), the gradient is added only where it is True: a non-finite
+    gradient leaves the error feedback as it was, decided on the device (no host sync)."""
     _check_dense_pair("accordion::ef_add_", grad, residual)
-    torch.ops.accordion.ef_add_.default(grad, residual)
+    torch.ops.accordion.ef_add_.default(grad, residual, finite)
     return residual
 
 
@@ -54,22 +56,23 @@ def _ef_add_fake(grad: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
 
 
 @torch.library.register_fake("accordion::ef_add_")
-def _ef_add_inplace_fake(grad: torch.Tensor, residual: torch.Tensor) -> None:
+def _ef_add_inplace_fake(grad: torch.Tensor, residual: torch.Tensor, finite: torch.Tensor | None = None) -> None:
     torch._check(grad.shape == residual.shape, lambda: "accordion::ef_add_: shapes differ")
 
 
-def topk_ef(grad: torch.Tensor, residual: torch.Tensor, k: int):
+def topk_ef(grad: torch.Tensor, residual: torch.Tensor, k: int, finite: torch.Tensor | None = None):
     """Fused TopK with error feedback (see ``reference.topk_select`` and csrc/cpu/topk_ef.cpp).
 
     ``residual`` (float32, contiguous) becomes ``grad + residual`` with the kept entries
     zeroed. Returns ``(values, indices, g_sq, kept_sq)``: the k kept entries of largest
     magnitude (ties to the lower index) as float32 values and int32 indices, ascending by
     index, and the float64 squared norms of
-    ``grad + residual`` and of its kept part.
+    ``grad + residual`` and of its kept part, all on the device. With ``finite`` (as in
+    ``ef_add_``) a gradient flagged False is not added: the selection is from the residual.
     """
     _check_dense_pair("accordion::topk_ef", grad, residual)
     _check_int("accordion::topk_ef", "k", k)
-    return torch.ops.accordion.topk_ef.default(grad, residual, k)
+    return torch.ops.accordion.topk_ef.default(grad, residual, k, finite)
 
 
 def sparse_average(values: torch.Tensor, indices: torch.Tensor, numel: int, world_size: int,
@@ -94,13 +97,24 @@ def error_update_(residual: torch.Tensor, approx: torch.Tensor, dtype: torch.dty
     return torch.ops.accordion.error_update_.default(residual, approx, dtype)
 
 
+def zero_if_(tensors: list[torch.Tensor], flag: torch.Tensor) -> None:
+    """Zero every tensor in place if ``flag`` (a 0-d bool tensor on their device) is True,
+    decided on the device: the CPU kernel reads the flag and touches nothing when it is
+    False; the CUDA one masks, so the host never waits for the flag."""
+    tensors = list(tensors)
+    if not isinstance(flag, torch.Tensor):
+        raise TypeError(f"accordion::zero_if_: flag must be a torch.Tensor, got {type(flag).__name__}")
+    if tensors:  # the dispatcher picks the kernel from the tensors
+        torch.ops.accordion.zero_if_.default(tensors, flag)
+
+
 def _check_int(op: str, name: str, value) -> None:
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"{op}: {name} must be an int, got {type(value).__name__}")
 
 
 @torch.library.register_fake("accordion::topk_ef")
-def _topk_ef_fake(grad, residual, k):
+def _topk_ef_fake(grad, residual, k, finite=None):
     torch._check(grad.shape == residual.shape, lambda: "accordion::topk_ef: shapes differ")
     scalar = residual.new_empty((), dtype=torch.float64)
     return (residual.new_empty(k), residual.new_empty(k, dtype=torch.int32), scalar, scalar.clone())
@@ -119,3 +133,8 @@ def _orthogonalize_fake(ps, eps):
 @torch.library.register_fake("accordion::error_update_")
 def _error_update_fake(residual, approx, dtype):
     return approx.new_empty(approx.shape, dtype=dtype)
+
+
+@torch.library.register_fake("accordion::zero_if_")
+def _zero_if_fake(tensors, flag):
+    return None

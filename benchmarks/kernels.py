@@ -189,7 +189,10 @@ def powersgd_step_ours(codec, states, grads):
     """The codec's real path, with averaging the identity (one rank)."""
     ps = [codec.start(s, g) for s, g in zip(states, grads)]
     qs = codec.middle(states, ps)
-    return [codec.finish(s, q, g) for s, q, g in zip(states, qs, grads)]
+    out = [codec.finish(s, q, g) for s, q, g in zip(states, qs, grads)]
+    for s in states:
+        codec.settle(s)
+    return out
 
 
 def powersgd_step_reference(layers, orthogonalize=reference.orthogonalize_):

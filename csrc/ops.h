@@ -8,6 +8,7 @@
 #include <ATen/ATen.h>
 
 #include <limits>
+#include <optional>
 
 namespace accordion {
 
@@ -45,6 +46,20 @@ inline void check_ef_add_args(const at::Tensor& grad, const at::Tensor& residual
 // grad + residual over contiguous tensors, out may alias residual.
 using EfAddOut = void (*)(const at::Tensor& grad, const at::Tensor& residual, at::Tensor& out);
 
+// The optional `finite` argument of the error-feedback ops: a 0-d bool tensor on the
+// gradient's device, computed there (no host round-trip). Where it is false the gradient is
+// not added, so a step skipped for a non-finite gradient leaves the error feedback as it was.
+// Each backend says how it applies the flag: GradIfFinite returns the gradient to add, or
+// nothing when there is nothing to add (the CPU reads the flag; CUDA masks on the device).
+using GradIfFinite = std::optional<at::Tensor> (*)(const at::Tensor& grad, const at::Tensor& finite);
+
+inline void check_finite_flag(const std::optional<at::Tensor>& finite, const at::Tensor& grad, const char* op) {
+  if (!finite) return;
+  TORCH_CHECK(finite->layout() == at::kStrided && finite->dim() == 0 && finite->scalar_type() == at::kBool, op,
+              ": finite must be a 0-d bool tensor, got a ", finite->dim(), "-d ", finite->scalar_type(), " tensor");
+  check_same_device(*finite, grad, op, "finite and grad");
+}
+
 // Functional form: returns grad + residual, in the residual's dtype.
 template <EfAddOut kernel>
 at::Tensor ef_add(const at::Tensor& grad, const at::Tensor& residual) {
@@ -56,21 +71,29 @@ at::Tensor ef_add(const at::Tensor& grad, const at::Tensor& residual) {
 
 // In-place form used by the codecs: residual += grad, turning the error-feedback buffer into
 // the tensor to compress without allocating another gradient-sized buffer.
-template <EfAddOut kernel>
-void ef_add_(const at::Tensor& grad, const at::Tensor& residual) {
-  check_ef_add_args(grad, residual, "accordion::ef_add_");
-  TORCH_CHECK(residual.is_contiguous(), "accordion::ef_add_: residual must be contiguous, got strides ",
-              residual.strides());
+template <EfAddOut kernel, GradIfFinite gate>
+void ef_add_(const at::Tensor& grad, const at::Tensor& residual, const std::optional<at::Tensor>& finite) {
+  constexpr const char* op = "accordion::ef_add_";
+  check_ef_add_args(grad, residual, op);
+  check_finite_flag(finite, grad, op);
+  TORCH_CHECK(residual.is_contiguous(), op, ": residual must be contiguous, got strides ", residual.strides());
+  at::Tensor g = grad;
+  if (finite) {
+    std::optional<at::Tensor> gated = gate(grad, *finite);
+    if (!gated) return;
+    g = *gated;
+  }
   at::Tensor out = residual;
-  kernel(grad.contiguous(), residual, out);
+  kernel(g.contiguous(), residual, out);
 }
 
 // topk_ef: fused TopK with error feedback; residual <- (grad + residual) with the kept
 // entries zeroed. Returns the preallocated (values, indices) the kernels fill.
 inline std::tuple<at::Tensor, at::Tensor> topk_ef_outputs(const at::Tensor& grad, const at::Tensor& residual,
-                                                          int64_t k) {
+                                                          int64_t k, const std::optional<at::Tensor>& finite) {
   constexpr const char* op = "accordion::topk_ef";
   check_ef_add_args(grad, residual, op);
+  check_finite_flag(finite, grad, op);
   check_contiguous_float(residual, op, "residual");
   const int64_t n = residual.numel();
   TORCH_CHECK(n <= std::numeric_limits<int32_t>::max(), op, ": at most 2^31 - 1 entries (int32 indices), got ", n);
@@ -125,6 +148,21 @@ inline void check_error_update_args(const at::Tensor& residual, const at::Tensor
   TORCH_CHECK(dtype == at::kFloat || dtype == at::kHalf || dtype == at::kBFloat16, op,
               ": dtype must be float32, float16 or bfloat16, got ", dtype);
   check_same_device(residual, approx, op, "residual and approx");
+}
+
+// zero_if_: zero every tensor when a 0-d bool flag on their device is true (a skipped step's
+// results and error-feedback settling), without the host reading the flag where that would
+// wait for the device. Returns the tensors to act on, checked.
+inline void check_zero_if_args(at::TensorList tensors, const at::Tensor& flag) {
+  constexpr const char* op = "accordion::zero_if_";
+  TORCH_CHECK(flag.layout() == at::kStrided && flag.dim() == 0 && flag.scalar_type() == at::kBool, op,
+              ": flag must be a 0-d bool tensor, got a ", flag.dim(), "-d ", flag.scalar_type(), " tensor");
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    TORCH_CHECK(tensors[i].layout() == at::kStrided, op, ": tensors[", i, "] must be a dense (strided) tensor, got ",
+                tensors[i].layout());
+    TORCH_CHECK(tensors[i].device() == flag.device(), op, ": tensors[", i, "] is on ", tensors[i].device(),
+                ", the flag on ", flag.device());
+  }
 }
 
 }  // namespace accordion

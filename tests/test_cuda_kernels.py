@@ -202,6 +202,7 @@ def test_codec_step_on_cuda_matches_cpu(codec_name):
             p = codec.start(state, g.clone())
             (qt,) = codec.middle([state], [p])
             out = codec.finish(state, qt, g.clone())
+            codec.settle(state)
         results[device] = (out.cpu(), state.residual.cpu())
     tol = 0 if codec_name == "topk" else 1e-4
     for a, b in zip(results["cpu"], results["cuda"]):

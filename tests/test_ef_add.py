@@ -86,6 +86,35 @@ def test_opcheck(grad_dtype, residual_dtype):
     opcheck(torch.ops.accordion.ef_add_.default, (grad, residual.clone()))
 
 
+@pytest.mark.parametrize("grad_dtype,residual_dtype", DTYPE_PAIRS)
+def test_finite_flag_adds_or_leaves_the_residual(grad_dtype, residual_dtype):
+    """``finite`` (0-d bool on the device): True is the plain add, False leaves the residual
+    exactly as it was, even for a gradient full of NaN."""
+    grad, residual = make(1000, grad_dtype, residual_dtype)
+    added = acc.ops.ef_add_(grad, residual.clone(), torch.tensor(True))
+    assert torch.equal(added, reference.ef_add(grad, residual))
+    poisoned = grad.clone()
+    poisoned[::7] = float("nan")
+    kept = acc.ops.ef_add_(poisoned, residual.clone(), torch.tensor(False))
+    assert torch.equal(kept, residual)
+
+
+@pytest.mark.parametrize("finite,message", [
+    (torch.tensor([True]), "finite must be a 0-d bool tensor, got a 1-d Bool"),
+    (torch.tensor(1.0), "finite must be a 0-d bool tensor, got a 0-d Float"),
+], ids=["1-d", "float"])
+def test_bad_finite_flag_names_the_argument(finite, message):
+    with pytest.raises(RuntimeError, match=message):
+        acc.ops.ef_add_(torch.randn(4), torch.zeros(4), finite)
+
+
+@pytest.mark.parametrize("grad_dtype,residual_dtype", [(torch.float32, torch.float32), (torch.float16, torch.float32)])
+def test_opcheck_with_finite_flag(grad_dtype, residual_dtype):
+    grad, residual = make(1000, grad_dtype, residual_dtype)
+    for flag in (True, False):
+        opcheck(torch.ops.accordion.ef_add_.default, (grad, residual.clone(), torch.tensor(flag)))
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU on this machine")
 @pytest.mark.parametrize("grad_dtype,residual_dtype", DTYPE_PAIRS)
@@ -95,3 +124,16 @@ def test_cuda_matches_cpu(grad_dtype, residual_dtype):
     grad, residual = make(1_000_003, grad_dtype, residual_dtype, seed=3)
     out = acc.ops.ef_add(grad.cuda(), residual.cuda()).cpu()
     assert torch.equal(out, reference.ef_add(grad, residual))
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU on this machine")
+def test_cuda_finite_flag_matches_cpu():
+    if not acc.with_cuda:
+        pytest.fail("torch has CUDA but accordion_hvd was built without its CUDA kernels")
+    grad, residual = make(100_003, torch.float16, torch.float32, seed=4)
+    grad[::11] = float("inf")
+    for flag in (True, False):
+        on_gpu = acc.ops.ef_add_(grad.cuda(), residual.cuda(), torch.tensor(flag, device="cuda")).cpu()
+        on_cpu = acc.ops.ef_add_(grad, residual.clone(), torch.tensor(flag))
+        assert torch.equal(on_gpu, on_cpu), flag

@@ -150,11 +150,11 @@ def run_powersgd_steps(rank, channel, steps=3):
         g = grads(rank, step)
         for name in reversed(SHAPES) if rank else SHAPES:  # another hook order on rank 1
             states.setdefault(name, codec.init_state(name, g[name]))
-            exchange.add(name, states[name], g[name].clone(), True)
+            exchange.add(name, states[name], g[name].clone(), torch.tensor(True))
             if hasattr(channel, "log"):
                 channel.log.append(("added", name))
         out.append({n: t.clone() for n, t in exchange.results().items()})
-        exchange.end_step(skipped=False)
+        exchange.end_step(skipped=torch.tensor(False))
     return out
 
 

@@ -160,6 +160,29 @@ def test_opcheck():
     opcheck(torch.ops.accordion.sparse_average.default, (values, indices, 5000, 1, torch.float16))
 
 
+def test_finite_flag():
+    """``finite`` True is the plain call; False selects from the residual alone (the gradient,
+    here full of NaN, is not added) and leaves the residual as that selection would."""
+    grad, residual = make(5000, torch.float32)
+    plain = acc.ops.topk_ef(grad, residual.clone(), 50)
+    flagged = acc.ops.topk_ef(grad, residual.clone(), 50, torch.tensor(True))
+    for a, b in zip(plain, flagged):
+        assert torch.equal(a, b)
+    after, expected_after = residual.clone(), residual.clone()
+    values, indices, g_sq, kept_sq = acc.ops.topk_ef(torch.full_like(grad, float("nan")), after, 50,
+                                                     torch.tensor(False))
+    expected = acc.ops.topk_ef(torch.zeros_like(grad), expected_after, 50)
+    for a, b in zip((values, indices, g_sq, kept_sq), expected):
+        assert torch.equal(a, b)
+    assert torch.equal(after, expected_after)
+    opcheck(torch.ops.accordion.topk_ef.default, (grad, residual.clone(), 50, torch.tensor(False)))
+
+
+def test_bad_finite_flag_names_the_argument():
+    with pytest.raises(RuntimeError, match="finite must be a 0-d bool tensor"):
+        acc.ops.topk_ef(torch.randn(5), torch.zeros(5), 1, torch.ones(5, dtype=torch.bool))
+
+
 @pytest.mark.parametrize("args,message", [
     ((torch.randn(5), torch.randn(5), 6), r"k must be in \[0, numel = 5\], got 6"),
     ((torch.randn(5), torch.randn(5), -1), r"k must be in \[0, numel = 5\], got -1"),

@@ -8,10 +8,11 @@ Per layer, with the gradient viewed as an n x m matrix (shape[0] x the rest):
     P = orthogonalize(P)
     Q = M^T P        -> averaged over ranks (round 2); kept as the next step's warm start
     M_hat = P Q^T    (the same on every rank: the result)
-    e = M - M_hat
+    e = M - M_hat    (once the step is known not to be skipped)
 
-The codec does the math of each phase (``start``, ``middle``, ``finish``); the adapter does
-the two averaging rounds for all layers at once in between.
+The codec does the math of each phase (``start``, ``middle``, ``finish``, ``settle``); the
+adapter does the two averaging rounds for all layers at once in between. Nothing here reads
+a tensor on the host: a non-finite gradient is handled with 0-d bool flags on the device.
 """
 
 from __future__ import annotations
@@ -37,7 +38,8 @@ class PowerSGDState:
     residual: torch.Tensor    # e, then M during a step; shape (n, m)
     q: torch.Tensor           # (m, rank), identical on all ranks; a view of contiguous Q^T
                               # (rank, m), the layout in which Q is computed and averaged
-    p: torch.Tensor | None = None
+    p: torch.Tensor | None = None      # orthogonalized P, from ``middle`` to ``finish``
+    factors: tuple[torch.Tensor, torch.Tensor] | None = None  # (P, Q^T) of M_hat, from ``finish`` to ``settle``
 
 
 class PowerSGD:
@@ -192,19 +194,14 @@ class PowerSGD:
         return torch.cat(cols, dim=1).to(dtype=dtype, device=device)
 
     # --- the three phases of a step ---------------------------------------------------------
-    def start(self, state: PowerSGDState, grad: torch.Tensor) -> torch.Tensor:
+    def start(self, state: PowerSGDState, grad: torch.Tensor, finite: torch.Tensor | None = None) -> torch.Tensor:
         """M = grad + e (into the residual buffer); returns P = M Q, to be averaged (at DENSE,
-        a copy of M itself: the residual keeps M until ``settle_dense``)."""
-        ops.ef_add_(grad.reshape(state.residual.shape), state.residual)
-        if state.level == DENSE:
-            return state.residual.clone()
-        return state.residual @ state.q
-
-    def poisoned(self, state: PowerSGDState) -> torch.Tensor:
-        """What a rank sends as P for a layer whose gradient is not finite: NaN (so every rank
-        sees the fault in the averaged P); ``e`` is not touched."""
-        columns = state.residual.shape[1] if state.level == DENSE else state.rank
-        return state.residual.new_full((state.residual.shape[0], columns), float("nan"))
+        a copy of M itself: the residual keeps M until ``settle_dense``). With ``finite``
+        (0-d bool) False the gradient is not added (M = e) and P is NaN, so that every rank
+        sees the fault in the averaged P."""
+        ops.ef_add_(grad.reshape(state.residual.shape), state.residual, finite)
+        p = state.residual.clone() if state.level == DENSE else state.residual @ state.q
+        return p if finite is None else p.masked_fill_(~finite, float("nan"))
 
     @staticmethod
     def finish_dense(state: PowerSGDState, m_avg: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
@@ -213,9 +210,10 @@ class PowerSGD:
         return m_avg.reshape(state.shape).to(grad.dtype)
 
     @staticmethod
-    def settle_dense(state: PowerSGDState) -> None:
-        """The step of a DENSE layer went through: everything was sent, e = 0."""
-        state.residual.zero_()
+    def settle_dense(state: PowerSGDState, done: torch.Tensor) -> None:
+        """A DENSE layer's step: if it went through (``done``, 0-d bool), everything was sent,
+        e = 0; if it was skipped e keeps M."""
+        ops.zero_if_([state.residual], done)
 
     def middle(self, states: list[PowerSGDState], p_avgs: list[torch.Tensor]) -> list[torch.Tensor]:
         """Orthogonalizes every layer's averaged P (in one kernel call); returns each layer's
@@ -233,30 +231,42 @@ class PowerSGD:
             qs.append(p.t() @ state.residual)
         return qs
 
-    def finish(self, state: PowerSGDState, qt_avg: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
-        """With the averaged Q^T: M_hat = P Q^T, e = M - M_hat; returns M_hat shaped and typed
-        like ``grad``.
+    def finish(self, state: PowerSGDState, qt_avg: torch.Tensor, grad: torch.Tensor,
+               ok: torch.Tensor | None = None) -> torch.Tensor:
+        """With the averaged Q^T: M_hat = P Q^T, the next step's Q; returns M_hat shaped and
+        typed like ``grad``. ``e = M - M_hat`` is left to ``settle``, once the step is known
+        not to be skipped. With ``ok`` (0-d bool) False, some rank's gradient was not finite
+        and P and Q^T are NaN: M_hat is zero and Q is kept, decided on the device.
 
         ``grad`` is this step's gradient, already folded into e by ``start`` and not needed
         any more: when it is a contiguous tensor of the residual's dtype, M_hat is written
-        into its memory, so the step allocates no gradient-sized buffer, and e is updated by
-        BLAS in place (``addmm_``: one pass over e instead of a product and a subtraction;
-        e then equals M - M_hat up to the last bit's rounding).
+        into its memory, so the step allocates no gradient-sized buffer.
         """
         qt_avg = qt_avg.contiguous()
-        state.q = qt_avg.t()
         p, state.p = state.p, None
+        if ok is None:
+            state.q = qt_avg.t()
+        else:  # P and Q^T are small: masking them costs nothing next to the products
+            state.q = torch.where(ok, qt_avg, state.q.t()).t()
+            p, qt_avg = p.masked_fill_(~ok, 0.0), qt_avg.masked_fill(~ok, 0.0)
+        state.factors = (p, qt_avg)
         e = state.residual
         if grad.dtype == e.dtype and grad.is_contiguous() and not grad.requires_grad:
             torch.mm(p, qt_avg, out=grad.view(e.shape))
-            e.addmm_(p, qt_avg, alpha=-1)
             return grad
-        m_hat = p @ qt_avg
-        if e.dtype == torch.float32 and ops.has_kernel(e):
-            # 16-bit gradient: e -= M_hat and M_hat -> grad dtype in one pass.
-            return ops.error_update_(e, m_hat, grad.dtype).view(state.shape)
-        e.sub_(m_hat)
-        return m_hat.to(grad.dtype).view(state.shape)
+        return (p @ qt_avg).to(grad.dtype).view(state.shape)
+
+    @staticmethod
+    def settle(state: PowerSGDState, done: torch.Tensor | None = None) -> None:
+        """e = M - M_hat when the step went through (``done``, 0-d bool, True; None: it did);
+        a skipped step leaves e = M (nothing lost). BLAS updates e in place (``addmm_``: one
+        pass over e, no M_hat buffer), with Q^T times the flag: on the device, and exactly
+        ``e - P Q^T`` when it is 1."""
+        factors, state.factors = state.factors, None
+        if factors is None:
+            return
+        p, qt = factors
+        state.residual.addmm_(p, qt if done is None else qt * done, alpha=-1)
 
 
 def _as_transposed(q: torch.Tensor) -> torch.Tensor:

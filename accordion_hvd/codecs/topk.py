@@ -16,7 +16,7 @@ import torch
 
 from .. import ops, reference
 from ..levels import CRITICAL, DENSE, NORMAL, Level, check_level, positive_number
-from ._common import residual_dtype
+from ._common import nan_unless, residual_dtype
 
 
 @dataclass
@@ -26,8 +26,10 @@ class TopKState:
     level: Level
     k: int
     residual: torch.Tensor  # flat, numel entries
-    g_sq: float = 0.0       # squared norms of the last step: g, and the part sent
-    kept_sq: float = 0.0
+    # Squared norms of the last step, g and the part sent: 0-d float64 tensors on the
+    # residual's device (read by the host only where a policy needs them), or floats.
+    g_sq: torch.Tensor | float = 0.0
+    kept_sq: torch.Tensor | float = 0.0
 
 
 class TopK:
@@ -124,19 +126,26 @@ class TopK:
         order = torch.sort(values.abs(), descending=True, stable=True).indices  # indices ascend: ties ok
         keep, drop = order[:k].sort().values, order[k:]
         state.residual[indices[drop].long()] = values[drop].to(state.residual.dtype)
-        state.kept_sq = values[keep].double().square().sum().item()
+        state.kept_sq = values[keep].double().square().sum()
         state.k = k
         return values[keep], indices[keep]
 
-    def restore(self, state: TopKState, values: torch.Tensor, indices: torch.Tensor) -> None:
+    def restore(self, state: TopKState, values: torch.Tensor, indices: torch.Tensor,
+                where: torch.Tensor | None = None) -> None:
         """Undo an encode: the selected entries go back into the error feedback, which then
-        holds the whole g = grad + e again."""
-        state.residual[indices.long()] = values.to(state.residual.dtype)
+        holds the whole g = grad + e again. With ``where`` (a 0-d bool tensor), only if it is
+        True, decided on the device (the encode left those entries at zero, so adding the
+        values, or zeros, is the same as writing them)."""
+        values = values.to(state.residual.dtype)
+        if where is None:
+            state.residual[indices.long()] = values
+        else:
+            state.residual.index_add_(0, indices, torch.where(where, values, 0.0))  # int32 indices as they are
 
     def state_to_dict(self, state: TopKState) -> dict:
         """A layer's state as plain values and tensors (copies), for checkpoints."""
         return {"shape": list(state.shape), "level": state.level.to_state(), "k": state.k, "residual": state.residual.clone(),
-                "g_sq": state.g_sq, "kept_sq": state.kept_sq}
+                "g_sq": float(state.g_sq), "kept_sq": float(state.kept_sq)}
 
     def state_from_dict(self, name: str, d: dict) -> TopKState:
         shape = torch.Size(d["shape"])
@@ -155,44 +164,46 @@ class TopK:
         (which also makes ratio 1.0 exactly Horovod's dense average)."""
         return 2 * state.k >= state.residual.numel()
 
-    def flush_dense(self, state: TopKState, grad: torch.Tensor) -> torch.Tensor:
+    def flush_dense(self, state: TopKState, grad: torch.Tensor, finite: torch.Tensor) -> torch.Tensor:
         """For a dense step: returns ``grad + e`` in the gradient's dtype, to be allreduced as
-        it is. ``e`` holds the whole ``g = grad + e`` until ``settle_dense`` at the end of the
-        step (so a skipped step can keep it); then only what the dtype rounded away."""
-        g = ops.ef_add_(grad.reshape(-1), state.residual)
-        out = g.to(grad.dtype, copy=True)  # never g itself: Horovod averages it in place
-        state.g_sq = state.kept_sq = out.double().square().sum().item()
+        it is (NaN if ``finite`` is False, and then ``e`` is not touched). ``e`` holds the
+        whole ``g = grad + e`` until ``settle_dense`` at the end of the step (so a skipped
+        step can keep it); then only what the dtype rounded away."""
+        g = ops.ef_add_(grad.reshape(-1), state.residual, finite)
+        out = nan_unless(finite, g).to(grad.dtype)  # a new tensor, never g itself: Horovod averages it in place
+        state.g_sq = state.kept_sq = out.double().square().sum()
         return out.view(grad.shape)
 
     @staticmethod
-    def settle_dense(state: TopKState, grad_dtype: torch.dtype) -> None:
-        """After a dense step went through: ``e`` keeps only what ``grad_dtype`` rounded away."""
+    def settle_dense(state: TopKState, grad_dtype: torch.dtype, done: torch.Tensor) -> None:
+        """After a dense step, if ``done`` (0-d bool: the step was not skipped): ``e`` keeps
+        only what ``grad_dtype`` rounded away. Decided on the device."""
         e = state.residual
         if grad_dtype == e.dtype:
-            e.zero_()
+            ops.zero_if_([e], done)
         else:
-            e.sub_(e.to(grad_dtype).to(e.dtype))
+            sent = e.to(grad_dtype).to(e.dtype)
+            ops.zero_if_([sent], ~done)  # a skipped step sent nothing
+            e.sub_(sent)
 
-    def poisoned(self, state: TopKState) -> tuple[torch.Tensor, torch.Tensor]:
-        """What a rank sends for a layer whose gradient is not finite: NaN values (so every
-        rank sees the fault in the exchanged data) at valid indices; ``e`` is not touched."""
-        state.g_sq = state.kept_sq = float("nan")
-        return (torch.full((state.k,), float("nan"), dtype=state.residual.dtype, device=state.residual.device),
-                torch.zeros(state.k, dtype=torch.int32, device=state.residual.device))
-
-    def encode(self, state: TopKState, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Returns (values, int32 indices) to exchange; updates the error feedback.
+    def encode(self, state: TopKState, grad: torch.Tensor,
+               finite: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns (values, int32 indices) to exchange; updates the error feedback. With
+        ``finite`` (0-d bool) False the gradient is not folded in: the selection is from ``e``
+        alone (the caller sends NaN in its place, and a skipped step restores it).
 
         The fused kernel (``accordion::topk_ef``) serves float32 residuals on the CPU and, in a
         build with CUDA kernels, on the GPU; other cases (float64 gradients) use the
-        plain-torch reference.
+        plain-torch reference. The squared norms stay on the device.
         """
         flat = grad.reshape(-1)
         if _kernel_ok(state.residual):
-            values, indices, g_sq, kept_sq = ops.topk_ef(flat, state.residual, state.k)
+            values, indices, g_sq, kept_sq = ops.topk_ef(flat, state.residual, state.k, finite)
         else:
+            if finite is not None:
+                flat = flat.masked_fill(~finite, 0.0)
             values, indices, state.residual, g_sq, kept_sq = reference.topk_select(flat, state.residual, state.k)
-        state.g_sq, state.kept_sq = g_sq.item(), kept_sq.item()
+        state.g_sq, state.kept_sq = g_sq, kept_sq
         return values, indices
 
     def decode(self, state: TopKState, values: torch.Tensor, indices: torch.Tensor, world_size: int,

@@ -22,10 +22,12 @@ with the others' P); its average is the result, it has no Q round, and its error
 zero once the step is settled. A network-aware policy uses it for layers whose transfer
 hides under backward (policies/network_aware.py).
 
-Non-finite gradients: a rank sends NaN as P for such a layer, so the fault shows in the
-averaged P that every rank reads; that bucket's Q round is not issued (on any rank), the
-step is flagged, and ``end_step(skipped=True)`` puts each finished layer's M_hat back into
-its error feedback (which then holds M = grad + e: nothing lost).
+Non-finite gradients: a rank sends NaN as P for such a layer (and does not fold that
+gradient into e), so the fault shows in the averaged P that every rank reads. Nothing here
+reads a tensor on the host: each bucket's averaged P gives a 0-d bool flag on the device,
+every Q round is issued all the same, ``finish`` masks P and Q^T with the flag (M_hat zero,
+Q kept), and ``end_step(skipped)`` makes e = M - M_hat only where the step went through
+(else e keeps M = grad + e: nothing lost).
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ from typing import Any, Callable
 import torch
 
 from ..comm.channel import Channel
-from ..codecs._common import all_finite
+from ..codecs._common import either, finite_flag
 from ..levels import DENSE
 from .buckets import BUCKET_BYTES, FIRST_BUCKET_BYTES, Round1, lane
 
@@ -60,8 +62,8 @@ class PowerSGDExchange:
         self.q_lane = lane(channel, "q")
         self.before_last = before_last
         self.seconds = seconds if seconds is not None else {"compress": 0.0, "comm": 0.0}
-        self._undo: list[tuple[Any, torch.Tensor]] = []
-        self._settle: list[Any] = []  # DENSE layers finished this step: e = 0 once it is not skipped
+        self._finished: list[Any] = []  # layers finished this step: e = M - M_hat once it is not skipped
+        self._settle: list[Any] = []    # DENSE layers finished this step: e = 0 once it is not skipped
         self._begin()
 
     def _begin(self) -> None:
@@ -70,13 +72,13 @@ class PowerSGDExchange:
         self._dense: dict[str, torch.Tensor] = {}               # DENSE layers' averaged M, once back
         self._next_q = 0        # the next bucket whose Q round is due, in layout order
         self._closed = False    # every P round issued
-        self.fault = False      # some rank's gradient was not finite (the same on every rank)
+        self.fault: torch.Tensor | None = None  # 0-d bool: some rank's gradient was not finite
 
-    def add(self, name: str, state, grad: torch.Tensor, finite: bool) -> None:
-        """Layer ``name``'s gradient: M = grad + e and P = M Q; its bucket's P round starts
-        once the bucket is complete. Horovod carries nothing for it."""
+    def add(self, name: str, state, grad: torch.Tensor, finite: torch.Tensor) -> None:
+        """Layer ``name``'s gradient and its finite flag (0-d bool): M = grad + e and P = M Q;
+        its bucket's P round starts once the bucket is complete. Horovod carries nothing for it."""
         started = time.perf_counter()
-        p = self.codec.start(state, grad) if finite else self.codec.poisoned(state)
+        p = self.codec.start(state, grad, finite)
         self._layers[name] = (state, grad)
         self.seconds["compress"] += time.perf_counter() - started
         self.round1.ready(name, [p], grad)
@@ -102,9 +104,8 @@ class PowerSGDExchange:
             averages = self.round1.take(index)
             self.seconds["comm"] += time.perf_counter() - started
             self._next_q += 1
-            if not all(all_finite(a[0]) for a in averages.values()):  # a rank sent NaN: no Q round
-                self.fault = True
-                continue
+            if averages:  # a rank sent NaN: flagged here, masked in ``finish``
+                self.fault = either(self.fault, ~torch.stack([finite_flag(a[0]) for a in averages.values()]).all())
             dense = [n for n in averages if self._layers[n][0].level == DENSE]
             for n in dense:  # M itself was averaged: that is the result, no Q round
                 self._dense[n] = averages[n][0]
@@ -119,8 +120,10 @@ class PowerSGDExchange:
 
     def results(self) -> dict[str, torch.Tensor]:
         """Wait for the rest of the step's exchange; each layer's averaged gradient M_hat,
-        shaped and typed like its gradient (zeros for the layers whose bucket saw a fault)."""
+        shaped and typed like its gradient (zeros, for the compressed layers, if some rank's
+        gradient was not finite)."""
         self._close()
+        ok = None if self.fault is None else ~self.fault
         out: dict[str, torch.Tensor] = {}
         for index, names, handle in self._q:
             started = time.perf_counter()
@@ -133,31 +136,28 @@ class PowerSGDExchange:
             started = time.perf_counter()
             for n, q in zip(names, q_avgs):
                 state, grad = self._layers[n]
-                out[n] = self.codec.finish(state, q, grad)
-                self._undo.append((state.residual, out[n]))
+                out[n] = self.codec.finish(state, q, grad, ok)
+                self._finished.append(state)
             self.seconds["compress"] += time.perf_counter() - started
         for n, m_avg in self._dense.items():
             state, grad = self._layers[n]
             out[n] = self.codec.finish_dense(state, m_avg, grad)
             self._settle.append(state)
-        for n, (state, grad) in self._layers.items():
-            if n not in out:  # its bucket had a fault: e already holds M = grad + e
-                out[n] = torch.zeros_like(grad)
         self.round1.begin_step()
         self._layers, self._q, self._dense, self._next_q, self._closed = {}, [], {}, 0, False  # ``fault`` stays
         return out
 
     @torch.no_grad()
-    def end_step(self, skipped: bool) -> None:
-        """Settle the step: if it is skipped, e += M_hat for every finished layer (e = M again),
-        before the adapter zeroes the results (M_hat lives in the result's memory)."""
-        if skipped:
-            for residual, m_hat in self._undo:
-                residual.add_(m_hat.reshape(residual.shape).to(residual.dtype))
-        else:  # a DENSE layer's e held M until now (a skipped step keeps it)
-            for state in self._settle:
-                self.codec.settle_dense(state)
-        self._undo, self._settle = [], []
+    def end_step(self, skipped: torch.Tensor) -> None:
+        """Settle the step (``skipped``: 0-d bool, on the device): where it went through, each
+        finished layer's e = M - M_hat and a DENSE layer's e = 0; where it is skipped, e keeps
+        M. Before the adapter zeroes the results: M_hat may live in the result's memory."""
+        done = ~skipped
+        for state in self._finished:
+            self.codec.settle(state, done)
+        for state in self._settle:  # a DENSE layer's e held M until now
+            self.codec.settle_dense(state, done)
+        self._finished, self._settle = [], []
         if self.round1.active:  # layers reported but no results taken (nothing to decompress)
             self.round1.results()
         self._begin()
@@ -165,5 +165,5 @@ class PowerSGDExchange:
     def abort(self) -> None:
         """Forget the step in flight (its collectives will never complete)."""
         self.round1.begin_step()
-        self._undo, self._settle = [], []
+        self._finished, self._settle = [], []
         self._begin()

@@ -17,9 +17,11 @@ controller reduces them over ranks and lets the policy choose (one control colle
 the selections are trimmed to the chosen level, kept, or undone so that every layer goes
 dense in one grouped allreduce.
 
-Non-finite gradients: a rank sends NaN values for such a layer, so every rank sees the fault
-in the gathered data; every layer's selection goes back into its error feedback and the
-results are zero.
+Non-finite gradients: a rank sends NaN values for such a layer (selected from e alone: that
+gradient is not folded in), so every rank sees the fault in the gathered data. The check is
+a 0-d bool flag on the device, never read by the host here: the results carry the NaN (the
+adapter zeroes them) and ``end_step(skipped)`` puts each selection back into its error
+feedback where the step is skipped.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from typing import Any, Callable
 
 import torch
 
-from ..codecs._common import all_finite
+from ..codecs._common import either, finite_flag, nan_unless
 from ..comm.channel import Channel
 from ..levels import DENSE
 from .buckets import BUCKET_BYTES, FIRST_BUCKET_BYTES, Round1, bytes_of, split_bytes
@@ -61,32 +63,32 @@ class TopKExchange:
         self._begin()
 
     def _begin(self) -> None:
-        self._layers: dict[str, tuple[Any, torch.Tensor, tuple, bool]] = {}  # name -> (state, grad, sent, finite)
-        self._undo: list = []     # if the step is skipped: put a selection back into e
-        self._settle: list = []   # if it is not: finish a dense layer's error feedback
-        self.fault = False
+        # name -> (state, grad, (values, indices), finite flag)
+        self._layers: dict[str, tuple[Any, torch.Tensor, tuple, torch.Tensor]] = {}
+        self._undo: list = []     # (state, values, indices): back into e if the step is skipped
+        self._settle: list = []   # f(done): finish a dense layer's error feedback if it is not
+        self.fault: torch.Tensor | None = None  # 0-d bool: some rank's gradient was not finite
 
-    def add(self, name: str, state, grad: torch.Tensor, finite: bool) -> torch.Tensor | None:
-        """Layer ``name``'s gradient. Returns the tensor Horovod must average instead, when
-        the layer is sent dense this step, else None (its bucket's allgather carries it)."""
+    def add(self, name: str, state, grad: torch.Tensor, finite: torch.Tensor) -> torch.Tensor | None:
+        """Layer ``name``'s gradient and its finite flag (0-d bool). Returns the tensor Horovod
+        must average instead, when the layer is sent dense this step, else None (its bucket's
+        allgather carries it)."""
         if self.per_step is not None:  # encode at the widest level asked about; trimmed later
             numel = state.residual.numel()
             self.codec.set_level(state, max(self.per_step.step_levels(), key=lambda lv: self.codec.level_k(lv, numel)))
         if self.codec.sends_dense(state):
             self.round1.ready(name, None, grad)  # nothing in round 1 this step
-            if not finite:
-                return torch.full_like(grad, float("nan"))
             started = time.perf_counter()
-            out = self.codec.flush_dense(state, grad)
+            out = self.codec.flush_dense(state, grad, finite)
             self.seconds["compress"] += time.perf_counter() - started
-            self._settle.append(lambda s=state, dtype=grad.dtype: self.codec.settle_dense(s, dtype))
+            self._settle.append(lambda done, s=state, dtype=grad.dtype: self.codec.settle_dense(s, dtype, done))
             return out
         started = time.perf_counter()
-        encoded = self.codec.encode(state, grad) if finite else self.codec.poisoned(state)
+        encoded = self.codec.encode(state, grad, finite)
         self.seconds["compress"] += time.perf_counter() - started
         self._layers[name] = (state, grad, encoded, finite)
         if self.per_step is None:  # else the policy decides what to send once every layer is encoded
-            self.round1.ready(name, bytes_of(*encoded), grad)
+            self.round1.ready(name, _payload(encoded, finite), grad)
         return None
 
     @torch.no_grad()
@@ -96,8 +98,8 @@ class TopKExchange:
         if self.per_step is not None:
             done = self._per_step_choice(names)
             for n in names:  # what the choice left to send (nothing, if dense or skipped)
-                state, grad, encoded, _ = self._layers[n]
-                self.round1.ready(n, None if done is not None else bytes_of(*encoded), grad)
+                state, grad, encoded, finite = self._layers[n]
+                self.round1.ready(n, None if done is not None else _payload(encoded, finite), grad)
             if done is not None:
                 self.round1.results()  # issues nothing; the first step agrees on the layout
                 self._layers = {}
@@ -111,24 +113,24 @@ class TopKExchange:
         layers = [(n, *self._layers[n]) for n in names]
         parts = {n: split_bytes(gathered[n], state.residual.dtype, state.k) for n, state, *_ in layers}
         out: dict[str, torch.Tensor] = {}
-        if not all(all_finite(values) for values, _ in parts.values()):  # a rank sent NaN
-            out = self._skip(layers)
-        else:
-            for n, state, grad, encoded, _ in layers:
-                values, indices = parts[n]
-                out[n] = self.codec.decode(state, values, indices, self.channel.size, grad.dtype)
-                self._undo.append(lambda s=state, sent=encoded: self.codec.restore(s, *sent))
+        if parts:  # a rank sent NaN: flagged here; the NaN results are zeroed by the adapter
+            self.fault = either(self.fault, ~torch.stack([finite_flag(values) for values, _ in parts.values()]).all())
+        for n, state, grad, encoded, _ in layers:
+            values, indices = parts[n]
+            out[n] = self.codec.decode(state, values, indices, self.channel.size, grad.dtype)
+            self._undo.append((state, *encoded))
         self.seconds["compress"] += time.perf_counter() - started
         self._layers = {}
         return out
 
     def _skip(self, layers) -> dict[str, torch.Tensor]:
-        """A rank's gradient was not finite: each selection goes back into e (a layer that was
-        not finite here left e untouched); the results are zero."""
-        self.fault = True
+        """(Per-step policies, which read the norms on the host anyway.) A rank's gradient was
+        not finite: each selection goes back into e (a layer that was not finite here was
+        selected from e alone, so e is as it was); the results are zero."""
         for n, state, grad, encoded, finite in layers:
-            if finite:
-                self.codec.restore(state, *encoded)
+            self.codec.restore(state, *encoded)
+        if layers:
+            self.fault = torch.ones((), dtype=torch.bool, device=layers[0][2].device)
         return {n: torch.zeros_like(grad) for n, state, grad, *_ in layers}
 
     def _per_step_choice(self, names: list[str]) -> dict[str, torch.Tensor] | None:
@@ -139,21 +141,22 @@ class TopKExchange:
         to be sent."""
         levels = self.per_step.step_levels()
         layers = [(n, *self._layers[n]) for n in names]
-        g_sq, kept = 0.0, [0.0] * len(levels)
-        for n, state, grad, (values, _), _ in layers:
-            g_sq += state.g_sq
-            for i, level in enumerate(levels):
+        rows = []  # per layer: |g|^2 (NaN if not finite here), then the kept |g|^2 of each level
+        for n, state, grad, (values, _), finite in layers:
+            row = [nan_unless(finite, state.g_sq)]  # a rank's fault shows in the reduced sums
+            for level in levels:
                 k = self.codec.level_k(level, state.residual.numel())
-                top = values.abs().topk(k).values if k < values.numel() else None
-                kept[i] += state.kept_sq if top is None else top.double().square().sum().item()
-        choice = self.per_step.choose_step(self.control(), g_sq, kept)
+                row.append(state.kept_sq if k >= values.numel() else values.abs().topk(k).values.double().square().sum())
+            rows.append(torch.stack(row))
+        sums = torch.stack(rows).sum(0).tolist() if rows else [0.0] * (1 + len(levels))  # one read per step
+        choice = self.per_step.choose_step(self.control(), sums[0], sums[1:])
         if choice is None:  # a rank's gradient was not finite
             return self._skip(layers)
         for n, state, grad, (values, indices), finite in layers:
             numel = state.residual.numel()
             before = self.codec.floats_sent(state)
             if choice == DENSE:
-                self.codec.restore(state, values, indices)
+                self.codec.restore(state, values, indices)  # every rank's gradient was finite
             else:
                 trimmed = self.codec.trim(state, values, indices, self.codec.level_k(choice, numel))
                 self._layers[n] = (state, grad, trimmed, finite)
@@ -172,14 +175,17 @@ class TopKExchange:
         out = {}
         for n, state, avg in zip(names, states, avgs):
             out[n] = avg.to(self._layers[n][1].dtype).view(state.shape)
-            self._settle.append(state.residual.zero_)
+            self._settle.append(lambda done, e=state.residual: e.masked_fill_(done, 0.0))
         return out
 
-    def end_step(self, skipped: bool) -> None:
-        """Settle the step: undo the selections sent if it is skipped, else finish the dense
-        layers' error feedback."""
-        for action in (self._undo if skipped else self._settle):
-            action()
+    def end_step(self, skipped: torch.Tensor) -> None:
+        """Settle the step (``skipped``: 0-d bool, on the device): the selections sent go back
+        into e where it is skipped; the dense layers' error feedback is finished where not."""
+        for state, values, indices in self._undo:
+            self.codec.restore(state, values, indices, where=skipped)
+        done = ~skipped
+        for action in self._settle:
+            action(done)
         if self.round1.active:  # only dense-level layers this step: nothing was waited for
             self.round1.results()
         self._begin()
@@ -188,3 +194,9 @@ class TopKExchange:
         """Forget the step in flight (its collectives will never complete)."""
         self.round1.begin_step()
         self._begin()
+
+
+def _payload(encoded: tuple[torch.Tensor, torch.Tensor], finite: torch.Tensor) -> torch.Tensor:
+    """A layer's bytes to gather: its values (NaN if its gradient was not finite) and indices."""
+    values, indices = encoded
+    return bytes_of(nan_unless(finite, values), indices)

@@ -7,11 +7,21 @@
 namespace accordion {
 namespace {
 
+// On the CPU the finite flag is read directly: that is a memory load, not a round-trip.
+std::optional<at::Tensor> grad_if_finite(const at::Tensor& grad, const at::Tensor& finite) {
+  if (finite.item<bool>()) return grad;
+  return std::nullopt;
+}
+
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> topk_ef(const at::Tensor& grad,
-                                                                   const at::Tensor& residual, int64_t k) {
-  auto [values, indices] = topk_ef_outputs(grad, residual, k);
+                                                                   const at::Tensor& residual, int64_t k,
+                                                                   const std::optional<at::Tensor>& finite) {
+  auto [values, indices] = topk_ef_outputs(grad, residual, k, finite);
   double g_sq = 0, kept_sq = 0;
-  topk_ef_cpu(grad.contiguous(), residual, k, values, indices, g_sq, kept_sq);
+  // A non-finite gradient adds nothing: the selection is then made from the residual alone
+  // (a zero gradient; allocated only on this rare path).
+  const at::Tensor g = !finite || grad_if_finite(grad, *finite) ? grad.contiguous() : at::zeros_like(grad);
+  topk_ef_cpu(g, residual, k, values, indices, g_sq, kept_sq);
   const auto scalar = residual.options().dtype(at::kDouble);
   return {values, indices, at::scalar_tensor(g_sq, scalar), at::scalar_tensor(kept_sq, scalar)};
 }
@@ -31,15 +41,24 @@ at::Tensor error_update_(const at::Tensor& residual, const at::Tensor& approx, a
   return error_update_cpu(residual, approx, dtype);
 }
 
+// On the CPU the flag is read directly (a memory load): nothing is touched when it is false,
+// where a masked fill would still stream through every tensor.
+void zero_if_(at::TensorList tensors, const at::Tensor& flag) {
+  check_zero_if_args(tensors, flag);
+  if (!flag.item<bool>()) return;
+  for (const at::Tensor& t : tensors) const_cast<at::Tensor&>(t).zero_();
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(accordion, CPU, m) {
   m.impl("ef_add", &ef_add<ef_add_out_cpu>);
-  m.impl("ef_add_", &ef_add_<ef_add_out_cpu>);
+  m.impl("ef_add_", &ef_add_<ef_add_out_cpu, grad_if_finite>);
   m.impl("topk_ef", &topk_ef);
   m.impl("sparse_average", &sparse_average);
   m.impl("orthogonalize_", &orthogonalize_);
   m.impl("error_update_", &error_update_);
+  m.impl("zero_if_", &zero_if_);
 }
 
 }  // namespace accordion

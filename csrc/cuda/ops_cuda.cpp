@@ -34,14 +34,21 @@ void ef_add_out_cuda(const at::Tensor& grad, const at::Tensor& residual, at::Ten
                               current_stream()));
 }
 
+// The finite flag stays on the device: the gradient is masked there (one extra pass, only
+// when a flag is given), never read by the host.
+std::optional<at::Tensor> grad_if_finite(const at::Tensor& grad, const at::Tensor& finite) {
+  return grad.masked_fill(finite.logical_not(), 0);
+}
+
 // g_sq and kept_sq stay on the device (0-d float64): no synchronization.
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> topk_ef(const at::Tensor& grad,
-                                                                   const at::Tensor& residual, int64_t k) {
-  auto [values, indices] = topk_ef_outputs(grad, residual, k);
+                                                                   const at::Tensor& residual, int64_t k,
+                                                                   const std::optional<at::Tensor>& finite) {
+  auto [values, indices] = topk_ef_outputs(grad, residual, k, finite);
   const c10::cuda::CUDAGuard guard(residual.device());
   const auto scalar = residual.options().dtype(at::kDouble);
   at::Tensor g_sq = at::empty({}, scalar), kept_sq = at::empty({}, scalar);
-  const at::Tensor g = grad.contiguous();
+  const at::Tensor g = (finite ? *grad_if_finite(grad, *finite) : grad).contiguous();
   const int64_t n = residual.numel();
   const size_t bytes = cuda::topk_ef_workspace_bytes(n, k);
   // Freed (back to the caching allocator) when this returns; the allocator keeps it for the
@@ -108,15 +115,23 @@ at::Tensor error_update_(const at::Tensor& residual, const at::Tensor& approx, a
   return out;
 }
 
+// The flag stays on the device: a masked fill per tensor, never read by the host.
+void zero_if_(at::TensorList tensors, const at::Tensor& flag) {
+  check_zero_if_args(tensors, flag);
+  const c10::cuda::CUDAGuard guard(flag.device());
+  for (const at::Tensor& t : tensors) const_cast<at::Tensor&>(t).masked_fill_(flag, 0);
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(accordion, CUDA, m) {
   m.impl("ef_add", &ef_add<ef_add_out_cuda>);
-  m.impl("ef_add_", &ef_add_<ef_add_out_cuda>);
+  m.impl("ef_add_", &ef_add_<ef_add_out_cuda, grad_if_finite>);
   m.impl("topk_ef", &topk_ef);
   m.impl("sparse_average", &sparse_average);
   m.impl("orthogonalize_", &orthogonalize_);
   m.impl("error_update_", &error_update_);
+  m.impl("zero_if_", &zero_if_);
 }
 
 }  // namespace accordion

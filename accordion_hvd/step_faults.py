@@ -1,0 +1,123 @@
+"""Non-finite gradients, tracked on the device: a step never waits for the host to decide.
+
+A rank whose gradient is not finite sends NaN in its place, so the fault shows in the
+exchanged data on every rank; the exchanges fold what they see into 0-d bool flags, and the
+step is settled with them (results zeroed, error feedback kept) by masked tensor ops. Only
+when somebody asks (``step_skipped``, ``skipped_steps``), or at a later step once the device
+has finished with the flag, does the host read it: on a GPU that is a copy into pinned
+memory and an event, not a synchronization inside the step.
+
+``StepFaults`` keeps the current step's flags, the count of skipped steps, and the steps
+whose outcome the host has not read yet (to log them, and to check the invariant that a
+rank's own non-finite gradient always skips the step).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import torch
+
+from .codecs._common import either
+
+log = logging.getLogger("accordion_hvd")
+
+
+@dataclass
+class _Settled:
+    """A settled step whose outcome the host has not read yet."""
+    step: int                      # 1-based
+    outcome: torch.Tensor          # int8 0-d, on the host once ``ready``: 1 skipped, 2 local fault not seen
+    ready: torch.cuda.Event | None  # None: already on the host
+    local: list[tuple[str, torch.Tensor]] = field(default_factory=list)  # this rank's (layer, finite flag)
+
+
+class StepFaults:
+    """The step's fault flags, the skipped-step count and the unread outcomes."""
+
+    def __init__(self, rank: int = 0) -> None:
+        self.rank = rank
+        self._count: torch.Tensor | int = 0  # skipped steps; a device tensor once a step has settled
+        self._last: _Settled | None = None
+        self._unread: list[_Settled] = []
+        self._begin()
+
+    def _begin(self) -> None:
+        self.bad: torch.Tensor | None = None        # some rank's gradient was not finite
+        self._local_bad: torch.Tensor | None = None  # this rank's was not
+        self._local: list[tuple[str, torch.Tensor]] = []
+
+    # --- during a step ----------------------------------------------------------------------
+    def local(self, name: str, finite: torch.Tensor) -> None:
+        """This rank's gradient of ``name`` and its finite flag."""
+        self._local.append((name, finite))
+        self._local_bad = either(self._local_bad, ~finite)
+
+    def seen(self, bad: torch.Tensor | None) -> None:
+        """A fault flag from the exchanged data (the same on every rank)."""
+        self.bad = either(self.bad, bad)
+
+    # --- at the end of a step ---------------------------------------------------------------
+    def settle(self, step: int, device: torch.device) -> torch.Tensor:
+        """Close step ``step`` (1-based): returns its "skipped" flag (0-d bool on ``device``),
+        counts it, and queues its outcome for the host to read later."""
+        skipped = self.bad if self.bad is not None else torch.zeros((), dtype=torch.bool, device=device)
+        self._count = self._count + skipped.long()
+        outcome = skipped.to(torch.int8)
+        if self._local_bad is not None:  # cannot happen: the NaN sent in its place reaches every rank
+            outcome = outcome + 2 * (self._local_bad & ~skipped).to(torch.int8)
+        ready = None
+        if outcome.device.type == "cuda":
+            host = torch.empty((), dtype=torch.int8, pin_memory=True)
+            host.copy_(outcome, non_blocking=True)
+            ready, outcome = torch.cuda.Event(), host
+            ready.record()
+        self._last = _Settled(step, outcome, ready, self._local)  # flags read only if the step was skipped
+        self._unread.append(self._last)
+        self._begin()
+        self.poll(wait=False)
+        return skipped
+
+    def poll(self, wait: bool) -> None:
+        """Read the outcomes the device has finished with (all of them if ``wait``), log each
+        skipped step, and raise if a rank's own fault did not skip its step."""
+        while self._unread and (wait or self._unread[0].ready is None or self._unread[0].ready.query()):
+            entry = self._unread.pop(0)
+            if entry.ready is not None:
+                entry.ready.synchronize()
+                entry.ready = None
+            code = int(entry.outcome)
+            flags = torch.stack([finite for _, finite in entry.local]).tolist() if code and entry.local else []
+            bad = [n for (n, _), finite in zip(entry.local, flags) if not finite]
+            if bad:
+                log.warning("rank %d: non-finite gradient in %s at step %d", self.rank,
+                            ", ".join(bad[:3]) + (" ..." if len(bad) > 3 else ""), entry.step)
+            if code & 2:
+                raise RuntimeError("AccordionCompressor: a non-finite gradient was not seen in the exchange")
+            if code & 1:
+                log.warning("step %d skipped on every rank: a gradient was not finite on some rank; gradients set "
+                            "to zero, error feedback kept", entry.step)
+
+    # --- what the host reads ----------------------------------------------------------------
+    @property
+    def last_skipped(self) -> bool:
+        """Whether the last settled step was skipped (waits for the device)."""
+        if self._last is None:
+            return False
+        self.poll(wait=True)
+        return bool(int(self._last.outcome) & 1)
+
+    @property
+    def count(self) -> int:
+        """Steps skipped so far (waits for the device)."""
+        self.poll(wait=True)
+        return int(self._count)
+
+    @count.setter
+    def count(self, value: int) -> None:
+        self._count = int(value)
+
+    def forget(self) -> None:
+        """Drop the step in flight (an aborted step: its collectives never completed)."""
+        self._begin()
