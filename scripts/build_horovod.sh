@@ -14,7 +14,10 @@
 # with the same torch) installs it in seconds instead of rebuilding for ~4 minutes.
 #
 # With a CUDA build of torch and NCCL available (the nvidia-nccl pip package that CUDA torch
-# depends on, or HOROVOD_NCCL_HOME), Horovod is built with NCCL GPU operations.
+# depends on, or HOROVOD_NCCL_HOME), Horovod is built with NCCL GPU operations, and the
+# acceptance check then requires NCCL too. ACCORDION_HOROVOD_NCCL=off builds without.
+# ACCORDION_HOROVOD_PLAN_ONLY=1 prints what would be built (flavour, GPU operations, NCCL
+# paths) and stops: tests/test_setup_failures.py checks the decision with a stand-in Python.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/lib.sh
@@ -40,10 +43,11 @@ if [ "$TORCH_CUDA" != cpu ] && [ "${ACCORDION_HOROVOD_NCCL:-auto}" != off ]; the
     # it a private directory holding that one symlink.
     if [ -z "${HOROVOD_NCCL_HOME:-}" ]; then
         NCCL_DIR=$("$PY" -c 'import os, nvidia.nccl as n; print(os.path.dirname(n.__file__) if n.__file__ else list(n.__path__)[0])' 2>/dev/null || true)
-        if [ -n "$NCCL_DIR" ] && [ -f "$NCCL_DIR/include/nccl.h" ]; then
-            mkdir -p build/nccl-link
-            ln -sf "$NCCL_DIR"/lib/libnccl.so.2 build/nccl-link/libnccl.so
-            export HOROVOD_NCCL_INCLUDE="$NCCL_DIR/include" HOROVOD_NCCL_LIB="$PWD/build/nccl-link"
+        if [ -n "$NCCL_DIR" ] && [ -f "$NCCL_DIR/include/nccl.h" ] && [ -f "$NCCL_DIR/lib/libnccl.so.2" ]; then
+            link=${ACCORDION_NCCL_LINK_DIR:-$PWD/build/nccl-link}
+            mkdir -p "$link"
+            ln -sf "$NCCL_DIR"/lib/libnccl.so.2 "$link/libnccl.so"
+            export HOROVOD_NCCL_INCLUDE="$NCCL_DIR/include" HOROVOD_NCCL_LIB="$link"
         fi
     fi
     if [ -n "${HOROVOD_NCCL_HOME:-}${HOROVOD_NCCL_INCLUDE:-}" ]; then
@@ -53,6 +57,12 @@ if [ "$TORCH_CUDA" != cpu ] && [ "${ACCORDION_HOROVOD_NCCL:-auto}" != off ]; the
     else
         say "CUDA torch but no NCCL found: building Horovod without GPU operations"
     fi
+fi
+
+if [ "${ACCORDION_HOROVOD_PLAN_ONLY:-0}" = 1 ]; then
+    echo "plan: flavour=$FLAVOUR gpu_operations=${HOROVOD_GPU_OPERATIONS:-none}" \
+         "nccl_include=${HOROVOD_NCCL_INCLUDE:-${HOROVOD_NCCL_HOME:-none}} nccl_lib=${HOROVOD_NCCL_LIB:-none}"
+    exit 0
 fi
 
 WHEEL_DIR="$CACHE/horovod-$VERSION-$PYTAG-torch$TORCH_VER-$FLAVOUR"
@@ -89,7 +99,9 @@ run_logged horovod-install "installing Horovod" "$PY" -m pip install --force-rei
 # The acceptance check: horovodrun must see PyTorch, MPI and Gloo.
 bin=$(dirname "$PY")
 check=$("$bin/horovodrun" --check-build 2>&1) || die "horovodrun --check-build failed: $check"
-for fw in PyTorch MPI Gloo; do
+required=(PyTorch MPI Gloo)
+[ "${HOROVOD_GPU_OPERATIONS:-}" = NCCL ] && required+=(NCCL)
+for fw in "${required[@]}"; do
     grep -qE "\[X\] $fw" <<<"$check" || die "Horovod was built without $fw (horovodrun --check-build)"
 done
-say "Horovod $VERSION ready: PyTorch, MPI and Gloo built in"
+say "Horovod $VERSION ready: ${required[*]} built in"

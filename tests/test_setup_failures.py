@@ -74,3 +74,54 @@ def test_horovod_build_without_network_says_so(tmp_path):
     assert result.returncode == 1
     last = result.stderr.strip().splitlines()[-1]
     assert last.startswith("setup error: downloading the Horovod 0.28.1 sdist failed: no network"), result.stderr
+
+
+FAKE_PYTHON = """#!/usr/bin/env bash
+# Stands in for the venv's Python in build_horovod.sh's decisions: torch's version and CUDA,
+# and where the nvidia-nccl wheel lives (FAKE_NCCL_DIR, or not installed).
+case "$*" in
+  *"import sys, torch"*) echo "2.13.0+cu128 $FAKE_TORCH_CUDA cp311" ;;
+  *nvidia.nccl*) [ -n "${FAKE_NCCL_DIR:-}" ] && echo "$FAKE_NCCL_DIR" || exit 1 ;;
+  *) exit 3 ;;
+esac
+"""
+
+
+def plan(tmp_path, torch_cuda="12.8", nccl=True, **env):
+    """What build_horovod.sh would build, from a stand-in Python (nothing is built)."""
+    python = tmp_path / "python"
+    python.write_text(FAKE_PYTHON)
+    python.chmod(0o755)
+    wheel = tmp_path / "nvidia" / "nccl"
+    if nccl:
+        (wheel / "include").mkdir(parents=True)
+        (wheel / "lib").mkdir()
+        (wheel / "include" / "nccl.h").write_text("")
+        (wheel / "lib" / "libnccl.so.2").write_text("")
+    full = {k: v for k, v in os.environ.items() if not k.startswith(("HOROVOD_", "ACCORDION_HOROVOD"))}
+    full.update(PY=str(python), FAKE_TORCH_CUDA=torch_cuda, FAKE_NCCL_DIR=str(wheel) if nccl else "",
+                ACCORDION_HOROVOD_PLAN_ONLY="1", ACCORDION_NCCL_LINK_DIR=str(tmp_path / "link"), **env)
+    result = run(["bash", "scripts/build_horovod.sh"], env=full)
+    assert result.returncode == 0, result.stdout + result.stderr
+    return result.stdout.strip().splitlines()[-1]
+
+
+def test_cuda_torch_with_the_nccl_wheel_builds_nccl_operations(tmp_path):
+    line = plan(tmp_path)
+    assert f"flavour=cu12.8-nccl gpu_operations=NCCL nccl_include={tmp_path}/nvidia/nccl/include" in line, line
+    link = tmp_path / "link" / "libnccl.so"  # Horovod's FindNCCL wants libnccl.so; the wheel has .so.2
+    assert f"nccl_lib={tmp_path / 'link'}" in line and os.readlink(link).endswith("lib/libnccl.so.2")
+
+
+@pytest.mark.parametrize("case,kwargs,expected", [
+    ("cpu-torch", {"torch_cuda": "cpu"}, "plan: flavour=cpu gpu_operations=none"),
+    ("no-nccl", {"nccl": False}, "plan: flavour=cpu gpu_operations=none"),
+    ("nccl-off", {"ACCORDION_HOROVOD_NCCL": "off"}, "plan: flavour=cpu gpu_operations=none"),
+])
+def test_without_cuda_or_nccl_horovod_is_built_without_gpu_operations(tmp_path, case, kwargs, expected):
+    assert plan(tmp_path, **kwargs).startswith(expected)
+
+
+def test_an_nccl_home_is_used_as_given(tmp_path):
+    line = plan(tmp_path, nccl=False, HOROVOD_NCCL_HOME="/opt/nccl")
+    assert line.startswith("plan: flavour=cu12.8-nccl gpu_operations=NCCL nccl_include=/opt/nccl"), line
