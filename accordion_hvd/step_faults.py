@@ -82,12 +82,15 @@ class StepFaults:
     def poll(self, wait: bool) -> None:
         """Read the outcomes the device has finished with (all of them if ``wait``), log each
         skipped step, and raise if a rank's own fault did not skip its step."""
-        while self._unread and (wait or self._unread[0].ready is None or self._unread[0].ready.query()):
-            entry = self._unread.pop(0)
-            if entry.ready is not None:
+        while self._unread:
+            entry = self._unread[0]
+            if entry.ready is not None and not entry.ready.query():  # query() never waits
+                if not wait:
+                    return
                 entry.ready.synchronize()
-                entry.ready = None
-            code = int(entry.outcome)
+            entry.ready = None
+            self._unread.pop(0)
+            code = int(entry.outcome)  # on the host by now (pinned memory, copied before the event)
             flags = torch.stack([finite for _, finite in entry.local]).tolist() if code and entry.local else []
             bad = [n for (n, _), finite in zip(entry.local, flags) if not finite]
             if bad:
