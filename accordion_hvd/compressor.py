@@ -173,7 +173,7 @@ class AccordionCompressor(HorovodCompressor):
                                  f"the layer's gradient accumulated over the window")
             self._probe = self.controller.probe = NetworkProbe(
                 codec, states=lambda: self._layers, buckets=lambda: [b.names for b in (self.round1.buckets or [])],
-                measure_link=self._window_link)
+                measure_link=self._window_link, dense_level=self.policy.dense_level)
         self._names = None if named_parameters is None else GradientNames(named_parameters)
         self.wait = check_wait(wait)
         self._met_horovod = False                    # compress() was called by Horovod: wait installed
@@ -324,6 +324,8 @@ class AccordionCompressor(HorovodCompressor):
             if self._results is None:  # the step's first: wait for the step's rounds
                 self._results = self._collect()
             tensor = self._results.pop(name)
+        elif name in self._dtypes:  # a layer sent whole in 16 bits
+            tensor = tensor.to(self._dtypes[name])
         if kind != _COMPRESSED and tensor.is_floating_point():
             self._faults.seen(~finite_flag(tensor))  # an average: the same on every rank
         self._outputs.append(tensor)
@@ -397,7 +399,9 @@ class AccordionCompressor(HorovodCompressor):
         dense = self.exchange.add(name, state, tensor, finite)  # starts its bucket's round once the bucket is full
         self._sent[name] = self._sent.get(name, 0) + (dense_floats if dense is not None
                                                       else self.codec.floats_sent(state))
-        if dense is not None:  # sent dense this step (a TopK level keeping half or more): Horovod carries it
+        if dense is not None:  # sent whole this step (TopK keeping half or more, DENSE16): Horovod carries it
+            if dense.dtype != tensor.dtype:  # in 16 bits: back to the gradient's dtype in decompress
+                self._dtypes[name] = tensor.dtype
             return dense, (_DENSE, name)
         self._rounds.add(_COMPRESSED)
         return placeholder(tensor), (_COMPRESSED, name)

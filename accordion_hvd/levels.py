@@ -8,10 +8,12 @@ controller hands them on, codecs turn them into their own knob (PowerSGD's rank,
   ``critical_ratio``);
 * ``Level.factor(f)``: send about ``1/f`` of the layer (GraVAC's compression factors; TopK
   keeps ``ceil(numel / f)`` entries);
-* ``DENSE``: the layer goes uncompressed this step.
+* ``DENSE``: the layer goes uncompressed this step;
+* ``DENSE16``: uncompressed, in 16 bits: float16 through Horovod's allreduce (half of
+  float32's bytes), the rounding error kept in the layer's error feedback for later steps.
 
 A level is an immutable value: compare it with ``==``, use it as a key. ``str(level)`` is its
-name in logs, CSV columns and ``stats()`` ("normal", "critical", "10x", "dense");
+name in logs, CSV columns and ``stats()`` ("normal", "critical", "10x", "dense", "dense16");
 ``to_state()`` / ``Level.from_state()`` carry it through checkpoints as plain values.
 
 This module imports nothing from the project: codecs, policies, the controller and the
@@ -23,7 +25,7 @@ from __future__ import annotations
 import numbers
 from dataclasses import dataclass
 
-_KINDS = ("normal", "critical", "factor", "dense")
+_KINDS = ("normal", "critical", "factor", "dense", "dense16")
 
 
 @dataclass(frozen=True)
@@ -67,12 +69,14 @@ class Level:
 NORMAL = Level("normal")
 CRITICAL = Level("critical")
 DENSE = Level("dense")
+DENSE16 = Level("dense16")
+UNCOMPRESSED = (DENSE, DENSE16)  # the levels that send a layer whole
 
 
 def check_level(name: str, level, allowed: tuple[Level, ...] | None = None) -> Level:
     """``level`` must be a Level (one of ``allowed``, when given); returns it."""
     if not isinstance(level, Level):
-        raise TypeError(f"{name} must be an accordion_hvd.levels.Level (NORMAL, CRITICAL, DENSE or "
+        raise TypeError(f"{name} must be an accordion_hvd.levels.Level (NORMAL, CRITICAL, DENSE, DENSE16 or "
                         f"Level.factor(f)), got {type(level).__name__} {level!r}")
     if allowed is not None and level not in allowed:
         raise ValueError(f"{name} must be one of {', '.join(map(repr, allowed))}, got {level!r}")
@@ -90,4 +94,4 @@ def positive_number(name: str, value, *, integer: bool = False, upper: float | N
     return value
 
 
-__all__ = ["CRITICAL", "DENSE", "Level", "NORMAL", "check_level", "positive_number"]
+__all__ = ["CRITICAL", "DENSE", "DENSE16", "Level", "NORMAL", "UNCOMPRESSED", "check_level", "positive_number"]

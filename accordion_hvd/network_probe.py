@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from .costmodel import Link
-from .levels import Level
+from .levels import DENSE, Level
 from .policies.base import NetworkReport
 
 
@@ -40,13 +40,16 @@ class NetworkProbe:
         buckets: returns the exchange's agreed buckets (tuples of layer names), or None
             before they are agreed.
         measure_link: returns the window's Link (or None); a control-plane collective.
+        dense_level: the level a layer sent whole is measured and priced at (the policy's
+            ``dense_level``: DENSE, or DENSE16 for float16).
     """
 
     def __init__(self, codec, states: Callable[[], dict[str, Any]], buckets: Callable[[], Any],
-                 measure_link: Callable[[], Link | None]) -> None:
+                 measure_link: Callable[[], Link | None], dense_level: Level = DENSE) -> None:
         self.codec, self.states = codec, states
         self._buckets, self._measure_link = buckets, measure_link
-        self.levels: tuple[Level, ...] = tuple(codec.levels)
+        # the codec's levels, with its whole-layer one sent as the policy asks (DENSE or DENSE16)
+        self.levels: tuple[Level, ...] = tuple(dense_level if lv == DENSE else lv for lv in codec.levels)
         self._marks: dict[str, float] = {}   # this step: seconds after its first compressed gradient
         self._first: float | None = None
         self._ready: dict[str, float] = {}   # sums over the window's steps

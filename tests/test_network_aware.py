@@ -16,7 +16,7 @@ import accordion_hvd as acc
 from accordion_hvd.comm import SimulatedWorld
 from accordion_hvd.comm.link import LinkMeasurement
 from accordion_hvd.costmodel import Link
-from accordion_hvd.levels import CRITICAL, DENSE, NORMAL
+from accordion_hvd.levels import CRITICAL, DENSE, DENSE16, NORMAL
 from accordion_hvd.policies import NetworkAware, NetworkReport, WindowReport
 from launch import run_worker
 
@@ -52,6 +52,12 @@ def test_level_errors_of_32_and_16_bit_gradients_match_float64(dtype):
         exact.residual.copy_(residual.reshape(exact.residual.shape).double())
         got = codec.level_errors(state, grad, codec.levels)
         expected = codec.level_errors(exact, grad.double(), codec.levels)
+        # sent whole (TopK, through Horovod), a 16-bit gradient's g = grad + e is rounded to 16 bits
+        # (the rest stays in e): that rounding is its error, next to nothing; float32 and float64 have none
+        whole = codec.levels.index(DENSE)
+        if dtype == torch.float16 and isinstance(codec, acc.TopK):
+            assert 0 < got[whole] < 1e-6 * got[0]
+            got[whole] = 0.0
         assert got == pytest.approx(expected, rel=1e-5), type(codec).__name__
 
 
@@ -121,16 +127,89 @@ def test_powersgd_dense_level_sends_m_itself_and_settles_or_keeps_its_error_feed
     assert stats["floats_sent"] == 2 * (24 + 16) * 2 + 2 * 24 * 16 and stats["level"] == "normal"
 
 
+@pytest.mark.parametrize("make", [lambda: acc.PowerSGD(rank=2), lambda: acc.TopK(ratio=0.05)], ids=["powersgd", "topk"])
+def test_dense16_sends_float16_and_keeps_the_rounding_in_error_feedback(make):
+    """A layer at DENSE16 goes whole in float16 (through the front end's allreduce, as Horovod
+    carries it): the result is the float16 average of every rank's g = grad + e, back in the
+    gradient's dtype; e keeps exactly what float16 rounded away; a skipped step (NaN on one
+    rank) keeps all of g; back at NORMAL the layer compresses again."""
+    shape = (24, 16)
+
+    def worker(rank, channel):
+        comp = acc.AccordionCompressor(make(), policy="static", channel=channel)
+        gen = torch.Generator().manual_seed(rank)
+        grads = [torch.randn(shape, generator=gen) for _ in range(4)]
+
+        def step(g):
+            out, ctx = comp.compress_named("w", g.clone())
+            wire = out.dtype
+            if ctx[0] == "dense":  # Horovod's part: the average, in the dtype it was given
+                out = channel.wait(channel.allreduce_mean_async([out], "hvd.w"))[0]
+            return comp.decompress(out, ctx).clone(), wire
+
+        residual = lambda: comp._layers["w"].residual.clone().reshape(shape)
+        step(grads[0])  # NORMAL: leaves some error feedback
+        comp.set_level("w", DENSE16)
+        g1 = grads[1] + residual()
+        result, wire = step(grads[1])
+        e1 = residual()
+        bad = grads[2].clone()
+        if rank == 1:
+            bad[3, 3] = float("inf")
+        skipped_result, _ = step(bad)
+        skipped, e2 = comp.step_skipped, residual()
+        comp.set_level("w", NORMAL)
+        _, wire_after = step(grads[3])
+        return g1, result, wire, e1, skipped_result, skipped, e2, grads[2], wire_after
+
+    out = SimulatedWorld(2).run(worker)
+    halves = [r[0].half() for r in out]
+    expected = (torch.stack(halves).sum(0) / 2).float()
+    for rank, (g1, result, wire, e1, skipped_result, skipped, e2, g2, wire_after) in enumerate(out):
+        assert wire == torch.float16 and result.dtype == torch.float32 and wire_after == torch.float32
+        assert torch.equal(result, expected), rank
+        assert torch.equal(e1, g1 - g1.half().float()), rank  # the rounding, kept for later steps
+        assert skipped and torch.count_nonzero(skipped_result) == 0
+        kept = e1 + g2 if rank == 0 else e1  # rank 1's non-finite gradient was never folded in
+        assert torch.equal(e2, kept), rank
+
+
+def test_dense16_is_priced_at_two_bytes_and_its_error_is_the_rounding():
+    shape = torch.Size([64, 8, 3, 3])
+    assert acc.PowerSGD(rank=2).wire(shape, DENSE16) == (("dense", 2 * 64 * 72),)
+    assert acc.TopK(ratio=0.01).wire(shape, DENSE16) == (("dense", 2 * 4608),)
+    grad = torch.randn(shape, generator=torch.Generator().manual_seed(3))
+    for codec in (acc.PowerSGD(rank=2), acc.TopK(ratio=0.01)):
+        state = codec.init_state("w", grad)
+        state.residual.normal_(generator=torch.Generator().manual_seed(4))
+        g = grad.reshape(state.residual.shape) + state.residual
+        dense, dense16 = codec.level_errors(state, grad, (DENSE, DENSE16))
+        assert dense == 0.0
+        assert dense16 == pytest.approx(float((g - g.half().float()).double().square().sum()), rel=1e-12)
+
+
+def test_network_aware_measures_dense16_when_asked_for_fp16():
+    assert NetworkAware(dense="fp16").dense_level == DENSE16 and NetworkAware().dense_level == DENSE
+    assert NetworkAware(dense="fp16").config()["dense"] == "fp16"
+    with pytest.raises(ValueError, match=r"dense must be one of \['fp16', 'fp32'\], got 'bf16'"):
+        NetworkAware(dense="bf16")
+    comp = acc.AccordionCompressor(acc.TopK(ratio=0.01, critical_ratio=0.1), policy=NetworkAware(dense="fp16"))
+    assert comp._probe.levels == (NORMAL, CRITICAL, DENSE16)
+
+
 # --- the search ----------------------------------------------------------------------------------
-def topk_network(link, ready, backward, sizes, buckets):
+def topk_network(link, ready, backward, sizes, buckets, dense=DENSE):
     codec = acc.TopK(ratio=0.01, critical_ratio=0.1)
-    wire = {n: {lv: codec.wire(torch.Size([sizes[n]]), lv) for lv in codec.levels} for n in sizes}
+    levels = (NORMAL, CRITICAL, dense)
+    wire = {n: {lv: codec.wire(torch.Size([sizes[n]]), lv) for lv in levels} for n in sizes}
     return NetworkReport(link=link, world=4, backward_s=backward, ready_s=ready, buckets=buckets, wire=wire)
 
 
-def errors_for(sizes):
-    """A level's error: 1% keeps a tenth of the energy lost at 10%... (made up, monotone)."""
-    return {n: {NORMAL: 1.0 * sizes[n], CRITICAL: 0.5 * sizes[n], DENSE: 0.0} for n in sizes}
+def errors_for(sizes, dense=DENSE):
+    """A level's error: 1% keeps a tenth of the energy lost at 10%... (made up, monotone);
+    float16's rounding costs next to nothing."""
+    return {n: {NORMAL: 1.0 * sizes[n], CRITICAL: 0.5 * sizes[n], dense: 0.0 if dense == DENSE else 1e-6 * sizes[n]}
+            for n in sizes}
 
 
 def window(policy, norms, errors, network, steps=10):
@@ -148,6 +227,21 @@ def test_layers_whose_communication_hides_under_backward_go_dense_the_last_ones_
     assert levels == {"early": DENSE, "late": NORMAL}
     last = policy.last
     assert last["predicted_s"] <= last["accordion_s"] + 1e-12 and last["error"] <= last["budget"]
+
+
+def test_a_layer_that_hides_only_in_float16_goes_dense16_when_the_policy_may_send_fp16():
+    # 1 Mi entries ready at 0 s, backward over at 0.8 s: a ring allreduce of it among 4 takes
+    # 1.0 s in float32 on the planned link (100 Mbit/s, headroom 2) and would lengthen the
+    # step; in float16 0.5 s, hidden.
+    sizes = {"early": 1 << 20, "late": 1 << 20}
+    ready = {"early": 0.0, "late": 0.8}
+    chosen = {}
+    for dense, name in ((DENSE, "fp32"), (DENSE16, "fp16")):
+        network = topk_network(SLOW, ready, 0.8, sizes, (("early",), ("late",)), dense=dense)
+        policy = NetworkAware(verify=False, dense=name)
+        chosen[name] = window(policy, {"early": 1.0, "late": 1.0}, errors_for(sizes, dense), network)
+    assert chosen["fp32"]["early"] == CRITICAL and chosen["fp16"]["early"] == DENSE16
+    assert chosen["fp32"]["late"] == chosen["fp16"]["late"]
 
 
 def test_error_saved_where_it_is_free_is_spent_where_it_buys_time():
@@ -326,3 +420,10 @@ def test_the_compressor_measures_and_every_rank_decides_the_same(codec):
 def test_under_horovodrun_a_real_link_is_measured_and_ranks_agree(codec):
     out = run_worker("network_aware_check.py", codec, "24", np=2, backend="gloo")
     assert out.count(": OK network-aware") == 2, out
+
+
+@pytest.mark.horovod
+@pytest.mark.parametrize("codec", ["powersgd", "topk"])
+def test_under_horovodrun_dense16_is_horovods_float16_average(codec):
+    out = run_worker("dense16_check.py", codec, np=2, backend="gloo")
+    assert out.count(f"OK dense16 ({codec},") == 2, out

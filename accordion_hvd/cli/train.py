@@ -37,7 +37,7 @@ from ..codecs import PowerSGD, TopK
 from ..comm.channel import CollectiveTimeout
 from ..comm.horovod import install_polite_wait
 from ..compressor import AccordionCompressor
-from ..policies import GraVAC
+from ..policies import GraVAC, NetworkAware
 from . import data, models
 from .baselines import Uncompressed
 from .checkpoints import load_checkpoint, read_checkpoint, save_checkpoint
@@ -72,6 +72,8 @@ def make_compression(args):
     policy = args.policy
     if policy == "gravac":
         policy = GraVAC(args.min_factor, args.max_factor, window=args.gravac_window, epsilon=args.epsilon)
+    elif policy == "network-aware":
+        policy = NetworkAware(args.eta, dense=args.dense)
     return AccordionCompressor(codec, policy=policy, eta=args.eta, interval=None if args.interval == 0 else args.interval)
 
 
@@ -93,6 +95,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--eta", type=float, default=0.5, help="Accordion threshold on the relative norm change")
     p.add_argument("--interval", type=int, default=0,
                    help="detection window in optimizer steps; 0 (default): one window per epoch")
+    p.add_argument("--dense", choices=("fp32", "fp16"), default="fp32",
+                   help="network-aware: how a layer goes when it goes whole, in the gradient's dtype (fp32, the "
+                        "default) or in float16 through Horovod (half the bytes; the rounding error kept in "
+                        "error feedback)")
     p.add_argument("--min-factor", type=float, default=10.0, help="GraVAC: smallest compression factor")
     p.add_argument("--max-factor", type=float, default=1000.0, help="GraVAC: largest compression factor")
     p.add_argument("--gravac-window", type=int, default=100, help="GraVAC: steps between candidate growths")

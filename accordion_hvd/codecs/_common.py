@@ -1,8 +1,12 @@
-"""What both codecs share: the residual's dtype, the finiteness flags."""
+"""What both codecs share: the residual's dtype, the finiteness flags, how a layer sent
+whole is settled."""
 
 from __future__ import annotations
 
 import torch
+
+from .. import ops
+from ..levels import DENSE16, Level
 
 
 def residual_dtype(grad_dtype: torch.dtype) -> torch.dtype:
@@ -34,3 +38,30 @@ def nan_unless(finite: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
 def either(a: torch.Tensor | None, b: torch.Tensor | None) -> torch.Tensor | None:
     """The device-side OR of two optional 0-d bool flags (None: no flag yet)."""
     return b if a is None else a if b is None else a | b
+
+
+def wire_dtype(level: Level, grad_dtype: torch.dtype) -> torch.dtype:
+    """The dtype a layer sent whole travels in: float16 at ``DENSE16`` (unless the gradient is
+    16-bit already), else the gradient's own."""
+    if level == DENSE16 and torch.finfo(grad_dtype).bits > 16:
+        return torch.float16
+    return grad_dtype
+
+
+def settle_sent(e: torch.Tensor, sent_dtype: torch.dtype, done: torch.Tensor) -> None:
+    """After a step that sent ``e`` (which held all of ``g = grad + e``) whole in
+    ``sent_dtype``: if it went through (``done``, 0-d bool), ``e`` keeps only what that dtype
+    rounded away; if it was skipped, all of it. Decided on the device."""
+    if sent_dtype == e.dtype:
+        ops.zero_if_([e], done)
+    else:
+        sent = e.to(sent_dtype).to(e.dtype)
+        ops.zero_if_([sent], ~done)  # a skipped step sent nothing
+        e.sub_(sent)
+
+
+def rounding_error(g: torch.Tensor, dtype: torch.dtype) -> float:
+    """``||g - round(g)||^2`` for ``g`` sent in ``dtype`` (0 when it is ``g``'s own), in float64."""
+    if dtype == g.dtype:
+        return 0.0
+    return float((g - g.to(dtype).to(g.dtype)).square().sum(dtype=torch.float64))

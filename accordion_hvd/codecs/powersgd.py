@@ -24,8 +24,8 @@ from dataclasses import dataclass
 import torch
 
 from .. import ops, reference
-from ..levels import CRITICAL, DENSE, NORMAL, Level, check_level, positive_number
-from ._common import residual_dtype
+from ..levels import CRITICAL, DENSE, DENSE16, NORMAL, UNCOMPRESSED, Level, check_level, positive_number
+from ._common import nan_unless, residual_dtype, rounding_error, settle_sent, wire_dtype
 
 
 @dataclass
@@ -92,24 +92,28 @@ class PowerSGD:
         return n * m >= self.min_compression_rate * (n + m) * r
 
     def level_rank(self, level: Level, shape: torch.Size) -> int:
-        """The rank a layer of ``shape`` uses at ``level`` (NORMAL or CRITICAL; 0 for DENSE)."""
+        """The rank a layer of ``shape`` uses at ``level`` (NORMAL or CRITICAL; 0 for DENSE and
+        DENSE16)."""
         n, m = self.matrix_shape(shape)
-        check_level("level", level, allowed=self.levels)
-        if level == DENSE:
+        check_level("level", level, allowed=self.levels + (DENSE16,))
+        if level in UNCOMPRESSED:
             return 0
         return min(self.critical_rank if level == CRITICAL else self.rank, n, m)
 
     def floats_sent(self, state: PowerSGDState) -> int:
         n, m = state.residual.shape
-        return n * m if state.level == DENSE else (n + m) * state.rank
+        return n * m if state.level in UNCOMPRESSED else (n + m) * state.rank
 
     # --- what a level costs and loses (the network-aware policy) -----------------------------
     def wire(self, shape: torch.Size, level: Level, itemsize: int = 4) -> tuple[tuple[str, int], ...]:
         """The collectives one layer of ``shape`` costs at ``level``: (kind, bytes per rank)
-        for P (n x r) and for Q (m x r), both averaged; at DENSE, M (n x m) in the P round."""
+        for P (n x r) and for Q (m x r), both averaged; at DENSE, M (n x m) in the P round;
+        at DENSE16, M in float16 through Horovod's allreduce, outside the buckets ("dense")."""
         n, m = self.matrix_shape(shape)
         if level == DENSE:  # M itself, in its bucket's P round; no Q round
             return (("allreduce", itemsize * n * m),)
+        if level == DENSE16:
+            return (("dense", min(itemsize, 2) * n * m),)
         r = self.level_rank(level, shape)
         return ("allreduce", itemsize * n * r), ("allreduce", itemsize * m * r)
 
@@ -132,20 +136,28 @@ class PowerSGD:
         M = grad.reshape(n, m).to(state.residual.dtype) + state.residual
         ranks = [self.level_rank(level, state.shape) for level in levels]
         if max(ranks) == 0:
-            return [0.0] * len(levels)
+            return [self._whole_error(M, level, grad.dtype) for level in levels]
         top = max(ranks)
         start = self._fresh_columns(state.name, m, 0, top, M.dtype, M.device)
         p = torch.linalg.qr(M @ start).Q
         p = torch.linalg.qr(M @ (M.t() @ p)).Q
         kept = torch.cumsum((p.t() @ M).square().sum(dim=1, dtype=torch.float64), 0)
         total = float(M.square().sum(dtype=torch.float64))
-        return [max(0.0, total - float(kept[r - 1])) if r > 0 else 0.0 for r in ranks]  # rank 0: DENSE, exact
+        # rank 0: sent whole, exact but for what float16 rounds away at DENSE16
+        return [max(0.0, total - float(kept[r - 1])) if r > 0 else self._whole_error(M, level, grad.dtype)
+                for level, r in zip(levels, ranks)]
+
+    @staticmethod
+    def _whole_error(M: torch.Tensor, level: Level, grad_dtype: torch.dtype) -> float:
+        """The error of sending M whole: none at DENSE (in the float32 P round), float16's
+        rounding at DENSE16."""
+        return rounding_error(M, wire_dtype(level, grad_dtype)) if level == DENSE16 else 0.0
 
     # --- state ------------------------------------------------------------------------------
     def init_state(self, name: str, grad: torch.Tensor, level: Level = NORMAL) -> PowerSGDState:
         n, m = self.matrix_shape(grad.shape)
         dtype = residual_dtype(grad.dtype)
-        rank = self.level_rank(NORMAL if level == DENSE else level, grad.shape)  # DENSE keeps a Q for later
+        rank = self.level_rank(NORMAL if level in UNCOMPRESSED else level, grad.shape)  # a Q for later
         residual = torch.zeros(n, m, dtype=dtype, device=grad.device)
         q = _as_transposed(self._fresh_columns(name, m, 0, rank, dtype, grad.device))
         return PowerSGDState(name, grad.shape, level, rank, residual, q)
@@ -154,8 +166,8 @@ class PowerSGD:
         """Change a layer's rank: keep the Q columns it has, add fresh seeded ones (the same on
         every rank) or drop the last ones. Error feedback is kept. At DENSE the layer keeps its
         Q (unused), so a return to a compressed level warm-starts from it."""
-        state.level = check_level("level", level, allowed=self.levels)
-        if level == DENSE:
+        state.level = check_level("level", level, allowed=self.levels + (DENSE16,))
+        if level in UNCOMPRESSED:
             return
         rank = self.level_rank(level, state.shape)
         if rank > state.rank:
@@ -175,7 +187,7 @@ class PowerSGD:
         n, m = self.matrix_shape(shape)
         level, rank = Level.from_state(d["level"]), int(d["rank"])
         residual, qt = d["residual"], d["qt"]
-        expected = rank if level == DENSE else self.level_rank(level, shape)  # DENSE keeps its last Q
+        expected = rank if level in UNCOMPRESSED else self.level_rank(level, shape)  # keeps its last Q
         if rank != expected or not 0 < rank <= min(n, m) or tuple(residual.shape) != (n, m) \
                 or tuple(qt.shape) != (rank, m):
             raise ValueError(f"PowerSGD state of {name!r} does not fit this codec: level {level!r} needs rank "
@@ -202,6 +214,25 @@ class PowerSGD:
         ops.ef_add_(grad.reshape(state.residual.shape), state.residual, finite)
         p = state.residual.clone() if state.level == DENSE else state.residual @ state.q
         return p if finite is None else p.masked_fill_(~finite, float("nan"))
+
+    @staticmethod
+    def sends_dense(state: PowerSGDState) -> bool:
+        """At DENSE16 a layer goes whole through Horovod's allreduce in float16 (the P round's
+        buffer is float32); at DENSE it rides in its bucket's P round."""
+        return state.level == DENSE16
+
+    @staticmethod
+    def flush_dense(state: PowerSGDState, grad: torch.Tensor, finite: torch.Tensor) -> torch.Tensor:
+        """For a DENSE16 step: M = grad + e (e holds it until ``settle_sent``), returned in
+        float16 (NaN if ``finite`` is False; then e is not touched), shaped like ``grad``."""
+        ops.ef_add_(grad.reshape(state.residual.shape), state.residual, finite)
+        return nan_unless(finite, state.residual).to(wire_dtype(state.level, grad.dtype)).view(grad.shape)
+
+    @staticmethod
+    def settle_sent(state: PowerSGDState, sent_dtype: torch.dtype, done: torch.Tensor) -> None:
+        """After a DENSE16 step: if it went through, e keeps what ``sent_dtype`` rounded away;
+        if it was skipped, all of M."""
+        settle_sent(state.residual, sent_dtype, done)
 
     @staticmethod
     def finish_dense(state: PowerSGDState, m_avg: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:

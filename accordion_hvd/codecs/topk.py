@@ -15,8 +15,8 @@ from dataclasses import dataclass
 import torch
 
 from .. import ops, reference
-from ..levels import CRITICAL, DENSE, NORMAL, Level, check_level, positive_number
-from ._common import nan_unless, residual_dtype
+from ..levels import CRITICAL, DENSE, DENSE16, NORMAL, UNCOMPRESSED, Level, check_level, positive_number
+from ._common import nan_unless, residual_dtype, rounding_error, settle_sent, wire_dtype
 
 
 @dataclass
@@ -63,11 +63,12 @@ class TopK:
 
     def level_k(self, level: Level, numel: int) -> int:
         """Entries kept of a layer of ``numel`` at ``level``: ``ratio`` (NORMAL),
-        ``critical_ratio`` (CRITICAL), ``ceil(numel / f)`` (``Level.factor(f)``), all (DENSE)."""
+        ``critical_ratio`` (CRITICAL), ``ceil(numel / f)`` (``Level.factor(f)``), all (DENSE,
+        DENSE16)."""
         check_level("level", level)
         if level.kind == "factor":
             return max(1, min(numel, math.ceil(numel / level.compression_factor)))
-        if level == DENSE:
+        if level in UNCOMPRESSED:
             return numel
         ratio = self.critical_ratio if level == CRITICAL else self.ratio
         return max(1, min(numel, math.ceil(ratio * numel)))
@@ -85,28 +86,30 @@ class TopK:
     def wire(self, shape: torch.Size, level: Level, itemsize: int = 4) -> tuple[tuple[str, int], ...]:
         """The collectives one layer of ``shape`` costs at ``level``: (kind, bytes per rank).
         A level sent dense (``sends_dense``) is "dense": an allreduce of the layer outside the
-        buckets; else each rank's k values and int32 indices are allgathered in its bucket."""
+        buckets (2 bytes a value at DENSE16); else each rank's k values and int32 indices are
+        allgathered in its bucket."""
         numel = math.prod(shape)
         k = self.level_k(level, numel)
         if 2 * k >= numel:
-            return (("dense", itemsize * numel),)
+            return (("dense", min(itemsize, 2) * numel if level == DENSE16 else itemsize * numel),)
         return (("allgather", (itemsize + 4) * k),)
 
     @torch.no_grad()
     def level_errors(self, state: TopKState, grad: torch.Tensor, levels: tuple[Level, ...]) -> list[float]:
         """Squared error ``||g - C(g)||^2`` of compressing ``g = grad + e`` at each of ``levels``:
-        exactly the energy of the entries outside the top k (0 for a level sent dense). As
+        exactly the energy of the entries outside the top k (for a level sent dense, what its
+        dtype rounds away: 0 in the gradient's own, float16's rounding at DENSE16). As
         PowerSGD's: the squares in the residual's precision (what the encoder selects on),
         only their sums in float64."""
-        energy = (grad.reshape(-1).to(state.residual.dtype) + state.residual).square()
+        g = grad.reshape(-1).to(state.residual.dtype) + state.residual
+        energy = g.square()
         numel = energy.numel()
         ks = [self.level_k(level, numel) for level in levels]
-        sparse = [k for k in ks if 2 * k < numel]  # the others are sent dense: no error
-        if not sparse:
-            return [0.0] * len(levels)
-        kept = torch.cumsum(energy.topk(max(sparse), sorted=True).values, 0, dtype=torch.float64)
-        total = float(energy.sum(dtype=torch.float64))
-        return [0.0 if 2 * k >= numel else max(0.0, total - float(kept[k - 1])) for k in ks]
+        sparse = [k for k in ks if 2 * k < numel]
+        kept = torch.cumsum(energy.topk(max(sparse), sorted=True).values, 0, dtype=torch.float64) if sparse else None
+        total = float(energy.sum(dtype=torch.float64)) if sparse else 0.0
+        return [rounding_error(g, wire_dtype(level, grad.dtype)) if 2 * k >= numel
+                else max(0.0, total - float(kept[k - 1])) for level, k in zip(levels, ks)]
 
     def init_state(self, name: str, grad: torch.Tensor, level: Level = NORMAL) -> TopKState:
         residual = torch.zeros(grad.numel(), dtype=residual_dtype(grad.dtype), device=grad.device)
@@ -165,26 +168,21 @@ class TopK:
         return 2 * state.k >= state.residual.numel()
 
     def flush_dense(self, state: TopKState, grad: torch.Tensor, finite: torch.Tensor) -> torch.Tensor:
-        """For a dense step: returns ``grad + e`` in the gradient's dtype, to be allreduced as
-        it is (NaN if ``finite`` is False, and then ``e`` is not touched). ``e`` holds the
-        whole ``g = grad + e`` until ``settle_dense`` at the end of the step (so a skipped
-        step can keep it); then only what the dtype rounded away."""
+        """For a dense step: returns ``grad + e`` in the gradient's dtype (float16 at DENSE16),
+        to be allreduced as it is (NaN if ``finite`` is False, and then ``e`` is not touched).
+        ``e`` holds the whole ``g = grad + e`` until ``settle_dense`` at the end of the step
+        (so a skipped step can keep it); then only what the dtype rounded away."""
         g = ops.ef_add_(grad.reshape(-1), state.residual, finite)
-        out = nan_unless(finite, g).to(grad.dtype)  # a new tensor, never g itself: Horovod averages it in place
+        # a new tensor, never g itself: Horovod averages it in place
+        out = nan_unless(finite, g).to(wire_dtype(state.level, grad.dtype))
         state.g_sq = state.kept_sq = out.double().square().sum()
         return out.view(grad.shape)
 
     @staticmethod
-    def settle_dense(state: TopKState, grad_dtype: torch.dtype, done: torch.Tensor) -> None:
+    def settle_dense(state: TopKState, sent_dtype: torch.dtype, done: torch.Tensor) -> None:
         """After a dense step, if ``done`` (0-d bool: the step was not skipped): ``e`` keeps
-        only what ``grad_dtype`` rounded away. Decided on the device."""
-        e = state.residual
-        if grad_dtype == e.dtype:
-            ops.zero_if_([e], done)
-        else:
-            sent = e.to(grad_dtype).to(e.dtype)
-            ops.zero_if_([sent], ~done)  # a skipped step sent nothing
-            e.sub_(sent)
+        only what ``sent_dtype`` (``flush_dense``'s) rounded away. Decided on the device."""
+        settle_sent(state.residual, sent_dtype, done)
 
     def encode(self, state: TopKState, grad: torch.Tensor,
                finite: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:

@@ -19,8 +19,10 @@ always bucket order). A step issues 2 collectives per bucket.
 
 A layer at ``levels.DENSE`` sends M = grad + e itself in its bucket's P round (one allreduce
 with the others' P); its average is the result, it has no Q round, and its error feedback is
-zero once the step is settled. A network-aware policy uses it for layers whose transfer
-hides under backward (policies/network_aware.py).
+zero once the step is settled. At ``levels.DENSE16`` M goes in float16 through Horovod's
+allreduce instead (the P round's buffer is float32), and the error feedback keeps what
+float16 rounded away. A network-aware policy uses them for layers whose transfer hides
+under backward (policies/network_aware.py).
 
 Non-finite gradients: a rank sends NaN as P for such a layer (and does not fold that
 gradient into e), so the fault shows in the averaged P that every rank reads. Nothing here
@@ -64,6 +66,7 @@ class PowerSGDExchange:
         self.seconds = seconds if seconds is not None else {"compress": 0.0, "comm": 0.0}
         self._finished: list[Any] = []  # layers finished this step: e = M - M_hat once it is not skipped
         self._settle: list[Any] = []    # DENSE layers finished this step: e = 0 once it is not skipped
+        self._sent_whole: list[tuple[Any, torch.dtype]] = []  # DENSE16 layers and the dtype they went in
         self._begin()
 
     def _begin(self) -> None:
@@ -74,9 +77,19 @@ class PowerSGDExchange:
         self._closed = False    # every P round issued
         self.fault: torch.Tensor | None = None  # 0-d bool: some rank's gradient was not finite
 
-    def add(self, name: str, state, grad: torch.Tensor, finite: torch.Tensor) -> None:
+    def add(self, name: str, state, grad: torch.Tensor, finite: torch.Tensor) -> torch.Tensor | None:
         """Layer ``name``'s gradient and its finite flag (0-d bool): M = grad + e and P = M Q;
-        its bucket's P round starts once the bucket is complete. Horovod carries nothing for it."""
+        its bucket's P round starts once the bucket is complete, and Horovod carries nothing
+        for it (returns None). At DENSE16 returns M in float16, for Horovod to average."""
+        if self.codec.sends_dense(state):
+            self.round1.ready(name, None, grad)  # nothing in round 1 this step
+            started = time.perf_counter()
+            out = self.codec.flush_dense(state, grad, finite)
+            self.seconds["compress"] += time.perf_counter() - started
+            self._sent_whole.append((state, out.dtype))
+            if self.round1.complete:
+                self._close()
+            return out
         started = time.perf_counter()
         p = self.codec.start(state, grad, finite)
         self._layers[name] = (state, grad)
@@ -86,6 +99,7 @@ class PowerSGDExchange:
             self._close()
         else:
             self._start_q_rounds(wait=False)
+        return None
 
     def _close(self) -> None:
         if not self._closed:
@@ -157,7 +171,9 @@ class PowerSGDExchange:
             self.codec.settle(state, done)
         for state in self._settle:  # a DENSE layer's e held M until now
             self.codec.settle_dense(state, done)
-        self._finished, self._settle = [], []
+        for state, dtype in self._sent_whole:
+            self.codec.settle_sent(state, dtype, done)
+        self._finished, self._settle, self._sent_whole = [], [], []
         if self.round1.active:  # layers reported but no results taken (nothing to decompress)
             self.round1.results()
         self._begin()
@@ -165,5 +181,5 @@ class PowerSGDExchange:
     def abort(self) -> None:
         """Forget the step in flight (its collectives will never complete)."""
         self.round1.begin_step()
-        self._finished, self._settle = [], []
+        self._finished, self._settle, self._sent_whole = [], [], []
         self._begin()

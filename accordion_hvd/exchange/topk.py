@@ -81,7 +81,7 @@ class TopKExchange:
             started = time.perf_counter()
             out = self.codec.flush_dense(state, grad, finite)
             self.seconds["compress"] += time.perf_counter() - started
-            self._settle.append(lambda done, s=state, dtype=grad.dtype: self.codec.settle_dense(s, dtype, done))
+            self._settle.append(lambda done, s=state, dtype=out.dtype: self.codec.settle_dense(s, dtype, done))
             return out
         started = time.perf_counter()
         encoded = self.codec.encode(state, grad, finite)

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from ..costmodel import Link
-from ..levels import Level
+from ..levels import DENSE, Level
 
 
 @dataclass(frozen=True)
@@ -108,6 +108,7 @@ class Policy:
     reacts_to_lr = True  # False: no per-step learning-rate reduction either
     per_step = False     # True: step_levels() and choose_step() decide every step
     uses_network = False  # True: windows carry level errors and a NetworkReport
+    dense_level = DENSE   # the level such a policy may send a layer whole at (DENSE, or DENSE16)
 
     def config(self) -> dict:
         return {"policy": self.name}

@@ -70,12 +70,13 @@ import zlib
 from dataclasses import replace
 
 from ..costmodel import Bucket, Link, Round, step_s
-from ..levels import CRITICAL, Level
+from ..levels import CRITICAL, DENSE, DENSE16, Level
 from .accordion import Accordion
 from .base import NetworkReport, Policy, WindowReport
 
 log = logging.getLogger("accordion_hvd.policies")
 _SLACK = 1e-9  # relative: float noise in sums of errors and in simulated times
+_DENSE_LEVELS = {"fp32": DENSE, "fp16": DENSE16}
 
 
 class NetworkAware(Policy):
@@ -86,13 +87,17 @@ class NetworkAware(Policy):
         min_gain: trades of error for time only for a predicted step this fraction shorter (0.02).
         verify: leave Accordion's levels only while that measures no slower (True; see module doc).
         memory: windows after which a measured step or a verdict expires (20).
+        dense: how a layer goes when it goes whole: "fp32" (``DENSE``, in the gradient's
+            dtype; PowerSGD sends it in its bucket's P round) or "fp16" (``DENSE16``: float16
+            through Horovod's allreduce, half the bytes, the rounding error kept in the
+            layer's error feedback).
     """
 
     name = "network-aware"
     uses_network = True
 
     def __init__(self, eta: float = 0.5, *, tolerance: float = 0.0, headroom: float = 2.0,
-                 min_gain: float = 0.02, verify: bool = True, memory: int = 20) -> None:
+                 min_gain: float = 0.02, verify: bool = True, memory: int = 20, dense: str = "fp32") -> None:
         self.regimes = Accordion(eta)
         self.tolerance = _fraction("tolerance", tolerance)
         self.min_gain = _fraction("min_gain", min_gain)
@@ -104,6 +109,9 @@ class NetworkAware(Policy):
         if isinstance(memory, bool) or not isinstance(memory, int) or memory < 1:
             raise ValueError(f"memory must be an int >= 1 (windows), got {memory!r}")
         self.verify, self.memory = verify, memory
+        if dense not in _DENSE_LEVELS:
+            raise ValueError(f"dense must be one of {sorted(_DENSE_LEVELS)}, got {dense!r}")
+        self.dense, self.dense_level = dense, _DENSE_LEVELS[dense]
         self._levels: dict[str, Level] = {}
         self._window = 0                                   # windows ended so far
         self._measured: dict[str, list] = {}              # levels' signature -> [window, step seconds]
@@ -119,11 +127,11 @@ class NetworkAware(Policy):
 
     def __repr__(self) -> str:
         return (f"NetworkAware(eta={self.eta}, tolerance={self.tolerance}, headroom={self.headroom}, "
-                f"min_gain={self.min_gain}, verify={self.verify}, memory={self.memory})")
+                f"min_gain={self.min_gain}, verify={self.verify}, memory={self.memory}, dense={self.dense!r})")
 
     def config(self) -> dict:
         return {"policy": self.name, "eta": self.eta, "tolerance": self.tolerance, "headroom": self.headroom,
-                "min_gain": self.min_gain, "verify": self.verify, "memory": self.memory}
+                "min_gain": self.min_gain, "verify": self.verify, "memory": self.memory, "dense": self.dense}
 
     def initial_level(self, layer: str) -> Level:
         return CRITICAL
