@@ -155,7 +155,14 @@ def read_run(where: Path, quality: str) -> dict | None:
     final = re.findall(rf"final test {quality}: ([0-9.]+|inf)", (where / "log.txt").read_text())
     return {"quality": float(final[-1]) if final else float(evals[-1][quality]), "floats": int(steps[-1]["floats_sent"]),
             "step_s": statistics.median(b - a for a, b in zip(walls, walls[1:])) if len(walls) > 1 else math.nan,
-            "wall_s": float(evals[-1]["wall_s"]), "evals": evals, "commit": record["commit"]}
+            "wall_s": float(evals[-1]["wall_s"]), "evals": evals, "commit": record["commit"],
+            "cpu": _cpu(record.get("machine", ""))}
+
+
+def _cpu(machine: str) -> str:
+    """The processor in a run's machine line ("vm, AMD EPYC, Python 3.11.7" -> "AMD EPYC")."""
+    parts = [p.strip() for p in machine.split(",")]
+    return parts[1] if len(parts) > 2 else (machine or "?")
 
 
 def summarize() -> list[str]:
@@ -165,7 +172,8 @@ def summarize() -> list[str]:
              "commit and machine in run.json). Command: `.venv/bin/python benchmarks/evidence.py --task TASK`, then "
              "`--summarize`. Floats sent count elements (fp16's are 2 bytes, the others 4); a median step is "
              "the median gap between consecutive steps' wall_s (the few gaps that span an evaluation do not move it). "
-             "Step times compare only between runs of the same commits, made together: the machine is shared.", ""]
+             "Step times compare only between runs of the same commits, made together: the machine is shared, "
+             "and the sessions' machines differ (column cpus).", ""]
     for task, spec in TASKS.items():
         quality = spec["quality"]
         runs = {m: {} for m in METHODS}
@@ -184,7 +192,7 @@ def summarize() -> list[str]:
             continue
         lines += [f"## {task}", "",
                   f"| method | runs | failed | {quality}: mean | sd | min - max | floats sent per rank (mean) | "
-                  "median step (s) | commits |", "|---|---|---|---|---|---|---|---|---|"]
+                  "median step (s) | commits | cpus |", "|---|---|---|---|---|---|---|---|---|---|"]
         for method, got in runs.items():
             if not got and not failed[method]:
                 continue
@@ -196,7 +204,8 @@ def summarize() -> list[str]:
                          f"{scale * min(q, default=math.nan):.2f} - {scale * max(q, default=math.nan):.2f} | "
                          f"{statistics.mean(r['floats'] for r in got.values()) if got else math.nan:,.0f} | "
                          f"{statistics.median(r['step_s'] for r in got.values()) if got else math.nan:.3f} | "
-                         f"{', '.join(sorted({r['commit'] for r in got.values()}))} |")
+                         f"{', '.join(sorted({r['commit'] for r in got.values()}))} | "
+                         f"{', '.join(sorted({r['cpu'] for r in got.values()}))} |")
         if "--bucket-cap-mb" in spec["ddp"]:
             lines += ["", "DDP ran with one bucket here (protocol amendment 1: at its default two, its hook fails "
                       "on Gloo, results/ddp-hook-gloo.md), so it starts communicating only after the whole "
