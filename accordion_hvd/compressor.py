@@ -346,6 +346,8 @@ class AccordionCompressor(HorovodCompressor):
         if _COMPRESSED in self._rounds:
             results.update(self.exchange.results())
             self._faults.seen(self.exchange.fault)
+            for flag, message in self.exchange.errors:
+                self._faults.error(flag, message)
         return results
 
     # --- the same, with the parameter named explicitly (tests, other front ends) -------------
@@ -462,6 +464,9 @@ class AccordionCompressor(HorovodCompressor):
         gathered = None if lr_gather is None else self._wait(lr_gather).view(self.channel.size, -1).numpy()
         changed = self.controller.end_step(self.control, sorted(self._layers), lrs, gathered=gathered)
         self._apply_levels(changed)
+        # Read the outcomes the device is done with (on the CPU: this step's): log skipped steps,
+        # and fail on an error flag; on a GPU a later step reads this one's, never waiting.
+        self._faults.poll(wait=False)
 
     def _gather_learning_rates(self) -> None:
         """Start gathering every rank's learning rates for the controller's per-step check,

@@ -76,12 +76,14 @@ def topk_ef(grad: torch.Tensor, residual: torch.Tensor, k: int, finite: torch.Te
 
 
 def sparse_average(values: torch.Tensor, indices: torch.Tensor, numel: int, world_size: int,
-                   dtype: torch.dtype = torch.float32) -> torch.Tensor:
+                   dtype: torch.dtype = torch.float32, bad: torch.Tensor | None = None) -> torch.Tensor:
     """Scatter-add every rank's (values, indices) (concatenated in rank order) into a dense
-    vector of ``numel`` float32 entries, divide by ``world_size``, return it in ``dtype``."""
+    vector of ``numel`` float32 entries, divide by ``world_size``, return it in ``dtype``.
+    An index outside [0, numel) raises; with ``bad`` (a 0-d bool tensor on the values'
+    device) it is skipped and sets ``bad`` instead, on the device (no host sync on a GPU)."""
     _check_int("accordion::sparse_average", "numel", numel)
     _check_int("accordion::sparse_average", "world_size", world_size)
-    return torch.ops.accordion.sparse_average.default(values, indices, numel, world_size, dtype)
+    return torch.ops.accordion.sparse_average.default(values, indices, numel, world_size, dtype, bad)
 
 
 def orthogonalize_(ps: list[torch.Tensor], eps: float = 1e-8) -> list[torch.Tensor]:
@@ -121,7 +123,7 @@ def _topk_ef_fake(grad, residual, k, finite=None):
 
 
 @torch.library.register_fake("accordion::sparse_average")
-def _sparse_average_fake(values, indices, numel, world_size, dtype):
+def _sparse_average_fake(values, indices, numel, world_size, dtype, bad=None):
     return values.new_empty(numel, dtype=dtype)
 
 

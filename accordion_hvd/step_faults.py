@@ -28,9 +28,11 @@ log = logging.getLogger("accordion_hvd")
 class _Settled:
     """A settled step whose outcome the host has not read yet."""
     step: int                      # 1-based
-    outcome: torch.Tensor          # int8 0-d, on the host once ``ready``: 1 skipped, 2 local fault not seen
+    outcome: torch.Tensor          # int8 0-d, on the host once ``ready``: bits 1 skipped, 2 local fault
+                                   # not seen, 4 an error flag set
     ready: torch.cuda.Event | None  # None: already on the host
     local: list[tuple[str, torch.Tensor]] = field(default_factory=list)  # this rank's (layer, finite flag)
+    errors: list[tuple[torch.Tensor, str]] = field(default_factory=list)  # (flag, message): raise if set
 
 
 class StepFaults:
@@ -47,6 +49,7 @@ class StepFaults:
         self.bad: torch.Tensor | None = None        # some rank's gradient was not finite
         self._local_bad: torch.Tensor | None = None  # this rank's was not
         self._local: list[tuple[str, torch.Tensor]] = []
+        self._errors: list[tuple[torch.Tensor, str]] = []
 
     # --- during a step ----------------------------------------------------------------------
     def local(self, name: str, finite: torch.Tensor) -> None:
@@ -58,25 +61,32 @@ class StepFaults:
         """A fault flag from the exchanged data (the same on every rank)."""
         self.bad = either(self.bad, bad)
 
+    def error(self, flag: torch.Tensor, message: str) -> None:
+        """A flag that, once the host reads it set, ends the run with ``message`` (a
+        RuntimeError, on every rank: it comes from the exchanged data)."""
+        self._errors.append((flag, message))
+
     # --- at the end of a step ---------------------------------------------------------------
     def settle(self, step: int, device: torch.device) -> torch.Tensor:
         """Close step ``step`` (1-based): returns its "skipped" flag (0-d bool on ``device``),
-        counts it, and queues its outcome for the host to read later."""
+        counts it, and queues its outcome for the host to read later (``poll``, once the step
+        is settled)."""
         skipped = self.bad if self.bad is not None else torch.zeros((), dtype=torch.bool, device=device)
         self._count = self._count + skipped.long()
         outcome = skipped.to(torch.int8)
         if self._local_bad is not None:  # cannot happen: the NaN sent in its place reaches every rank
             outcome = outcome + 2 * (self._local_bad & ~skipped).to(torch.int8)
+        for flag, _ in self._errors:
+            outcome = outcome | 4 * flag.to(torch.int8)
         ready = None
         if outcome.device.type == "cuda":
             host = torch.empty((), dtype=torch.int8, pin_memory=True)
             host.copy_(outcome, non_blocking=True)
             ready, outcome = torch.cuda.Event(), host
             ready.record()
-        self._last = _Settled(step, outcome, ready, self._local)  # flags read only if the step was skipped
+        self._last = _Settled(step, outcome, ready, self._local, self._errors)  # flags read only if set
         self._unread.append(self._last)
         self._begin()
-        self.poll(wait=False)
         return skipped
 
     def poll(self, wait: bool) -> None:
@@ -96,6 +106,8 @@ class StepFaults:
             if bad:
                 log.warning("rank %d: non-finite gradient in %s at step %d", self.rank,
                             ", ".join(bad[:3]) + (" ..." if len(bad) > 3 else ""), entry.step)
+            if code & 4:
+                raise RuntimeError(next(message for flag, message in entry.errors if bool(flag)) + f" (step {entry.step})")
             if code & 2:
                 raise RuntimeError("AccordionCompressor: a non-finite gradient was not seen in the exchange")
             if code & 1:

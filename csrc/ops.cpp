@@ -10,7 +10,8 @@ TORCH_LIBRARY(accordion, m) {
   m.def("ef_add_(Tensor grad, Tensor(a!) residual, Tensor? finite=None) -> ()");
   m.def("topk_ef(Tensor grad, Tensor(a!) residual, int k, Tensor? finite=None) -> (Tensor values, Tensor indices, Tensor g_sq, "
         "Tensor kept_sq)");
-  m.def("sparse_average(Tensor values, Tensor indices, int numel, int world_size, ScalarType dtype) -> Tensor");
+  m.def("sparse_average(Tensor values, Tensor indices, int numel, int world_size, ScalarType dtype, "
+        "Tensor(a!)? bad=None) -> Tensor");
   m.def("orthogonalize_(Tensor(a!)[] ps, float eps) -> ()");
   m.def("error_update_(Tensor(a!) residual, Tensor approx, ScalarType dtype) -> Tensor");
   m.def("zero_if_(Tensor(a!)[] tensors, Tensor flag) -> ()");

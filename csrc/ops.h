@@ -117,6 +117,17 @@ inline void check_sparse_average_args(const at::Tensor& values, const at::Tensor
   TORCH_CHECK(at::isFloatingType(dtype), op, ": dtype must be a floating-point type, got ", dtype);
 }
 
+// sparse_average's optional `bad`: a 0-d bool tensor on the values' device. Given, an index
+// outside [0, numel) is skipped and sets it (on the device: the caller reads it later, once
+// per step, and fails then); without it such an index raises at once.
+inline void check_bad_flag(const std::optional<at::Tensor>& bad, const at::Tensor& values) {
+  constexpr const char* op = "accordion::sparse_average";
+  if (!bad) return;
+  TORCH_CHECK(bad->layout() == at::kStrided && bad->dim() == 0 && bad->scalar_type() == at::kBool, op,
+              ": bad must be a 0-d bool tensor, got a ", bad->dim(), "-d ", bad->scalar_type(), " tensor");
+  check_same_device(*bad, values, op, "bad and values");
+}
+
 // orthogonalize_: Gram-Schmidt on the columns of every matrix in ps, in place, in one call.
 // Returns the non-empty matrices, for the kernel.
 inline std::vector<at::Tensor> orthogonalize_matrices(at::TensorList ps, double eps) {

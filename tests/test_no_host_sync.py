@@ -132,13 +132,7 @@ class SyncFreeOutsideCollectives:
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU on this machine")
-@pytest.mark.parametrize("name", [
-    "powersgd-static", "powersgd-accordion", "topk-dense-level",
-    pytest.param("topk-static", marks=pytest.mark.xfail(strict=True, reason=(
-        "owed: the CUDA sparse_average reads its bad-index flag on the host, once per layer"))),
-    pytest.param("topk-accordion", marks=pytest.mark.xfail(strict=True, reason=(
-        "owed: the CUDA sparse_average reads its bad-index flag on the host, once per layer"))),
-])
+@pytest.mark.parametrize("name", COMPRESSORS)
 def test_a_cuda_step_never_synchronizes_the_host(name):
     """A whole step of the compressor on CUDA tensors under
     ``torch.cuda.set_sync_debug_mode("error")`` (the collectives excepted): any host read

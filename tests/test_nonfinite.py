@@ -106,3 +106,49 @@ def test_the_skip_is_checkpointed():
     fresh = CODECS["topk"]()
     fresh.load_state_dict(comp.state_dict())
     assert fresh.skipped_steps == 1
+
+
+class CorruptIndices:
+    """The simulated channel, except that at step ``at`` the TopK allgather's last index (the
+    last layer's, in every rank's row) arrives outside its layer, as corrupted data would."""
+
+    def __init__(self, channel, at: int) -> None:
+        self._channel, self.at, self.step = channel, at, 0
+
+    def __getattr__(self, name):
+        return getattr(self._channel, name)
+
+    def wait(self, handle):
+        out = self._channel.wait(handle)
+        if self.step == self.at and handle[0] == "allgather" and handle[2].startswith("acc.topk"):
+            rows = out.view(self._channel.size, -1)
+            rows[:, -4:] = torch.tensor([2**31 - 1], dtype=torch.int32).view(torch.uint8)
+        return out
+
+
+def test_topk_indices_outside_their_layer_skip_the_step_and_stop_every_rank():
+    """Corrupted indices never write outside a layer: the step is skipped (results zero,
+    error feedback kept) and every rank raises, naming the layers, when the step's outcome is
+    read (at its end on the CPU)."""
+    def worker(rank, channel):
+        comp = CODECS["topk"]()
+        comp._channel = wrapped = CorruptIndices(channel, at=FAULT_STEP)
+        for step in range(STEPS):
+            wrapped.step = step
+            grads = clean_grads(rank, step)
+            e_before = {n: s.residual.clone() for n, s in comp._layers.items()}
+            try:
+                sent = {n: comp.compress_named(n, grads[n]) for n in grads}
+                for n in sorted(sent):
+                    reduced = channel.wait(channel.allreduce_mean_async([sent[n][0]], f"hvd.{n}"))[0]
+                    comp.decompress(reduced.clone(), sent[n][1])
+            except RuntimeError as exc:
+                kept = all(torch.equal(comp._layers[n].residual, e_before[n] + grads[n].reshape(-1))
+                           for n in e_before)
+                return step, str(exc), kept
+        return None
+    for result in SimulatedWorld(WORLD).run(worker):
+        assert result is not None, "no rank stopped"
+        step, message, kept = result
+        assert step == FAULT_STEP and "TopK indices outside their layer" in message and "fc.weight" in message
+        assert kept  # the skipped step's gradient went into the error feedback, nothing lost

@@ -238,3 +238,24 @@ def test_sparse_average_empty():
 def test_sparse_average_bad_input(args, message):
     with pytest.raises(RuntimeError, match=message):
         acc.ops.sparse_average(*args)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_sparse_average_bad_flag_skips_and_flags_instead_of_raising(dtype):
+    """With ``bad`` (a 0-d bool on the device) an index outside the layer is skipped and
+    flagged, for the caller to read once per step; the others decode as the reference does."""
+    values, indices = gathered(3, 1000, 50, seed=5)
+    corrupt = indices.clone()
+    corrupt[[4, 77]] = torch.tensor([1000, -3], dtype=torch.int32)
+    flag = torch.tensor(False)
+    out = acc.ops.sparse_average(values, corrupt, 1000, 3, dtype, flag)
+    inside = torch.ones_like(values, dtype=torch.bool)
+    inside[[4, 77]] = False
+    expected = reference.sparse_average(values[inside], corrupt[inside], 1000, 3).to(dtype)
+    assert bool(flag) and torch.equal(out, expected)
+    clean = torch.tensor(False)
+    assert torch.equal(acc.ops.sparse_average(values, indices, 1000, 3, dtype, clean),
+                       acc.ops.sparse_average(values, indices, 1000, 3, dtype)) and not bool(clean)
+    opcheck(torch.ops.accordion.sparse_average.default, (values, corrupt, 1000, 3, dtype, torch.tensor(False)))
+    with pytest.raises(RuntimeError, match="bad must be a 0-d bool tensor, got a 1-d Bool"):
+        acc.ops.sparse_average(values, indices, 1000, 3, dtype, torch.tensor([False]))

@@ -205,11 +205,17 @@ class TopK:
         return values, indices
 
     def decode(self, state: TopKState, values: torch.Tensor, indices: torch.Tensor, world_size: int,
-               grad_dtype: torch.dtype) -> torch.Tensor:
-        """The average of all ranks' sparse vectors, shaped and typed like the gradient."""
+               grad_dtype: torch.dtype, bad: torch.Tensor | None = None) -> torch.Tensor:
+        """The average of all ranks' sparse vectors, shaped and typed like the gradient. An
+        index outside the layer (corrupted data) raises; with ``bad`` (0-d bool) it is
+        skipped and sets ``bad`` instead, on the device."""
         numel = state.residual.numel()
         if _kernel_ok(values):
-            return ops.sparse_average(values, indices, numel, world_size, grad_dtype).view(state.shape)
+            return ops.sparse_average(values, indices, numel, world_size, grad_dtype, bad).view(state.shape)
+        if bad is not None:  # the reference's index_add_ would raise: mask, on the device
+            inside = (indices >= 0) & (indices < numel)
+            bad |= ~inside.all()
+            values, indices = torch.where(inside, values, 0.0), torch.where(inside, indices, 0)
         dense = reference.sparse_average(values, indices, numel, world_size)
         return dense.to(grad_dtype).view(state.shape)
 

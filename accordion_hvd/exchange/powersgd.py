@@ -76,6 +76,7 @@ class PowerSGDExchange:
         self._next_q = 0        # the next bucket whose Q round is due, in layout order
         self._closed = False    # every P round issued
         self.fault: torch.Tensor | None = None  # 0-d bool: some rank's gradient was not finite
+        self.errors: list[tuple[torch.Tensor, str]] = []  # none here (TopK's decode can find some)
 
     def add(self, name: str, state, grad: torch.Tensor, finite: torch.Tensor) -> torch.Tensor | None:
         """Layer ``name``'s gradient and its finite flag (0-d bool): M = grad + e and P = M Q;

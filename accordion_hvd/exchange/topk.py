@@ -68,6 +68,7 @@ class TopKExchange:
         self._undo: list = []     # (state, values, indices): back into e if the step is skipped
         self._settle: list = []   # f(done): finish a dense layer's error feedback if it is not
         self.fault: torch.Tensor | None = None  # 0-d bool: some rank's gradient was not finite
+        self.errors: list[tuple[torch.Tensor, str]] = []  # (0-d bool, what it means): fail the run if set
 
     def add(self, name: str, state, grad: torch.Tensor, finite: torch.Tensor) -> torch.Tensor | None:
         """Layer ``name``'s gradient and its finite flag (0-d bool). Returns the tensor Horovod
@@ -115,10 +116,16 @@ class TopKExchange:
         out: dict[str, torch.Tensor] = {}
         if parts:  # a rank sent NaN: flagged here; the NaN results are zeroed by the adapter
             self.fault = either(self.fault, ~torch.stack([finite_flag(values) for values, _ in parts.values()]).all())
+        corrupt = torch.zeros((), dtype=torch.bool, device=layers[0][2].device) if layers else None
         for n, state, grad, encoded, _ in layers:
             values, indices = parts[n]
-            out[n] = self.codec.decode(state, values, indices, self.channel.size, grad.dtype)
+            out[n] = self.codec.decode(state, values, indices, self.channel.size, grad.dtype, corrupt)
             self._undo.append((state, *encoded))
+        if corrupt is not None:  # an index outside its layer: the step is skipped, the run fails
+            self.fault = either(self.fault, corrupt)
+            self.errors.append((corrupt, f"AccordionCompressor: TopK indices outside their layer in the data "
+                                         f"gathered for {', '.join(names[:3])}{' ...' if len(names) > 3 else ''}: "
+                                         f"corrupted in transit, or the ranks disagree on the layers"))
         self.seconds["compress"] += time.perf_counter() - started
         self._layers = {}
         return out

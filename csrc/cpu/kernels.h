@@ -16,8 +16,10 @@ void topk_ef_cpu(const at::Tensor& grad, const at::Tensor& residual, int64_t k, 
                  at::Tensor& indices, double& g_sq, double& kept_sq);
 
 // sparse_average (cpu/sparse_average.cpp).
+// With `bad` (a bool the caller owns) an index out of range is skipped and sets *bad; with
+// nullptr it raises.
 at::Tensor sparse_average_cpu(const at::Tensor& values, const at::Tensor& indices, int64_t numel,
-                              int64_t world_size, at::ScalarType out_dtype);
+                              int64_t world_size, at::ScalarType out_dtype, bool* bad = nullptr);
 
 // orthogonalize_ and error_update_ (cpu/powersgd.cpp).
 void orthogonalize_cpu(const std::vector<at::Tensor>& ps, double eps);

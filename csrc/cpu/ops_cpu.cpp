@@ -27,9 +27,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> topk_ef(const at::Ten
 }
 
 at::Tensor sparse_average(const at::Tensor& values, const at::Tensor& indices, int64_t numel, int64_t world_size,
-                          at::ScalarType dtype) {
+                          at::ScalarType dtype, const std::optional<at::Tensor>& bad) {
   check_sparse_average_args(values, indices, numel, world_size, dtype);
-  return sparse_average_cpu(values, indices, numel, world_size, dtype);
+  check_bad_flag(bad, values);
+  return sparse_average_cpu(values, indices, numel, world_size, dtype, bad ? bad->mutable_data_ptr<bool>() : nullptr);
 }
 
 void orthogonalize_(at::TensorList ps, double eps) {

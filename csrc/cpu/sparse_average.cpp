@@ -12,13 +12,17 @@
 namespace accordion {
 
 at::Tensor sparse_average_cpu(const at::Tensor& values, const at::Tensor& indices, int64_t numel,
-                              int64_t world_size, at::ScalarType out_dtype) {
+                              int64_t world_size, at::ScalarType out_dtype, bool* bad) {
   at::Tensor sum = at::zeros({numel}, values.options());
   float* s = sum.mutable_data_ptr<float>();
   const float* v = values.const_data_ptr<float>();
   const int32_t* idx = indices.const_data_ptr<int32_t>();
   for (int64_t j = 0, count = values.numel(); j < count; ++j) {
     const int32_t i = idx[j];
+    if (bad != nullptr && (i < 0 || i >= numel)) {  // skipped, flagged: the caller fails the step
+      *bad = true;
+      continue;
+    }
     TORCH_CHECK(i >= 0 && i < numel, "accordion::sparse_average: indices[", j, "] = ", i,
                 " is outside [0, numel = ", numel, ")");
     s[i] += v[j];

@@ -63,8 +63,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> topk_ef(const at::Ten
 }
 
 at::Tensor sparse_average(const at::Tensor& values, const at::Tensor& indices, int64_t numel, int64_t world_size,
-                          at::ScalarType dtype) {
+                          at::ScalarType dtype, const std::optional<at::Tensor>& bad_flag) {
   check_sparse_average_args(values, indices, numel, world_size, dtype);
+  check_bad_flag(bad_flag, values);
   const c10::cuda::CUDAGuard guard(values.device());
   const cudaStream_t stream = current_stream();
   at::Tensor sum = at::zeros({numel}, values.options());
@@ -77,12 +78,16 @@ at::Tensor sparse_average(const at::Tensor& values, const at::Tensor& indices, i
                                           segments, sum.mutable_data_ptr<float>(), numel,
                                           reinterpret_cast<unsigned long long*>(bad.mutable_data_ptr<int64_t>()),
                                           stream));
-  // A bad index from another rank must be an error, as on the CPU: this costs one
-  // synchronization, which the decode (right after a blocking allgather) can afford.
-  const uint64_t first_bad = static_cast<uint64_t>(bad.item<int64_t>());
-  TORCH_CHECK(first_bad == std::numeric_limits<uint64_t>::max(), "accordion::sparse_average: indices[",
-              first_bad >> 32, "] = ", static_cast<int32_t>(first_bad & 0xffffffffu), " is outside [0, numel = ",
-              numel, ")");
+  if (bad_flag) {  // flagged on the device, read by the caller later: no synchronization here
+    const_cast<at::Tensor&>(*bad_flag).logical_or_(bad.ne(-1).squeeze(0));
+  } else {
+    // Without a flag a bad index from another rank is an error at once, as on the CPU: this
+    // costs one synchronization.
+    const uint64_t first_bad = static_cast<uint64_t>(bad.item<int64_t>());
+    TORCH_CHECK(first_bad == std::numeric_limits<uint64_t>::max(), "accordion::sparse_average: indices[",
+                first_bad >> 32, "] = ", static_cast<int32_t>(first_bad & 0xffffffffu),
+                " is outside [0, numel = ", numel, ")");
+  }
   const bool direct = dtype == at::kFloat || dtype == at::kHalf || dtype == at::kBFloat16;
   at::Tensor out = dtype == at::kFloat || !direct ? sum : at::empty({numel}, values.options().dtype(dtype));
   C10_CUDA_CHECK(cuda::divide_convert(sum.const_data_ptr<float>(), numel, world_size, out.mutable_data_ptr(),
