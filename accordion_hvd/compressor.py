@@ -448,7 +448,7 @@ class AccordionCompressor(HorovodCompressor):
         if self._exchange is not None:  # before the zeroing: PowerSGD's settling reads its results
             self._exchange.end_step(skipped=skipped)
         # A skipped step's results are zero (they may hold NaN), decided on the device.
-        ops.zero_if_([out for out in self._outputs if out.layout == torch.strided], skipped)
+        ops.fill_if_([out for out in self._outputs if out.layout == torch.strided], skipped)
         sparse = [out for out in self._outputs if out.layout != torch.strided]
         if sparse and bool(skipped):  # a sparse gradient (passed through as it is): the one host read, for it alone
             for out in sparse:

@@ -99,15 +99,24 @@ def error_update_(residual: torch.Tensor, approx: torch.Tensor, dtype: torch.dty
     return torch.ops.accordion.error_update_.default(residual, approx, dtype)
 
 
-def zero_if_(tensors: list[torch.Tensor], flag: torch.Tensor) -> None:
-    """Zero every tensor in place if ``flag`` (a 0-d bool tensor on their device) is True,
-    decided on the device: the CPU kernel reads the flag and touches nothing when it is
-    False; the CUDA one masks, so the host never waits for the flag."""
+def fill_if_(tensors: list[torch.Tensor], flag: torch.Tensor, value: float = 0.0) -> None:
+    """Fill every tensor in place with ``value`` if ``flag`` (a 0-d bool tensor on their
+    device) is True, decided on the device: the CPU kernel reads the flag and touches nothing
+    when it is False; the CUDA one masks, so the host never waits for the flag."""
     tensors = list(tensors)
     if not isinstance(flag, torch.Tensor):
-        raise TypeError(f"accordion::zero_if_: flag must be a torch.Tensor, got {type(flag).__name__}")
+        raise TypeError(f"accordion::fill_if_: flag must be a torch.Tensor, got {type(flag).__name__}")
     if tensors:  # the dispatcher picks the kernel from the tensors
-        torch.ops.accordion.zero_if_.default(tensors, flag)
+        torch.ops.accordion.fill_if_.default(tensors, flag, value)
+
+
+def restore_if_(residual: torch.Tensor, indices: torch.Tensor, values: torch.Tensor, flag: torch.Tensor) -> None:
+    """``residual[indices] = values`` if ``flag`` (a 0-d bool tensor on their device) is True,
+    decided on the device: the CPU kernel reads the flag and touches nothing when it is
+    False; the CUDA one writes the entries either way (values, or what they held)."""
+    if not isinstance(flag, torch.Tensor):
+        raise TypeError(f"accordion::restore_if_: flag must be a torch.Tensor, got {type(flag).__name__}")
+    torch.ops.accordion.restore_if_.default(residual, indices, values, flag)
 
 
 def _check_int(op: str, name: str, value) -> None:
@@ -137,6 +146,11 @@ def _error_update_fake(residual, approx, dtype):
     return approx.new_empty(approx.shape, dtype=dtype)
 
 
-@torch.library.register_fake("accordion::zero_if_")
-def _zero_if_fake(tensors, flag):
+@torch.library.register_fake("accordion::fill_if_")
+def _fill_if_fake(tensors, flag, value):
+    return None
+
+
+@torch.library.register_fake("accordion::restore_if_")
+def _restore_if_fake(residual, indices, values, flag):
     return None

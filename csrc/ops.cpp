@@ -14,5 +14,6 @@ TORCH_LIBRARY(accordion, m) {
         "Tensor(a!)? bad=None) -> Tensor");
   m.def("orthogonalize_(Tensor(a!)[] ps, float eps) -> ()");
   m.def("error_update_(Tensor(a!) residual, Tensor approx, ScalarType dtype) -> Tensor");
-  m.def("zero_if_(Tensor(a!)[] tensors, Tensor flag) -> ()");
+  m.def("fill_if_(Tensor(a!)[] tensors, Tensor flag, Scalar value) -> ()");
+  m.def("restore_if_(Tensor(a!) residual, Tensor indices, Tensor values, Tensor flag) -> ()");
 }

@@ -161,11 +161,11 @@ inline void check_error_update_args(const at::Tensor& residual, const at::Tensor
   check_same_device(residual, approx, op, "residual and approx");
 }
 
-// zero_if_: zero every tensor when a 0-d bool flag on their device is true (a skipped step's
-// results and error-feedback settling), without the host reading the flag where that would
-// wait for the device. Returns the tensors to act on, checked.
-inline void check_zero_if_args(at::TensorList tensors, const at::Tensor& flag) {
-  constexpr const char* op = "accordion::zero_if_";
+// fill_if_: fill every tensor with a value when a 0-d bool flag on their device is true (zero
+// a skipped step's results, settle error feedback, NaN for a non-finite gradient's payload),
+// without the host reading the flag where that would wait for the device.
+inline void check_fill_if_args(at::TensorList tensors, const at::Tensor& flag) {
+  constexpr const char* op = "accordion::fill_if_";
   TORCH_CHECK(flag.layout() == at::kStrided && flag.dim() == 0 && flag.scalar_type() == at::kBool, op,
               ": flag must be a 0-d bool tensor, got a ", flag.dim(), "-d ", flag.scalar_type(), " tensor");
   for (size_t i = 0; i < tensors.size(); ++i) {
@@ -174,6 +174,24 @@ inline void check_zero_if_args(at::TensorList tensors, const at::Tensor& flag) {
     TORCH_CHECK(tensors[i].device() == flag.device(), op, ": tensors[", i, "] is on ", tensors[i].device(),
                 ", the flag on ", flag.device());
   }
+}
+
+// restore_if_: residual[indices] = values when a 0-d bool flag on their device is true (TopK
+// puts a skipped step's selection back into its error feedback), without the host reading
+// the flag where that would wait for the device.
+inline void check_restore_if_args(const at::Tensor& residual, const at::Tensor& indices, const at::Tensor& values,
+                                  const at::Tensor& flag) {
+  constexpr const char* op = "accordion::restore_if_";
+  check_contiguous_float(residual, op, "residual");
+  check_contiguous_float(values, op, "values");
+  TORCH_CHECK(indices.layout() == at::kStrided && indices.scalar_type() == at::kInt && indices.dim() == 1 &&
+              indices.numel() == values.numel(), op, ": indices must be 1-d int32 of values' length, got ",
+              indices.scalar_type(), " ", indices.sizes(), " for values ", values.sizes());
+  TORCH_CHECK(flag.layout() == at::kStrided && flag.dim() == 0 && flag.scalar_type() == at::kBool, op,
+              ": flag must be a 0-d bool tensor, got a ", flag.dim(), "-d ", flag.scalar_type(), " tensor");
+  check_same_device(residual, indices, op, "residual and indices");
+  check_same_device(residual, values, op, "residual and values");
+  check_same_device(residual, flag, op, "residual and flag");
 }
 
 }  // namespace accordion

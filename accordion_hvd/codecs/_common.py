@@ -53,10 +53,10 @@ def settle_sent(e: torch.Tensor, sent_dtype: torch.dtype, done: torch.Tensor) ->
     ``sent_dtype``: if it went through (``done``, 0-d bool), ``e`` keeps only what that dtype
     rounded away; if it was skipped, all of it. Decided on the device."""
     if sent_dtype == e.dtype:
-        ops.zero_if_([e], done)
+        ops.fill_if_([e], done)
     else:
         sent = e.to(sent_dtype).to(e.dtype)
-        ops.zero_if_([sent], ~done)  # a skipped step sent nothing
+        ops.fill_if_([sent], ~done)  # a skipped step sent nothing
         e.sub_(sent)
 
 

@@ -25,7 +25,7 @@ import torch
 
 from .. import ops, reference
 from ..levels import CRITICAL, DENSE, DENSE16, NORMAL, UNCOMPRESSED, Level, check_level, positive_number
-from ._common import nan_unless, residual_dtype, rounding_error, settle_sent, wire_dtype
+from ._common import residual_dtype, rounding_error, settle_sent, wire_dtype
 
 
 @dataclass
@@ -213,7 +213,9 @@ class PowerSGD:
         sees the fault in the averaged P."""
         ops.ef_add_(grad.reshape(state.residual.shape), state.residual, finite)
         p = state.residual.clone() if state.level == DENSE else state.residual @ state.q
-        return p if finite is None else p.masked_fill_(~finite, float("nan"))
+        if finite is not None:
+            ops.fill_if_([p], ~finite, float("nan"))
+        return p
 
     @staticmethod
     def sends_dense(state: PowerSGDState) -> bool:
@@ -226,7 +228,9 @@ class PowerSGD:
         """For a DENSE16 step: M = grad + e (e holds it until ``settle_sent``), returned in
         float16 (NaN if ``finite`` is False; then e is not touched), shaped like ``grad``."""
         ops.ef_add_(grad.reshape(state.residual.shape), state.residual, finite)
-        return nan_unless(finite, state.residual).to(wire_dtype(state.level, grad.dtype)).view(grad.shape)
+        out = state.residual.to(wire_dtype(state.level, grad.dtype), copy=True)
+        ops.fill_if_([out], ~finite, float("nan"))
+        return out.view(grad.shape)
 
     @staticmethod
     def settle_sent(state: PowerSGDState, sent_dtype: torch.dtype, done: torch.Tensor) -> None:
@@ -244,7 +248,7 @@ class PowerSGD:
     def settle_dense(state: PowerSGDState, done: torch.Tensor) -> None:
         """A DENSE layer's step: if it went through (``done``, 0-d bool), everything was sent,
         e = 0; if it was skipped e keeps M."""
-        ops.zero_if_([state.residual], done)
+        ops.fill_if_([state.residual], done)
 
     def middle(self, states: list[PowerSGDState], p_avgs: list[torch.Tensor]) -> list[torch.Tensor]:
         """Orthogonalizes every layer's averaged P (in one kernel call); returns each layer's

@@ -16,7 +16,7 @@ import torch
 
 from .. import ops, reference
 from ..levels import CRITICAL, DENSE, DENSE16, NORMAL, UNCOMPRESSED, Level, check_level, positive_number
-from ._common import nan_unless, residual_dtype, rounding_error, settle_sent, wire_dtype
+from ._common import residual_dtype, rounding_error, settle_sent, wire_dtype
 
 
 @dataclass
@@ -137,13 +137,14 @@ class TopK:
                 where: torch.Tensor | None = None) -> None:
         """Undo an encode: the selected entries go back into the error feedback, which then
         holds the whole g = grad + e again. With ``where`` (a 0-d bool tensor), only if it is
-        True, decided on the device (the encode left those entries at zero, so adding the
-        values, or zeros, is the same as writing them)."""
+        True, decided on the device."""
         values = values.to(state.residual.dtype)
         if where is None:
             state.residual[indices.long()] = values
-        else:
-            state.residual.index_add_(0, indices, torch.where(where, values, 0.0))  # int32 indices as they are
+        elif _kernel_ok(state.residual):
+            ops.restore_if_(state.residual, indices, values.contiguous(), where)
+        else:  # float64: the encode left those entries at zero, so adding is writing
+            state.residual.index_add_(0, indices, torch.where(where, values, 0.0))
 
     def state_to_dict(self, state: TopKState) -> dict:
         """A layer's state as plain values and tensors (copies), for checkpoints."""
@@ -173,8 +174,8 @@ class TopK:
         ``e`` holds the whole ``g = grad + e`` until ``settle_dense`` at the end of the step
         (so a skipped step can keep it); then only what the dtype rounded away."""
         g = ops.ef_add_(grad.reshape(-1), state.residual, finite)
-        # a new tensor, never g itself: Horovod averages it in place
-        out = nan_unless(finite, g).to(wire_dtype(state.level, grad.dtype))
+        out = g.to(wire_dtype(state.level, grad.dtype), copy=True)  # never g itself: Horovod averages it in place
+        ops.fill_if_([out], ~finite, float("nan"))
         state.g_sq = state.kept_sq = out.double().square().sum()
         return out.view(grad.shape)
 

@@ -31,6 +31,7 @@ from typing import Any, Callable
 
 import torch
 
+from .. import ops
 from ..codecs._common import either, finite_flag, nan_unless
 from ..comm.channel import Channel
 from ..levels import DENSE
@@ -206,4 +207,6 @@ class TopKExchange:
 def _payload(encoded: tuple[torch.Tensor, torch.Tensor], finite: torch.Tensor) -> torch.Tensor:
     """A layer's bytes to gather: its values (NaN if its gradient was not finite) and indices."""
     values, indices = encoded
-    return bytes_of(nan_unless(finite, values), indices)
+    payload = bytes_of(values, indices)  # a new buffer: poisoned in place, on the device
+    ops.fill_if_([payload[:values.numel() * values.element_size()].view(values.dtype)], ~finite, float("nan"))
+    return payload

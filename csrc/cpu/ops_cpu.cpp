@@ -44,10 +44,18 @@ at::Tensor error_update_(const at::Tensor& residual, const at::Tensor& approx, a
 
 // On the CPU the flag is read directly (a memory load): nothing is touched when it is false,
 // where a masked fill would still stream through every tensor.
-void zero_if_(at::TensorList tensors, const at::Tensor& flag) {
-  check_zero_if_args(tensors, flag);
+void fill_if_(at::TensorList tensors, const at::Tensor& flag, const at::Scalar& value) {
+  check_fill_if_args(tensors, flag);
   if (!flag.item<bool>()) return;
-  for (const at::Tensor& t : tensors) const_cast<at::Tensor&>(t).zero_();
+  for (const at::Tensor& t : tensors) const_cast<at::Tensor&>(t).fill_(value);
+}
+
+// The flag read directly, as in fill_if_: a step that went through touches nothing.
+void restore_if_(const at::Tensor& residual, const at::Tensor& indices, const at::Tensor& values,
+                 const at::Tensor& flag) {
+  check_restore_if_args(residual, indices, values, flag);
+  if (!flag.item<bool>()) return;
+  const_cast<at::Tensor&>(residual).index_put_({indices.to(at::kLong)}, values);
 }
 
 }  // namespace
@@ -59,7 +67,8 @@ TORCH_LIBRARY_IMPL(accordion, CPU, m) {
   m.impl("sparse_average", &sparse_average);
   m.impl("orthogonalize_", &orthogonalize_);
   m.impl("error_update_", &error_update_);
-  m.impl("zero_if_", &zero_if_);
+  m.impl("fill_if_", &fill_if_);
+  m.impl("restore_if_", &restore_if_);
 }
 
 }  // namespace accordion

@@ -121,10 +121,20 @@ at::Tensor error_update_(const at::Tensor& residual, const at::Tensor& approx, a
 }
 
 // The flag stays on the device: a masked fill per tensor, never read by the host.
-void zero_if_(at::TensorList tensors, const at::Tensor& flag) {
-  check_zero_if_args(tensors, flag);
+void fill_if_(at::TensorList tensors, const at::Tensor& flag, const at::Scalar& value) {
+  check_fill_if_args(tensors, flag);
   const c10::cuda::CUDAGuard guard(flag.device());
-  for (const at::Tensor& t : tensors) const_cast<at::Tensor&>(t).masked_fill_(flag, 0);
+  for (const at::Tensor& t : tensors) const_cast<at::Tensor&>(t).masked_fill_(flag, value);
+}
+
+// The flag stays on the device: the entries are written either way, with the values or with
+// what they hold (k entries: nothing next to the step's other work).
+void restore_if_(const at::Tensor& residual, const at::Tensor& indices, const at::Tensor& values,
+                 const at::Tensor& flag) {
+  check_restore_if_args(residual, indices, values, flag);
+  const c10::cuda::CUDAGuard guard(residual.device());
+  const at::Tensor index = indices.to(at::kLong);
+  const_cast<at::Tensor&>(residual).index_put_({index}, at::where(flag, values, residual.index({index})));
 }
 
 }  // namespace
@@ -136,7 +146,8 @@ TORCH_LIBRARY_IMPL(accordion, CUDA, m) {
   m.impl("sparse_average", &sparse_average);
   m.impl("orthogonalize_", &orthogonalize_);
   m.impl("error_update_", &error_update_);
-  m.impl("zero_if_", &zero_if_);
+  m.impl("fill_if_", &fill_if_);
+  m.impl("restore_if_", &restore_if_);
 }
 
 }  // namespace accordion
