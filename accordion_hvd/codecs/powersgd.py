@@ -205,7 +205,7 @@ class PowerSGD:
             return torch.zeros(m, 0, dtype=dtype, device=device)
         return torch.cat(cols, dim=1).to(dtype=dtype, device=device)
 
-    # --- the three phases of a step ---------------------------------------------------------
+    # --- the phases of a step ---------------------------------------------------------------
     def start(self, state: PowerSGDState, grad: torch.Tensor, finite: torch.Tensor | None = None) -> torch.Tensor:
         """M = grad + e (into the residual buffer); returns P = M Q, to be averaged (at DENSE,
         a copy of M itself: the residual keeps M until ``settle_dense``). With ``finite``
