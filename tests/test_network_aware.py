@@ -244,6 +244,24 @@ def test_a_layer_that_hides_only_in_float16_goes_dense16_when_the_policy_may_sen
     assert chosen["fp32"]["late"] == chosen["fp16"]["late"]
 
 
+def test_a_layer_beyond_float16s_range_never_goes_dense16():
+    """Its DENSE16 error is infinite (the level cannot carry it): the search leaves that level
+    out for that layer, and the window is still usable (not every layer falls back)."""
+    grad = torch.randn(64, 72)
+    grad[3, 5] = 1e5  # > 65504
+    for codec in (acc.PowerSGD(rank=2), acc.TopK(ratio=0.01)):
+        state = codec.init_state("w", grad)
+        assert codec.level_errors(state, grad, (DENSE16,)) == [math.inf]
+    sizes = {"early": 1 << 20, "late": 1 << 20}
+    ready = {"early": 0.0, "late": 0.8}
+    network = topk_network(SLOW, ready, 0.8, sizes, (("early",), ("late",)), dense=DENSE16)
+    errors = errors_for(sizes, DENSE16)
+    errors["early"][DENSE16] = math.inf
+    policy = NetworkAware(verify=False, dense="fp16")
+    levels = window(policy, {"early": 1.0, "late": 1.0}, errors, network)
+    assert levels["early"] == CRITICAL and "kept" not in policy.last  # searched, DENSE16 not chosen
+
+
 def test_error_saved_where_it_is_free_is_spent_where_it_buys_time():
     # Critical regime (first windows): the budget is every layer at 10%. The early layer goes
     # dense for free, and the error it saves lets the big late layer drop to 1%.

@@ -3,6 +3,8 @@ whole is settled."""
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from .. import ops
@@ -61,7 +63,11 @@ def settle_sent(e: torch.Tensor, sent_dtype: torch.dtype, done: torch.Tensor) ->
 
 
 def rounding_error(g: torch.Tensor, dtype: torch.dtype) -> float:
-    """``||g - round(g)||^2`` for ``g`` sent in ``dtype`` (0 when it is ``g``'s own), in float64."""
+    """``||g - round(g)||^2`` for ``g`` sent in ``dtype`` (0 when it is ``g``'s own), in float64;
+    infinite when ``g`` does not fit in ``dtype`` (float16 ends at 65504): the level cannot
+    carry the layer."""
     if dtype == g.dtype:
         return 0.0
+    if g.numel() and float(g.abs().max()) > torch.finfo(dtype).max:
+        return math.inf
     return float((g - g.to(dtype).to(g.dtype)).square().sum(dtype=torch.float64))

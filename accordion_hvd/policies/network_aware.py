@@ -216,8 +216,10 @@ class NetworkAware(Policy):
         link = network.link
         network = replace(network, link=Link(alpha=link.alpha * self.headroom, beta=link.beta * self.headroom))
         layers = sorted(budget, key=lambda n: (network.ready_s[n], n))
-        # each layer's candidates, gentlest (least error) first; ties keep the cheaper wire
-        order = {n: sorted(errors[n], key=lambda lv: (errors[n][lv], _bytes(network.wire[n][lv]), str(lv)))
+        # each layer's candidates, gentlest (least error) first; ties keep the cheaper wire; a
+        # level with an infinite error cannot carry the layer (float16 for values beyond its range)
+        order = {n: sorted((lv for lv in errors[n] if math.isfinite(errors[n][lv])),
+                           key=lambda lv: (errors[n][lv], _bytes(network.wire[n][lv]), str(lv)))
                  for n in layers}
         limit = sum(errors[n][budget[n]] for n in layers) * (1 + _SLACK)
         levels = dict(budget)
@@ -349,8 +351,10 @@ def _unusable_errors(errors: dict[str, dict[Level, float]] | None, budget: dict[
     missing = sorted(n for n in budget if n not in errors)
     if missing:
         return f"no level errors for {', '.join(missing[:3])}"
-    if not all(math.isfinite(e) and e >= 0 for n in budget for e in errors[n].values()):
-        return "a level error is negative or not finite"
+    if not all(e >= 0 for n in budget for e in errors[n].values()):  # NaN fails too
+        return "a level error is negative or not a number"
+    if not all(math.isfinite(errors[n].get(budget[n], math.nan)) for n in budget):
+        return "a level Accordion chose has no finite error"
     return None
 
 
