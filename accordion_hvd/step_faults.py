@@ -47,15 +47,13 @@ class StepFaults:
 
     def _begin(self) -> None:
         self.bad: torch.Tensor | None = None        # some rank's gradient was not finite
-        self._local_bad: torch.Tensor | None = None  # this rank's was not
-        self._local: list[tuple[str, torch.Tensor]] = []
+        self._local: list[tuple[str, torch.Tensor]] = []  # this rank's layers and finite flags
         self._errors: list[tuple[torch.Tensor, str]] = []
 
     # --- during a step ----------------------------------------------------------------------
     def local(self, name: str, finite: torch.Tensor) -> None:
         """This rank's gradient of ``name`` and its finite flag."""
         self._local.append((name, finite))
-        self._local_bad = either(self._local_bad, ~finite)
 
     def seen(self, bad: torch.Tensor | None) -> None:
         """A fault flag from the exchanged data (the same on every rank)."""
@@ -74,8 +72,9 @@ class StepFaults:
         skipped = self.bad if self.bad is not None else torch.zeros((), dtype=torch.bool, device=device)
         self._count = self._count + skipped.long()
         outcome = skipped.to(torch.int8)
-        if self._local_bad is not None:  # cannot happen: the NaN sent in its place reaches every rank
-            outcome = outcome + 2 * (self._local_bad & ~skipped).to(torch.int8)
+        if self._local:  # a fault of this rank not seen: cannot happen, the NaN sent in its place reaches every rank
+            local_bad = ~torch.stack([finite for _, finite in self._local]).all()
+            outcome = outcome + 2 * (local_bad & ~skipped).to(torch.int8)
         for flag, _ in self._errors:
             outcome = outcome | 4 * flag.to(torch.int8)
         ready = None

@@ -5,12 +5,17 @@ one machine: run it with each on PYTHONPATH, interleaved, several rounds.
 
     PYTHONPATH=/path/to/checkout .venv/bin/python benchmarks/compressor_step.py --codecs powersgd-r4,topk-1
 
-Prints one CSV line per codec: label, codec, median ms per step, min ms.
+Prints one CSV line per codec: label, codec, median ms per step, min ms. With ``--table
+CSV`` (rows ``round,version,codec,median_ms,min_ms`` from such runs, two versions) it prints
+the Markdown table of the second version's time over the first's, per codec: the median of
+the per-round ratios and their range.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
+import csv
 import statistics
 import time
 
@@ -54,12 +59,38 @@ def measure(name: str, steps: int) -> list[float]:
     return SimulatedWorld(1).run(worker)[0]
 
 
+def table(path: str) -> list[str]:
+    """Per codec: each version's median ms (median over rounds) and the per-round ratio."""
+    with open(path) as f:
+        rows = list(csv.DictReader(f))
+    versions = list(dict.fromkeys(r["version"] for r in rows))
+    if len(versions) != 2:
+        raise SystemExit(f"--table: expected two versions in {path}, got {versions}")
+    first, second = versions
+    by = collections.defaultdict(dict)
+    for r in rows:
+        by[r["codec"]].setdefault(r["round"], {})[r["version"]] = float(r["median_ms"])
+    out = [f"| codec | rounds | {first}: ms per step | {second}: ms per step | {second} / {first}: median | range |",
+           "|---|---|---|---|---|---|"]
+    for codec, rounds in by.items():
+        paired = [v for v in rounds.values() if first in v and second in v]
+        ratios = [v[second] / v[first] for v in paired]
+        out.append(f"| {codec} | {len(paired)} | {statistics.median(v[first] for v in paired):.1f} | "
+                   f"{statistics.median(v[second] for v in paired):.1f} | {statistics.median(ratios):.3f} | "
+                   f"{min(ratios):.3f} - {max(ratios):.3f} |")
+    return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--codecs", default=",".join(CODECS), help=f"comma-separated, of {sorted(CODECS)}")
     p.add_argument("--steps", type=int, default=15)
     p.add_argument("--label", default="", help="a name for this version, printed first")
+    p.add_argument("--table", metavar="CSV", help="print the comparison table of a CSV of runs instead")
     args = p.parse_args()
+    if args.table:
+        print("\n".join(table(args.table)))
+        return
     torch.set_num_threads(1)
     for name in args.codecs.split(","):
         if name not in CODECS:

@@ -27,7 +27,7 @@ def finite_flag(t: torch.Tensor) -> torch.Tensor:
     if t.numel() == 0:
         return torch.ones((), dtype=torch.bool, device=t.device)
     total = t.sum() if t.dtype in (torch.float32, torch.float64) else t.sum(dtype=torch.float32)
-    return torch.isfinite(total)
+    return (total - total) == 0  # NaN for Inf or NaN; one op fewer than isfinite, per layer per step
 
 
 def nan_unless(finite: torch.Tensor, t: torch.Tensor) -> torch.Tensor:

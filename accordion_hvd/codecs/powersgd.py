@@ -283,7 +283,8 @@ class PowerSGD:
             state.q = qt_avg.t()
         else:  # P and Q^T are small: masking them costs nothing next to the products
             state.q = torch.where(ok, qt_avg, state.q.t()).t()
-            p, qt_avg = p.masked_fill_(~ok, 0.0), qt_avg.masked_fill(~ok, 0.0)
+            bad = ~ok
+            p, qt_avg = p.masked_fill_(bad, 0.0), qt_avg.masked_fill(bad, 0.0)
         state.factors = (p, qt_avg)
         e = state.residual
         if grad.dtype == e.dtype and grad.is_contiguous() and not grad.requires_grad:
