@@ -8,8 +8,9 @@ has finished with the flag, does the host read it: on a GPU that is a copy into 
 memory and an event, not a synchronization inside the step.
 
 ``StepFaults`` keeps the current step's flags, the count of skipped steps, and the steps
-whose outcome the host has not read yet (to log them, and to check the invariant that a
-rank's own non-finite gradient always skips the step).
+whose outcome the host has not read yet (to log them, to fail the run on an error flag such
+as TopK indices outside their layer, and to check the invariant that a rank's own
+non-finite gradient always skips the step).
 """
 
 from __future__ import annotations
@@ -90,7 +91,8 @@ class StepFaults:
 
     def poll(self, wait: bool) -> None:
         """Read the outcomes the device has finished with (all of them if ``wait``), log each
-        skipped step, and raise if a rank's own fault did not skip its step."""
+        skipped step, and raise (RuntimeError) if an error flag was set or if a rank's own
+        fault did not skip its step."""
         while self._unread:
             entry = self._unread[0]
             if entry.ready is not None and not entry.ready.query():  # query() never waits
