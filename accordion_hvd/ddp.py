@@ -89,27 +89,31 @@ class DDPHook:
         self.__name__ = self.__qualname__ = "accordion_hook"  # DDP logs its hooks by name
         self._names = {id(p): (weakref.ref(p), n) for p, n in names.items()}  # no reference kept to the model
         self._unknown_warned: set[tuple] = set()
-        self._buckets: list = []  # this step: (future, buffer, entries, dense handle)
+        self._buckets: list = []  # this step: (future, buffer, entries, dense handles by dtype)
 
     def __call__(self, state, bucket):  # no annotations: DDP compares them to its own types
         future: torch.futures.Future = torch.futures.Future()
-        entries, dense = [], []
+        entries, dense = [], {}  # dense: dtype -> the tensors averaged as they are, one collective per dtype
+
+        def average(tensor):
+            group = dense.setdefault(tensor.dtype, [])
+            group.append(tensor)
+            return tensor.dtype, len(group) - 1
+
         for param, grad in zip(bucket.parameters(), bucket.gradients()):
             ref, name = self._names.get(id(param), (None, None))
             if ref is None or ref() is not param:  # not the model's at registration: averaged as it is
                 self._warn_unknown(bucket.index(), param)
-                entries.append((grad, None, len(dense)))
-                dense.append(grad)
+                entries.append((grad, None, average(grad)))
                 continue
             out, ctx = self.compressor.compress_named(name, grad)
-            if ctx[0] == "dense":
-                entries.append((grad, ctx, len(dense)))
-                dense.append(out)
-            else:
-                entries.append((grad, ctx, None))
-        handle = (self.channel.allreduce_mean_async(dense, name=f"acc.ddp.dense.b{bucket.index()}.{len(dense)}")
-                  if dense else None)
-        self._buckets.append((future, bucket.buffer(), entries, handle))
+            # a layer sent whole (float16 at DENSE16: its own collective, not promoted to float32)
+            entries.append((grad, ctx, average(out) if ctx[0] == "dense" else None))
+        # every rank has the same dtypes here (levels agree): issued in the same order everywhere
+        handles = {dtype: self.channel.allreduce_mean_async(
+            tensors, name=f"acc.ddp.dense.b{bucket.index()}.{str(dtype).removeprefix('torch.')}.{len(tensors)}")
+            for dtype, tensors in sorted(dense.items(), key=lambda item: str(item[0]))}
+        self._buckets.append((future, bucket.buffer(), entries, handles))
         if bucket.is_last():
             self._finish_step()
         return future
@@ -119,13 +123,13 @@ class DDPHook:
         ends the compressor's step), then write the results into DDP's buckets."""
         buckets, self._buckets = self._buckets, []
         results = []
-        for future, buffer, entries, handle in buckets:
-            averages = self.channel.wait(handle) if handle is not None else []
-            for grad, ctx, dense_index in entries:
+        for future, buffer, entries, handles in buckets:
+            averages = {dtype: self.channel.wait(handle) for dtype, handle in handles.items()}
+            for grad, ctx, where in entries:
                 if ctx is None:
-                    results.append((grad, averages[dense_index]))
-                elif dense_index is not None:
-                    results.append((grad, self.compressor.decompress(averages[dense_index], ctx)))
+                    results.append((grad, averages[where[0]][where[1]]))
+                elif where is not None:
+                    results.append((grad, self.compressor.decompress(averages[where[0]][where[1]], ctx)))
                 else:
                     results.append((grad, self.compressor.decompress(grad.new_empty(0), ctx)))
         for grad, result in results:  # after the last decompress: a skipped step zeroed its results

@@ -18,7 +18,7 @@ from accordion_hvd.comm.link import LinkMeasurement
 from accordion_hvd.costmodel import Link
 from accordion_hvd.levels import CRITICAL, DENSE, DENSE16, NORMAL
 from accordion_hvd.policies import NetworkAware, NetworkReport, WindowReport
-from launch import run_worker
+from launch import run_ddp_worker, run_worker
 
 SLOW = Link(alpha=100e-6, beta=8 / 100e6)  # 100 Mbit/s
 
@@ -444,4 +444,11 @@ def test_under_horovodrun_a_real_link_is_measured_and_ranks_agree(codec):
 @pytest.mark.parametrize("codec", ["powersgd", "topk"])
 def test_under_horovodrun_dense16_is_horovods_float16_average(codec):
     out = run_worker("dense16_check.py", codec, np=2, backend="gloo")
-    assert out.count(f"OK dense16 ({codec},") == 2, out
+    assert out.count(f"OK dense16 ({codec}, horovod,") == 2, out
+
+
+@pytest.mark.torchrun
+@pytest.mark.parametrize("codec", ["powersgd", "topk"])
+def test_under_torchrun_dense16_is_the_float16_average_through_the_ddp_hook(codec):
+    out = run_ddp_worker("dense16_check.py", codec, "ddp", np=2)
+    assert out.count(f"OK dense16 ({codec}, ddp,") == 2, out
