@@ -9,8 +9,9 @@ controller, non-finite skip, ``stats()`` and ``state_dict()``; only the front en
 DDP calls the hook once per bucket of its own, in bucket order, as the bucket's gradients
 are ready; the hook hands each parameter's gradient (a view into DDP's bucket) to
 ``compress_named`` under the parameter's name, so the codec's exchange starts its rounds
-during backward exactly as under Horovod. The layers the compressor does not compress go in
-one averaging collective per DDP bucket. DDP waits for the hooks' futures only at the end of
+during backward exactly as under Horovod. The layers the compressor does not compress (or
+sends whole this step) go in one averaging collective per DDP bucket and dtype (a DENSE16
+layer's float16 apart, so that it is not promoted to float32). DDP waits for the hooks' futures only at the end of
 backward, so the last bucket's hook finishes the step: it waits for the exchange, runs
 ``decompress`` for every layer (the compressor's end of step: skip or settle, the levels of
 the next step), writes the results into DDP's buckets and completes every future.
