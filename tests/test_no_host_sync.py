@@ -86,7 +86,7 @@ def test_a_step_reads_nothing_per_layer_from_the_device(name):
     for rank in range(WORLD):
         for step_few, step_many in zip(few[rank][0], many[rank][0]):
             assert step_few == step_many, (rank, step_few, step_many)  # nothing grows with the layers
-            # what is left: reading the previous step's outcome, already on the host
+            # what is left: the host reading the step's outcome once, to log it (on a GPU, a later step does)
             assert sum(step_many.values()) <= 1, (rank, step_many)
 
 
