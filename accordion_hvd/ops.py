@@ -75,6 +75,32 @@ def topk_ef(grad: torch.Tensor, residual: torch.Tensor, k: int, finite: torch.Te
     return torch.ops.accordion.topk_ef.default(grad, residual, k, finite)
 
 
+def topk_ef_many(grads: list[torch.Tensor], residuals: list[torch.Tensor], ks: list[int],
+                 finite: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``topk_ef`` for several layers (a bucket) in one call: a fixed number of kernel
+    launches however many layers there are. Returns ``(payload, g_sq, kept_sq)``: layer i's
+    k_i values (float32) then k_i indices (int32) as bytes in one uint8 payload, at byte
+    ``8 * sum(ks[:i])`` (the bytes its bucket's allgather sends), and the float64 squared
+    norms per layer. ``finite`` (1-d bool, one flag per layer): where False, that layer's
+    residual is left exactly as it was and its values are NaN (its indices are a valid
+    selection of the residual alone), so nothing needs undoing for it."""
+    grads, residuals, ks = list(grads), list(residuals), [int(k) for k in ks]
+    for i, (g, r) in enumerate(zip(grads, residuals)):
+        _check_dense_pair(f"accordion::topk_ef_many (layer {i})", g, r)
+    return torch.ops.accordion.topk_ef_many.default(grads, residuals, ks, finite)
+
+
+def restore_many_if_(residuals: list[torch.Tensor], payload: torch.Tensor, ks: list[int], flags: torch.Tensor) -> None:
+    """Undo ``topk_ef_many`` layer by layer where ``flags`` (1-d bool, one per layer, on the
+    payload's device) is True: the layer's kept entries go back into its residual. Decided
+    on the device (the CPU reads the flags; CUDA masks)."""
+    if not isinstance(flags, torch.Tensor):
+        raise TypeError(f"accordion::restore_many_if_: flags must be a torch.Tensor, got {type(flags).__name__}")
+    residuals = list(residuals)
+    if residuals:
+        torch.ops.accordion.restore_many_if_.default(residuals, payload, [int(k) for k in ks], flags)
+
+
 def sparse_average(values: torch.Tensor, indices: torch.Tensor, numel: int, world_size: int,
                    dtype: torch.dtype = torch.float32, bad: torch.Tensor | None = None) -> torch.Tensor:
     """Scatter-add every rank's (values, indices) (concatenated in rank order) into a dense
@@ -129,6 +155,19 @@ def _topk_ef_fake(grad, residual, k, finite=None):
     torch._check(grad.shape == residual.shape, lambda: "accordion::topk_ef: shapes differ")
     scalar = residual.new_empty((), dtype=torch.float64)
     return (residual.new_empty(k), residual.new_empty(k, dtype=torch.int32), scalar, scalar.clone())
+
+
+@torch.library.register_fake("accordion::topk_ef_many")
+def _topk_ef_many_fake(grads, residuals, ks, finite=None):
+    torch._check(len(grads) == len(residuals) == len(ks), lambda: "accordion::topk_ef_many: lengths differ")
+    r = residuals[0]
+    return (r.new_empty(8 * sum(ks), dtype=torch.uint8), r.new_empty(len(ks), dtype=torch.float64),
+            r.new_empty(len(ks), dtype=torch.float64))
+
+
+@torch.library.register_fake("accordion::restore_many_if_")
+def _restore_many_if_fake(residuals, payload, ks, flags):
+    return None
 
 
 @torch.library.register_fake("accordion::sparse_average")

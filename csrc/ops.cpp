@@ -10,6 +10,9 @@ TORCH_LIBRARY(accordion, m) {
   m.def("ef_add_(Tensor grad, Tensor(a!) residual, Tensor? finite=None) -> ()");
   m.def("topk_ef(Tensor grad, Tensor(a!) residual, int k, Tensor? finite=None) -> (Tensor values, Tensor indices, Tensor g_sq, "
         "Tensor kept_sq)");
+  m.def("topk_ef_many(Tensor[] grads, Tensor(a!)[] residuals, int[] ks, Tensor? finite=None) -> (Tensor payload, "
+        "Tensor g_sq, Tensor kept_sq)");
+  m.def("restore_many_if_(Tensor(a!)[] residuals, Tensor payload, int[] ks, Tensor flags) -> ()");
   m.def("sparse_average(Tensor values, Tensor indices, int numel, int world_size, ScalarType dtype, "
         "Tensor(a!)? bad=None) -> Tensor");
   m.def("orthogonalize_(Tensor(a!)[] ps, float eps) -> ()");

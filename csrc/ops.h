@@ -9,6 +9,8 @@
 
 #include <limits>
 #include <optional>
+#include <utility>
+#include <vector>
 
 namespace accordion {
 
@@ -99,6 +101,82 @@ inline std::tuple<at::Tensor, at::Tensor> topk_ef_outputs(const at::Tensor& grad
   TORCH_CHECK(n <= std::numeric_limits<int32_t>::max(), op, ": at most 2^31 - 1 entries (int32 indices), got ", n);
   TORCH_CHECK(k >= 0 && k <= n, op, ": k must be in [0, numel = ", n, "], got ", k);
   return {at::empty({k}, residual.options()), at::empty({k}, residual.options().dtype(at::kInt))};
+}
+
+// topk_ef_many: topk_ef for every layer of a bucket in one call. Layer i's k_i values
+// (float32) and k_i indices (int32) go to one uint8 payload, at byte 8 * (k_0 + ... + k_{i-1}):
+// values first, then indices: the bytes a bucket's allgather sends, with no copy. `finite`
+// (optional, 1-d bool, one flag per layer) works as the codec needs for a non-finite
+// gradient: that layer's residual is left exactly as it was and its values are NaN (the
+// indices are a valid selection of the residual alone), so every rank sees the fault in the
+// gathered data and there is nothing to undo for that layer.
+struct ManyLayout {
+  std::vector<int64_t> offsets;  // per layer, in entries (k's prefix sums); offsets.back(): total
+};
+
+inline ManyLayout check_topk_ef_many_args(at::TensorList grads, at::TensorList residuals, at::IntArrayRef ks,
+                                          const std::optional<at::Tensor>& finite) {
+  constexpr const char* op = "accordion::topk_ef_many";
+  const size_t layers = grads.size();
+  TORCH_CHECK(layers >= 1, op, ": grads must hold at least one tensor");
+  TORCH_CHECK(residuals.size() == layers && ks.size() == layers, op,
+              ": grads, residuals and ks must have the same length, got ", layers, ", ", residuals.size(), " and ",
+              ks.size());
+  ManyLayout out;
+  out.offsets.reserve(layers + 1);
+  out.offsets.push_back(0);
+  for (size_t i = 0; i < layers; ++i) {
+    check_ef_add_args(grads[i], residuals[i], op);
+    check_contiguous_float(residuals[i], op, "every residual");
+    check_same_device(residuals[i], residuals[0], op, "every residual");
+    const int64_t n = residuals[i].numel();
+    TORCH_CHECK(n <= std::numeric_limits<int32_t>::max(), op, ": at most 2^31 - 1 entries per layer (int32 indices), "
+                "got ", n, " in layer ", i);
+    TORCH_CHECK(ks[i] >= 0 && ks[i] <= n, op, ": ks[", i, "] must be in [0, numel = ", n, "], got ", ks[i]);
+    out.offsets.push_back(out.offsets.back() + ks[i]);
+  }
+  if (finite) {
+    TORCH_CHECK(finite->layout() == at::kStrided && finite->dim() == 1 && finite->scalar_type() == at::kBool &&
+                finite->numel() == static_cast<int64_t>(layers), op, ": finite must be a 1-d bool tensor of ", layers,
+                " flags (one per layer), got a ", finite->dim(), "-d ", finite->scalar_type(), " tensor of ",
+                finite->numel());
+    check_same_device(*finite, residuals[0], op, "finite and the residuals");
+  }
+  return out;
+}
+
+// A layer's values and indices inside a topk_ef_many payload (uint8, 8 bytes per entry).
+inline std::pair<at::Tensor, at::Tensor> payload_parts(const at::Tensor& payload, int64_t offset, int64_t k) {
+  return {payload.narrow(0, 8 * offset, 4 * k).view(at::kFloat),
+          payload.narrow(0, 8 * offset + 4 * k, 4 * k).view(at::kInt)};
+}
+
+// restore_many_if_: undo a topk_ef_many where a skipped step needs it: layer i's kept entries
+// go back into residuals[i] if flags[i] (1-d bool on their device).
+inline ManyLayout check_restore_many_args(at::TensorList residuals, const at::Tensor& payload, at::IntArrayRef ks,
+                                          const at::Tensor& flags) {
+  constexpr const char* op = "accordion::restore_many_if_";
+  const size_t layers = residuals.size();
+  TORCH_CHECK(ks.size() == layers, op, ": residuals and ks must have the same length, got ", layers, " and ",
+              ks.size());
+  ManyLayout out;
+  out.offsets.push_back(0);
+  for (size_t i = 0; i < layers; ++i) {
+    check_contiguous_float(residuals[i], op, "every residual");
+    check_same_device(residuals[i], payload, op, "every residual and the payload");
+    TORCH_CHECK(ks[i] >= 0 && ks[i] <= residuals[i].numel(), op, ": ks[", i, "] must be in [0, numel = ",
+                residuals[i].numel(), "], got ", ks[i]);
+    out.offsets.push_back(out.offsets.back() + ks[i]);
+  }
+  TORCH_CHECK(payload.layout() == at::kStrided && payload.scalar_type() == at::kByte && payload.dim() == 1 &&
+              payload.is_contiguous() && payload.numel() == 8 * out.offsets.back(), op,
+              ": payload must be a contiguous 1-d uint8 tensor of 8 * sum(ks) = ", 8 * out.offsets.back(),
+              " bytes, got ", payload.scalar_type(), " ", payload.sizes());
+  TORCH_CHECK(flags.layout() == at::kStrided && flags.dim() == 1 && flags.scalar_type() == at::kBool &&
+              flags.numel() == static_cast<int64_t>(layers), op, ": flags must be a 1-d bool tensor of ", layers,
+              " flags, got a ", flags.dim(), "-d ", flags.scalar_type(), " tensor of ", flags.numel());
+  check_same_device(flags, payload, op, "flags and the payload");
+  return out;
 }
 
 // sparse_average: TopK's decode, the average over ranks of their sparse vectors, densely.

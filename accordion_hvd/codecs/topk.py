@@ -205,6 +205,29 @@ class TopK:
         state.g_sq, state.kept_sq = g_sq, kept_sq
         return values, indices
 
+    @staticmethod
+    def encodes_many(state: TopKState) -> bool:
+        """Whether the layer can be encoded with the others of its bucket in one call
+        (``encode_many``): its residual is float32 on a device with kernels."""
+        return _kernel_ok(state.residual)
+
+    def encode_many(self, states: list[TopKState], grads: list[torch.Tensor], finite: torch.Tensor) -> torch.Tensor:
+        """``encode`` for several layers in one kernel call (``accordion::topk_ef_many``):
+        returns the bytes their bucket sends (layer by layer, each layer's k values then its
+        k int32 indices). ``finite`` (1-d bool, one flag per layer): a layer flagged False
+        sends NaN values and keeps its error feedback as it was (nothing to undo)."""
+        payload, g_sq, kept_sq = ops.topk_ef_many([g.reshape(-1) for g in grads], [s.residual for s in states],
+                                                  [s.k for s in states], finite)
+        for state, a, b in zip(states, g_sq.unbind(), kept_sq.unbind()):
+            state.g_sq, state.kept_sq = a, b
+        return payload
+
+    @staticmethod
+    def restore_many(states: list[TopKState], payload: torch.Tensor, ks: list[int], where: torch.Tensor) -> None:
+        """Undo ``encode_many`` (it sent ``payload``, at the ``ks`` then) for the layers where
+        ``where`` (1-d bool, one per layer) is True, decided on the device."""
+        ops.restore_many_if_([s.residual for s in states], payload, ks, where)
+
     def decode(self, state: TopKState, values: torch.Tensor, indices: torch.Tensor, world_size: int,
                grad_dtype: torch.dtype, bad: torch.Tensor | None = None) -> torch.Tensor:
         """The average of all ranks' sparse vectors, shaped and typed like the gradient. An

@@ -98,6 +98,11 @@ def _layout_mismatch_message(sets: list[dict], layers: str) -> str:
             "and compute a gradient for the same parameters): " + "; ".join(problems) + ".")
 
 
+DEFERRED = object()
+"""A round-1 payload to be made when its bucket launches: ``Round1(encode=...)`` then encodes
+the bucket's layers in one call (TopK's whole-bucket kernel) and returns their packed bytes."""
+
+
 @dataclass
 class _Bucket:
     names: tuple[str, ...]
@@ -112,14 +117,17 @@ class Round1:
     ``kind`` "allreduce": each layer's payload is a list of tensors, averaged over ranks;
     the result of a layer is the list of averages. ``kind`` "allgather": each payload is a
     1-D uint8 tensor of the same length on every rank; the result is a (world size, length)
-    uint8 view, one row per rank.
+    uint8 view, one row per rank. An allgather payload may be ``DEFERRED``: when its bucket
+    launches, ``encode(names)`` makes the payloads of the bucket's deferred layers at once and
+    returns ``(packed bytes, bytes per layer)`` (TopK: one kernel call per bucket).
     """
 
     def __init__(self, channel: Channel, kind: str, prefix: str, first_cap: int = FIRST_BUCKET_BYTES,
-                 cap: int = BUCKET_BYTES, layers: str = "compressed") -> None:
+                 cap: int = BUCKET_BYTES, layers: str = "compressed", encode=None) -> None:
         if kind not in ("allreduce", "allgather"):
             raise ValueError(f"kind must be 'allreduce' or 'allgather', got {kind!r}")
         self.channel, self.kind, self.prefix, self.layers = channel, kind, prefix, layers
+        self.encode = encode
         self.first_cap, self.cap = first_cap, cap
         self.buckets: list[_Bucket] | None = None  # the agreed layout, after the first step
         self._bucket_of: dict[str, int] = {}
@@ -171,8 +179,14 @@ class Round1:
             bucket.sizes = [len(p) for p in payloads]
             bucket.handle = self.channel.allreduce_mean_async([t for p in payloads for t in p], name=name)
         else:
-            bucket.sizes = [p.numel() for p in payloads]
-            packed = torch.cat(payloads) if len(payloads) > 1 else payloads[0]
+            deferred = [n for n, p in zip(sending, payloads) if p is DEFERRED]
+            if deferred:  # a bucket's layers are all deferred or none is (one codec, one mode)
+                if len(deferred) != len(sending):
+                    raise RuntimeError(f"AccordionCompressor: bucket {index} mixes deferred and ready payloads")
+                packed, bucket.sizes = self.encode(sending)
+            else:
+                bucket.sizes = [p.numel() for p in payloads]
+                packed = torch.cat(payloads) if len(payloads) > 1 else payloads[0]
             bucket.handle = self.channel.allgather_async(packed, name=name)
 
     def launch_rest(self, then=None) -> None:

@@ -35,7 +35,7 @@ from .. import ops
 from ..codecs._common import either, finite_flag, nan_unless
 from ..comm.channel import Channel
 from ..levels import DENSE
-from .buckets import BUCKET_BYTES, FIRST_BUCKET_BYTES, Round1, bytes_of, split_bytes
+from .buckets import BUCKET_BYTES, DEFERRED, FIRST_BUCKET_BYTES, Round1, bytes_of, split_bytes
 
 
 class TopKExchange:
@@ -57,7 +57,8 @@ class TopKExchange:
                  before_last: Callable[[], None] | None = None, seconds: dict[str, float] | None = None,
                  per_step=None, control: Callable[[], Any] | None = None, sent: dict[str, int] | None = None) -> None:
         self.codec, self.channel = codec, channel
-        self.round1 = Round1(channel, "allgather", "acc.topk", first_cap=first_cap, cap=cap)
+        self.round1 = Round1(channel, "allgather", "acc.topk", first_cap=first_cap, cap=cap,
+                             encode=self._encode_bucket)
         self.before_last = before_last
         self.seconds = seconds if seconds is not None else {"compress": 0.0, "comm": 0.0}
         self.per_step, self.control, self.sent = per_step, control, sent
@@ -67,6 +68,8 @@ class TopKExchange:
         # name -> (state, grad, (values, indices), finite flag)
         self._layers: dict[str, tuple[Any, torch.Tensor, tuple, torch.Tensor]] = {}
         self._undo: list = []     # (state, values, indices): back into e if the step is skipped
+        self._undo_buckets: list = []  # (states, payload, ks, finite flags): the same, a bucket at once
+        self._deferred: dict[str, tuple[Any, torch.Tensor, torch.Tensor]] = {}  # name -> (state, grad, finite)
         self._settle: list = []   # f(done): finish a dense layer's error feedback if it is not
         self.fault: torch.Tensor | None = None  # 0-d bool: some rank's gradient was not finite
         self.errors: list[tuple[torch.Tensor, str]] = []  # (0-d bool, what it means): fail the run if set
@@ -85,6 +88,12 @@ class TopKExchange:
             self.seconds["compress"] += time.perf_counter() - started
             self._settle.append(lambda done, s=state, dtype=out.dtype: self.codec.settle_dense(s, dtype, done))
             return out
+        if self.per_step is None and self.codec.encodes_many(state):
+            # Encoded with the rest of its bucket when the bucket is complete: one kernel call
+            # per bucket, however many layers (_encode_bucket).
+            self._deferred[name] = (state, grad, finite)
+            self.round1.ready(name, DEFERRED, grad)
+            return None
         started = time.perf_counter()
         encoded = self.codec.encode(state, grad, finite)
         self.seconds["compress"] += time.perf_counter() - started
@@ -92,6 +101,19 @@ class TopKExchange:
         if self.per_step is None:  # else the policy decides what to send once every layer is encoded
             self.round1.ready(name, _payload(encoded, finite), grad)
         return None
+
+    def _encode_bucket(self, names: list[str]) -> tuple[torch.Tensor, list[int]]:
+        """Round 1's ``encode``: a complete bucket's deferred layers in one call. A layer whose
+        gradient is not finite sends NaN and leaves its e untouched (nothing to undo)."""
+        started = time.perf_counter()
+        states, grads, finites = zip(*(self._deferred.pop(n) for n in names))
+        flags = torch.stack(finites)
+        payload = self.codec.encode_many(states, grads, flags)
+        for n, state, grad, finite in zip(names, states, grads, finites):
+            self._layers[n] = (state, grad, None, finite)  # the selection is in the payload
+        self._undo_buckets.append((states, payload, [s.k for s in states], flags))
+        self.seconds["compress"] += time.perf_counter() - started
+        return payload, [8 * s.k for s in states]
 
     @torch.no_grad()
     def results(self) -> dict[str, torch.Tensor]:
@@ -112,6 +134,7 @@ class TopKExchange:
         finally:
             self.seconds["comm"] += time.perf_counter() - started
         started = time.perf_counter()
+        names = sorted(self._layers)  # now with the layers encoded as their buckets launched
         layers = [(n, *self._layers[n]) for n in names]
         parts = {n: split_bytes(gathered[n], state.residual.dtype, state.k) for n, state, *_ in layers}
         out: dict[str, torch.Tensor] = {}
@@ -121,7 +144,8 @@ class TopKExchange:
         for n, state, grad, encoded, _ in layers:
             values, indices = parts[n]
             out[n] = self.codec.decode(state, values, indices, self.channel.size, grad.dtype, corrupt)
-            self._undo.append((state, *encoded))
+            if encoded is not None:  # else undone with its bucket (_undo_buckets)
+                self._undo.append((state, *encoded))
         if corrupt is not None:  # an index outside its layer: the step is skipped, the run fails
             self.fault = either(self.fault, corrupt)
             self.errors.append((corrupt, f"AccordionCompressor: TopK indices outside their layer in the data "
@@ -191,6 +215,8 @@ class TopKExchange:
         into e where it is skipped; the dense layers' error feedback is finished where not."""
         for state, values, indices in self._undo:
             self.codec.restore(state, values, indices, where=skipped)
+        for states, payload, ks, finite in self._undo_buckets:  # a non-finite layer's e is untouched
+            self.codec.restore_many(states, payload, ks, skipped & finite)
         done = ~skipped
         for action in self._settle:
             action(done)

@@ -26,6 +26,51 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> topk_ef(const at::Ten
   return {values, indices, at::scalar_tensor(g_sq, scalar), at::scalar_tensor(kept_sq, scalar)};
 }
 
+// A bucket's layers one after the other (each layer's kernel is parallel already); the
+// flags are read directly, as everywhere on the CPU.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> topk_ef_many(at::TensorList grads, at::TensorList residuals,
+                                                            at::IntArrayRef ks,
+                                                            const std::optional<at::Tensor>& finite) {
+  const ManyLayout layout = check_topk_ef_many_args(grads, residuals, ks, finite);
+  const auto options = residuals[0].options();
+  at::Tensor payload = at::empty({8 * layout.offsets.back()}, options.dtype(at::kByte));
+  const int64_t layers = static_cast<int64_t>(grads.size());
+  at::Tensor g_sq = at::empty({layers}, options.dtype(at::kDouble)), kept_sq = at::empty_like(g_sq);
+  const at::Tensor flags = finite ? finite->contiguous() : at::Tensor();
+  for (int64_t i = 0; i < layers; ++i) {
+    auto [values, indices] = payload_parts(payload, layout.offsets[i], ks[i]);
+    const bool ok = !finite || flags.const_data_ptr<bool>()[i];
+    // A non-finite layer: the selection of the residual alone, made on a copy (rare path).
+    at::Tensor residual = ok ? residuals[i] : residuals[i].clone();
+    const at::Tensor grad = ok ? grads[i].contiguous() : at::zeros_like(grads[i], at::MemoryFormat::Contiguous);
+    double gs = 0, kept = 0;
+    topk_ef_cpu(grad, residual, ks[i], values, indices, gs, kept);
+    if (!ok) values.fill_(std::numeric_limits<float>::quiet_NaN());
+    g_sq.mutable_data_ptr<double>()[i] = gs;
+    kept_sq.mutable_data_ptr<double>()[i] = kept;
+  }
+  return {payload, g_sq, kept_sq};
+}
+
+void restore_many_if_(at::TensorList residuals, const at::Tensor& payload, at::IntArrayRef ks,
+                      const at::Tensor& flags) {
+  const ManyLayout layout = check_restore_many_args(residuals, payload, ks, flags);
+  const at::Tensor f = flags.contiguous();
+  for (size_t i = 0; i < residuals.size(); ++i) {
+    if (!f.const_data_ptr<bool>()[i]) continue;
+    auto [values, indices] = payload_parts(payload, layout.offsets[i], ks[i]);
+    const int64_t n = residuals[i].numel();
+    float* r = residuals[i].mutable_data_ptr<float>();
+    const float* v = values.const_data_ptr<float>();
+    const int32_t* idx = indices.const_data_ptr<int32_t>();
+    for (int64_t j = 0; j < ks[i]; ++j) {
+      TORCH_CHECK(idx[j] >= 0 && idx[j] < n, "accordion::restore_many_if_: index ", idx[j], " of layer ", i,
+                  " is outside [0, ", n, ")");
+      r[idx[j]] = v[j];
+    }
+  }
+}
+
 at::Tensor sparse_average(const at::Tensor& values, const at::Tensor& indices, int64_t numel, int64_t world_size,
                           at::ScalarType dtype, const std::optional<at::Tensor>& bad) {
   check_sparse_average_args(values, indices, numel, world_size, dtype);
@@ -64,6 +109,8 @@ TORCH_LIBRARY_IMPL(accordion, CPU, m) {
   m.impl("ef_add", &ef_add<ef_add_out_cpu>);
   m.impl("ef_add_", &ef_add_<ef_add_out_cpu, grad_if_finite>);
   m.impl("topk_ef", &topk_ef);
+  m.impl("topk_ef_many", &topk_ef_many);
+  m.impl("restore_many_if_", &restore_many_if_);
   m.impl("sparse_average", &sparse_average);
   m.impl("orthogonalize_", &orthogonalize_);
   m.impl("error_update_", &error_update_);
