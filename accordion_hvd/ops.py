@@ -85,6 +85,8 @@ def topk_ef_many(grads: list[torch.Tensor], residuals: list[torch.Tensor], ks: l
     residual is left exactly as it was and its values are NaN (its indices are a valid
     selection of the residual alone), so nothing needs undoing for it."""
     grads, residuals, ks = list(grads), list(residuals), [int(k) for k in ks]
+    if not grads:  # the dispatcher needs a tensor to pick a kernel
+        raise ValueError("accordion::topk_ef_many: grads must hold at least one tensor")
     for i, (g, r) in enumerate(zip(grads, residuals)):
         _check_dense_pair(f"accordion::topk_ef_many (layer {i})", g, r)
     return torch.ops.accordion.topk_ef_many.default(grads, residuals, ks, finite)
