@@ -23,17 +23,42 @@ cudaError_t ef_add(const void* grad, DType grad_dtype, const void* residual, voi
                    DType residual_dtype, int64_t n, cudaStream_t stream);
 
 // --- TopK with error feedback (topk_ef.cu) ---------------------------------------------------
-// The same function as the CPU kernel (csrc/cpu/topk_ef.cpp): g = grad + residual is written
-// into `residual`; the k entries of largest |g| (ties: the lower index) are written to
+// The same function as the CPU kernel (csrc/cpu/topk_ef.cpp), for every layer of a call with
+// one fixed sequence of launches per 24 layers: g = grad + residual is written into
+// `residual`; the k entries of largest |g| (ties: the lower index) are written to
 // `values`/`indices` in ascending index order and zeroed in `residual`; g_sq and kept_sq
 // (one double each, device memory) get the squared norms of g and of the kept part.
-// residual is float32; grad is float32, float16 or bfloat16. 0 <= k <= n <= 2^31 - 1.
+// residual is float32; every layer's grad has `grad_dtype`: float32, float16 or bfloat16.
+// 0 <= k <= n <= 2^31 - 1. A layer's `finite` (a flag in device memory, or nullptr): where
+// false the gradient is not added; with `poison` that layer's residual is also left as it
+// was and its values are NaN (the indices still a valid selection of the residual).
 // Everything runs on `stream` with no host synchronization; `workspace` must hold
-// topk_ef_workspace_bytes(n, k) bytes (any contents) and stay alive until the work is done.
-size_t topk_ef_workspace_bytes(int64_t n, int64_t k);
-cudaError_t topk_ef(const void* grad, DType grad_dtype, float* residual, int64_t n, int64_t k,
-                    float* values, int32_t* indices, double* g_sq, double* kept_sq,
-                    void* workspace, size_t workspace_bytes, cudaStream_t stream);
+// topk_ef_workspace_bytes(layers, count) bytes (any contents) and stay alive until the
+// work is done.
+struct TopKLayer {
+  const void* grad;
+  float* residual;
+  int64_t n, k;
+  float* values;
+  int32_t* indices;
+  double* g_sq;
+  double* kept_sq;
+  const bool* finite;
+};
+size_t topk_ef_workspace_bytes(const TopKLayer* layers, int count);
+cudaError_t topk_ef(const TopKLayer* layers, int count, DType grad_dtype, bool poison, void* workspace,
+                    size_t workspace_bytes, cudaStream_t stream);
+
+// Undoes a topk_ef where a layer's flag (device memory) is set: residual[indices[j]] =
+// values[j] for its k kept entries (indices outside [0, n) skipped). One launch per 64 layers.
+struct RestoreLayer {
+  float* residual;
+  const float* values;
+  const int32_t* indices;
+  const bool* flag;
+  int64_t n, k;
+};
+cudaError_t topk_restore(const RestoreLayer* layers, int count, cudaStream_t stream);
 
 // --- TopK's decode (sparse_average.cu) ----------------------------------------------------
 // sum[indices[j]] += values[j] for the `count` gathered entries, taken as `segments` equal

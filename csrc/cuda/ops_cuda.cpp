@@ -35,9 +35,20 @@ void ef_add_out_cuda(const at::Tensor& grad, const at::Tensor& residual, at::Ten
 }
 
 // The finite flag stays on the device: the gradient is masked there (one extra pass, only
-// when a flag is given), never read by the host.
+// when a flag is given), never read by the host. (topk_ef reads its flag in the kernels.)
 std::optional<at::Tensor> grad_if_finite(const at::Tensor& grad, const at::Tensor& finite) {
   return grad.masked_fill(finite.logical_not(), 0);
+}
+
+// The TopK kernels over `layers` (their grads of one dtype), with a workspace from the
+// caching allocator: freed when this returns, it stays reserved for the stream's later
+// work, so that is safe while the kernels still run.
+void run_topk(const std::vector<cuda::TopKLayer>& layers, at::ScalarType grad_dtype, bool poison,
+              const at::TensorOptions& options) {
+  const size_t bytes = cuda::topk_ef_workspace_bytes(layers.data(), static_cast<int>(layers.size()));
+  at::Tensor workspace = at::empty({static_cast<int64_t>(bytes)}, options.dtype(at::kByte));
+  C10_CUDA_CHECK(cuda::topk_ef(layers.data(), static_cast<int>(layers.size()), to_kernel_dtype(grad_dtype), poison,
+                               workspace.mutable_data_ptr(), bytes, current_stream()));
 }
 
 // g_sq and kept_sq stay on the device (0-d float64): no synchronization.
@@ -48,18 +59,57 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> topk_ef(const at::Ten
   const c10::cuda::CUDAGuard guard(residual.device());
   const auto scalar = residual.options().dtype(at::kDouble);
   at::Tensor g_sq = at::empty({}, scalar), kept_sq = at::empty({}, scalar);
-  const at::Tensor g = (finite ? *grad_if_finite(grad, *finite) : grad).contiguous();
-  const int64_t n = residual.numel();
-  const size_t bytes = cuda::topk_ef_workspace_bytes(n, k);
-  // Freed (back to the caching allocator) when this returns; the allocator keeps it for the
-  // stream's later work, so that is safe while the kernels still run.
-  at::Tensor workspace = at::empty({static_cast<int64_t>(bytes)}, residual.options().dtype(at::kByte));
-  C10_CUDA_CHECK(cuda::topk_ef(g.const_data_ptr(), to_kernel_dtype(g.scalar_type()),
-                               residual.mutable_data_ptr<float>(), n, k, values.mutable_data_ptr<float>(),
-                               indices.mutable_data_ptr<int32_t>(), g_sq.mutable_data_ptr<double>(),
-                               kept_sq.mutable_data_ptr<double>(), workspace.mutable_data_ptr(), bytes,
-                               current_stream()));
+  const at::Tensor g = grad.contiguous();
+  run_topk({{g.const_data_ptr(), residual.mutable_data_ptr<float>(), residual.numel(), k,
+             values.mutable_data_ptr<float>(), indices.mutable_data_ptr<int32_t>(), g_sq.mutable_data_ptr<double>(),
+             kept_sq.mutable_data_ptr<double>(), finite ? finite->const_data_ptr<bool>() : nullptr}},
+           g.scalar_type(), /*poison=*/false, residual.options());
   return {values, indices, g_sq, kept_sq};
+}
+
+// A bucket: one launch sequence per gradient dtype present (a bucket has one in practice).
+std::tuple<at::Tensor, at::Tensor, at::Tensor> topk_ef_many(at::TensorList grads, at::TensorList residuals,
+                                                            at::IntArrayRef ks,
+                                                            const std::optional<at::Tensor>& finite) {
+  const ManyLayout layout = check_topk_ef_many_args(grads, residuals, ks, finite);
+  const c10::cuda::CUDAGuard guard(residuals[0].device());
+  const auto options = residuals[0].options();
+  const int64_t count = static_cast<int64_t>(grads.size());
+  at::Tensor payload = at::empty({8 * layout.offsets.back()}, options.dtype(at::kByte));
+  at::Tensor g_sq = at::empty({count}, options.dtype(at::kDouble)), kept_sq = at::empty_like(g_sq);
+  const at::Tensor flags = finite ? finite->contiguous() : at::Tensor();
+  std::vector<at::Tensor> contiguous;  // alive until the kernels are launched
+  contiguous.reserve(count);
+  for (const at::ScalarType dtype : {at::kFloat, at::kHalf, at::kBFloat16}) {
+    std::vector<cuda::TopKLayer> layers;
+    for (int64_t i = 0; i < count; ++i) {
+      if (grads[i].scalar_type() != dtype) continue;
+      contiguous.push_back(grads[i].contiguous());
+      auto [values, indices] = payload_parts(payload, layout.offsets[i], ks[i]);
+      layers.push_back({contiguous.back().const_data_ptr(), residuals[i].mutable_data_ptr<float>(),
+                        residuals[i].numel(), ks[i], values.mutable_data_ptr<float>(),
+                        indices.mutable_data_ptr<int32_t>(), g_sq.mutable_data_ptr<double>() + i,
+                        kept_sq.mutable_data_ptr<double>() + i, finite ? flags.const_data_ptr<bool>() + i : nullptr});
+    }
+    if (!layers.empty()) run_topk(layers, dtype, /*poison=*/true, options);
+  }
+  return {payload, g_sq, kept_sq};
+}
+
+// One launch per 64 layers; the flags are read on the device.
+void restore_many_if_(at::TensorList residuals, const at::Tensor& payload, at::IntArrayRef ks,
+                      const at::Tensor& flags) {
+  const ManyLayout layout = check_restore_many_args(residuals, payload, ks, flags);
+  if (residuals.empty()) return;
+  const c10::cuda::CUDAGuard guard(payload.device());
+  const at::Tensor f = flags.contiguous();
+  std::vector<cuda::RestoreLayer> layers;
+  for (size_t i = 0; i < residuals.size(); ++i) {
+    auto [values, indices] = payload_parts(payload, layout.offsets[i], ks[i]);
+    layers.push_back({residuals[i].mutable_data_ptr<float>(), values.const_data_ptr<float>(),
+                      indices.const_data_ptr<int32_t>(), f.const_data_ptr<bool>() + i, residuals[i].numel(), ks[i]});
+  }
+  C10_CUDA_CHECK(cuda::topk_restore(layers.data(), static_cast<int>(layers.size()), current_stream()));
 }
 
 at::Tensor sparse_average(const at::Tensor& values, const at::Tensor& indices, int64_t numel, int64_t world_size,
@@ -143,6 +193,8 @@ TORCH_LIBRARY_IMPL(accordion, CUDA, m) {
   m.impl("ef_add", &ef_add<ef_add_out_cuda>);
   m.impl("ef_add_", &ef_add_<ef_add_out_cuda, grad_if_finite>);
   m.impl("topk_ef", &topk_ef);
+  m.impl("topk_ef_many", &topk_ef_many);
+  m.impl("restore_many_if_", &restore_many_if_);
   m.impl("sparse_average", &sparse_average);
   m.impl("orthogonalize_", &orthogonalize_);
   m.impl("error_update_", &error_update_);

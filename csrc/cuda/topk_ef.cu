@@ -42,6 +42,21 @@
 // puts all of them back before g is read as the source. U = 0xffffffff (above every key)
 // when the sample says too few entries are sure to be kept: nothing is zeroed early then.
 //
+// One call handles a whole bucket of layers ("segments") with the same fixed sequence of
+// launches, however many layers there are: the kernels that work per layer (sample, decide,
+// pick_bucket, scan_blocks, finish_norms) run one block per layer; the ones that sweep the
+// data run one grid over every layer's chunks, each block finding its layer by a binary
+// search over the layers' first block numbers. The layers' table travels in the kernel
+// parameters (`Table`, __grid_constant__: read in place, never copied per thread), at most
+// kMaxSegments layers per launch sequence, as PyTorch's multi_tensor_apply does; a bucket with
+// more layers takes one more sequence per kMaxSegments. Every layer has its own Control and
+// histograms; the per-block arrays are numbered call-wide.
+//
+// A layer's optional finite flag (device memory, never read by the host): where it is false
+// the gradient is not added. With `poison` (the bucket op) such a layer's residual is left
+// exactly as it was and its values are NaN, so nothing needs undoing; without (the one-layer
+// op) the selection of the residual alone is made and zeroed as usual.
+//
 // Memory traffic on the fast path: grad and residual read once and residual written once
 // (the floor), plus about 8 bytes per candidate written and read four times (the candidates
 // number ~1.05k + a few standard deviations) and the scattered zeroing of the k kept entries.
@@ -50,6 +65,7 @@
 #include <climits>
 #include <cmath>
 #include <type_traits>
+#include <vector>
 #include <cub/block/block_reduce.cuh>
 #include <cub/block/block_scan.cuh>
 
@@ -68,6 +84,7 @@ constexpr int kBins = 2048;                   // 11-bit digits (the last one use
 constexpr int kShift0 = 20, kShift1 = 9;
 constexpr int kPickThreads = 512, kPickItems = kBins / kPickThreads;
 constexpr int kSample = 8192, kSampleThreads = kPickThreads;  // find_bucket needs the whole block
+constexpr int kMaxSegments = 24;              // layers per launch: the table stays under 4 KiB of parameters
 
 // Decisions passed from kernel to kernel through device memory.
 struct Control {
@@ -79,19 +96,61 @@ struct Control {
   int64_t remaining;    // still to take inside the current bucket (at the end: ties to keep)
 };
 
-struct Workspace {
-  Control* ctl;
-  uint32_t* hist;       // 3 levels x kBins
-  uint32_t* counts;     // candidates per block
-  uint32_t* above;      // per block: entries with key > T
-  uint32_t* ties;       // per block: entries with key == T
-  int64_t* offset;      // per block: first output position
-  int64_t* ties_kept;   // per block: how many of its ties are kept
-  double* g_partial;    // per block
-  double* kept_partial; // per block
-  float2* candidates;   // blocks x slice entries of (value, index as bits)
-  int64_t slice;
+// One layer of a call, as every kernel sees it (built on the host).
+struct Segment {
+  const void* grad;        // G, n entries
+  float* g;                // the residual: becomes g = grad + residual, kept entries zeroed
+  float* values;           // k outputs
+  int32_t* indices;
+  double* g_sq;            // one double each
+  double* kept_sq;
+  const bool* finite;      // its finite flag (device memory), or nullptr: finite
+  int64_t n, k, chunk, slice;
+  int64_t cand0;           // its first candidate slot
+  int32_t blocks, block0;  // its chunks, and the call-wide number of the block of its first
+  int32_t index;           // its number in the call: its Control and histograms
+  int32_t samples, target, target_low;
+  int32_t vectorized;
 };
+
+struct Table {             // the layers of one launch sequence (a kernel parameter)
+  Segment seg[kMaxSegments];
+  int32_t count;
+  int32_t first_block;     // the call-wide number of grid block 0 in the sweeping kernels
+};
+
+struct Workspace {         // call-wide
+  Control* ctl;            // per layer
+  uint32_t* hist;          // per layer: 3 levels x kBins
+  uint32_t* counts;        // per block: candidates
+  uint32_t* above;         // per block: entries with key > T
+  uint32_t* ties;          // per block: entries with key == T
+  int64_t* offset;         // per block: first output position
+  int64_t* ties_kept;      // per block: how many of its ties are kept
+  double* g_partial;       // per block
+  double* kept_partial;    // per block
+  float2* candidates;      // per layer, per block: slice entries of (value, index as bits)
+};
+
+struct Flags {             // how the finite flags apply
+  bool poison;             // a non-finite layer keeps its residual and sends NaN
+  __device__ __forceinline__ bool adds(const Segment& s) const { return s.finite == nullptr || *s.finite; }
+  // Whether the layer's residual is updated (its kept entries zeroed).
+  __device__ __forceinline__ bool touches(const Segment& s) const { return !poison || adds(s); }
+};
+
+// The layer that this block of a sweeping kernel works on, and the block's chunk in it.
+__device__ __forceinline__ const Segment& segment_of(const Table& t, int* local) {
+  const int block = t.first_block + static_cast<int>(blockIdx.x);
+  int lo = 0, hi = t.count - 1;
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) / 2;
+    if (t.seg[mid].block0 <= block) lo = mid;
+    else hi = mid - 1;
+  }
+  *local = block - t.seg[lo].block0;
+  return t.seg[lo];
+}
 
 __device__ __forceinline__ uint32_t key_of(float v) { return __float_as_uint(v) & 0x7fffffffu; }
 
@@ -121,22 +180,48 @@ int sample_target(int64_t n, int64_t k, int samples, int sign = 1) {
   return static_cast<int>(t < 0 ? 0 : (t < samples ? t : samples));
 }
 
-size_t layout(char* base, int64_t n, int64_t k, Workspace* ws) {
+// A call's workspace: per layer its Control and histograms (one contiguous head, zeroed by
+// one memset), per block the counters and partial sums, then the candidate slices. Fills the
+// layers' call-wide fields; returns the bytes needed (base == nullptr: only that).
+size_t layout(char* base, const TopKLayer* layers, int count, Segment* segs, Workspace* ws) {
   size_t off = 0;
   auto take = [&](size_t bytes) { char* p = base ? base + off : nullptr; off += align_up(bytes); return p; };
-  const int blocks = blocks_for(n);
+  int64_t blocks = 0, candidates = 0;
+  for (int i = 0; i < count; ++i) {
+    const TopKLayer& l = layers[i];
+    Segment& s = segs[i];
+    s.grad = l.grad;
+    s.g = l.residual;
+    s.values = l.values;
+    s.indices = l.indices;
+    s.g_sq = l.g_sq;
+    s.kept_sq = l.kept_sq;
+    s.finite = l.finite;
+    s.n = l.n;
+    s.k = l.k;
+    s.blocks = blocks_for(l.n);
+    s.block0 = static_cast<int32_t>(blocks);
+    s.index = i;
+    s.chunk = chunk_for(l.n, s.blocks);
+    s.slice = slice_for(l.n, l.k, s.blocks);
+    s.cand0 = candidates;
+    s.samples = l.n < kSample ? static_cast<int32_t>(l.n) : kSample;
+    s.target = l.k > 0 ? sample_target(l.n, l.k, s.samples) : 0;
+    s.target_low = l.k > 0 ? sample_target(l.n, l.k, s.samples, -1) : 0;
+    blocks += s.blocks;
+    candidates += static_cast<int64_t>(s.blocks) * s.slice;
+  }
   Workspace w;
-  w.ctl = reinterpret_cast<Control*>(take(sizeof(Control)));
-  w.hist = reinterpret_cast<uint32_t*>(take(3 * kBins * sizeof(uint32_t)));
-  w.counts = reinterpret_cast<uint32_t*>(take(kMaxBlocks * sizeof(uint32_t)));
-  w.above = reinterpret_cast<uint32_t*>(take(kMaxBlocks * sizeof(uint32_t)));
-  w.ties = reinterpret_cast<uint32_t*>(take(kMaxBlocks * sizeof(uint32_t)));
-  w.offset = reinterpret_cast<int64_t*>(take(kMaxBlocks * sizeof(int64_t)));
-  w.ties_kept = reinterpret_cast<int64_t*>(take(kMaxBlocks * sizeof(int64_t)));
-  w.g_partial = reinterpret_cast<double*>(take(kMaxBlocks * sizeof(double)));
-  w.kept_partial = reinterpret_cast<double*>(take(kMaxBlocks * sizeof(double)));
-  w.slice = slice_for(n, k, blocks);
-  w.candidates = reinterpret_cast<float2*>(take(static_cast<size_t>(blocks) * w.slice * sizeof(float2)));
+  w.ctl = reinterpret_cast<Control*>(take(count * sizeof(Control)));
+  w.hist = reinterpret_cast<uint32_t*>(take(static_cast<size_t>(count) * 3 * kBins * sizeof(uint32_t)));
+  w.counts = reinterpret_cast<uint32_t*>(take(blocks * sizeof(uint32_t)));
+  w.above = reinterpret_cast<uint32_t*>(take(blocks * sizeof(uint32_t)));
+  w.ties = reinterpret_cast<uint32_t*>(take(blocks * sizeof(uint32_t)));
+  w.offset = reinterpret_cast<int64_t*>(take(blocks * sizeof(int64_t)));
+  w.ties_kept = reinterpret_cast<int64_t*>(take(blocks * sizeof(int64_t)));
+  w.g_partial = reinterpret_cast<double*>(take(blocks * sizeof(double)));
+  w.kept_partial = reinterpret_cast<double*>(take(blocks * sizeof(double)));
+  w.candidates = reinterpret_cast<float2*>(take(static_cast<size_t>(candidates) * sizeof(float2)));
   if (ws) *ws = w;
   return off;
 }
@@ -203,27 +288,32 @@ __device__ uint32_t sample_bucket(const uint32_t* keys, int samples, int64_t ran
 // L: the start of the bucket holding the sample's `target`-th largest key (a little more
 // than k entries of g reach it); U: the start of the bucket above the one holding the
 // `target_low`-th (a little fewer than k reach it), or no key at all when target_low < 1.
+// One block per layer.
 template <typename G>
-__global__ void __launch_bounds__(kSampleThreads) sample(const G* __restrict__ grad, const float* __restrict__ residual,
-                                                         int64_t n, int samples, int target, int target_low,
-                                                         Control* ctl) {
+__global__ void __launch_bounds__(kSampleThreads) sample(const __grid_constant__ Table t, Workspace ws, Flags f) {
   __shared__ uint32_t keys[kSample];
   __shared__ uint32_t hist[kBins];
+  const Segment& seg = t.seg[blockIdx.x];
+  if (seg.k == 0) return;
+  const G* grad = static_cast<const G*>(seg.grad);
+  const bool add = f.adds(seg);
+  const int64_t n = seg.n;
+  const int samples = seg.samples;
   // Stratified: one entry from each of `samples` equal strata, at a hashed offset, so that
   // the sample cannot alias with a layer's row structure.
   for (int s = threadIdx.x; s < samples; s += kSampleThreads) {
     const int64_t lo = n * s / samples, hi = n * (s + 1) / samples;
     const uint32_t h = static_cast<uint32_t>(s) * 2654435761u;
     const int64_t i = lo + (hi > lo ? static_cast<int64_t>(h % static_cast<uint32_t>(hi - lo)) : 0);
-    keys[s] = key_of(residual[i] + up(grad[i]));
+    keys[s] = key_of(seg.g[i] + (add ? up(grad[i]) : 0.0f));
   }
   __syncthreads();
-  const uint32_t lower = sample_bucket(keys, samples, target, hist) << kShift1;
-  const uint32_t upper = target_low >= 1 ? (sample_bucket(keys, samples, target_low, hist) + 1) << kShift1
-                                         : 0xffffffffu;  // above every key (keys < 2^31)
+  const uint32_t lower = sample_bucket(keys, samples, seg.target, hist) << kShift1;
+  const uint32_t upper = seg.target_low >= 1 ? (sample_bucket(keys, samples, seg.target_low, hist) + 1) << kShift1
+                                             : 0xffffffffu;  // above every key (keys < 2^31)
   if (threadIdx.x == 0) {
-    ctl->lower_key = lower;
-    ctl->upper_key = upper;
+    ws.ctl[seg.index].lower_key = lower;
+    ws.ctl[seg.index].upper_key = upper;
   }
 }
 
@@ -252,15 +342,20 @@ __device__ __forceinline__ void load4(const G* grad, int64_t i, bool vectorized,
 }
 
 template <typename G>
-__global__ void __launch_bounds__(kThreads) ef_capture(const G* __restrict__ grad, float* __restrict__ g, int64_t n,
-                                                       int64_t chunk, bool vectorized, bool capture, Control* ctl,
-                                                       float2* candidates,
-                                                       int64_t slice, uint32_t* counts, double* g_partial) {
+__global__ void __launch_bounds__(kThreads) ef_capture(const __grid_constant__ Table t, Workspace ws, Flags f) {
   using Scan = cub::BlockScan<int, kThreads>;
   __shared__ typename Scan::TempStorage temp;
+  int local;
+  const Segment& seg = segment_of(t, &local);
+  const int64_t block = seg.block0 + local;
+  const G* grad = static_cast<const G*>(seg.grad);
+  float* g = seg.g;
+  const bool capture = seg.k > 0, vectorized = seg.vectorized, add = f.adds(seg), touch = f.touches(seg);
+  Control* ctl = ws.ctl + seg.index;
   const uint32_t lower = ctl->lower_key, upper = ctl->upper_key;
-  const int64_t begin = blockIdx.x * chunk, end = begin + chunk < n ? begin + chunk : n;
-  float2* mine = candidates + blockIdx.x * slice;
+  const int64_t begin = local * seg.chunk, end = begin + seg.chunk < seg.n ? begin + seg.chunk : seg.n;
+  float2* mine = ws.candidates + seg.cand0 + local * seg.slice;
+  const int64_t slice = seg.slice;
   int64_t recorded = 0;  // the same in every thread
   bool overflow = false;
   double sq = 0;
@@ -269,6 +364,10 @@ __global__ void __launch_bounds__(kThreads) ef_capture(const G* __restrict__ gra
     const bool whole = vectorized && i + 3 < end;
     float v[kItems], gr[kItems];
     load4(grad, i, vectorized, end, gr);
+    if (!add) {  // a non-finite gradient: g is the residual alone
+#pragma unroll
+      for (int j = 0; j < kItems; ++j) gr[j] = 0.0f;
+    }
     if (whole) {
       const float4 r = *reinterpret_cast<const float4*>(g + i);
       v[0] = r.x + gr[0]; v[1] = r.y + gr[1]; v[2] = r.z + gr[2]; v[3] = r.w + gr[3];
@@ -293,7 +392,7 @@ __global__ void __launch_bounds__(kThreads) ef_capture(const G* __restrict__ gra
 #pragma unroll
     for (int j = 0; j < kItems; ++j) {
       const uint32_t key = key_of(v[j]);
-      out[j] = record && key >= upper ? 0.0f : v[j];
+      out[j] = record && touch && key >= upper ? 0.0f : v[j];
       if (record && i + j < end && key >= lower)
         mine[recorded + pos++] = make_float2(v[j], __int_as_float(static_cast<int>(i + j)));
     }
@@ -309,61 +408,74 @@ __global__ void __launch_bounds__(kThreads) ef_capture(const G* __restrict__ gra
   }
   const double block_sq = block_sum<kThreads>(sq);
   if (threadIdx.x == 0) {
-    g_partial[blockIdx.x] = block_sq;
-    counts[blockIdx.x] = static_cast<uint32_t>(recorded);
+    ws.g_partial[block] = block_sq;
+    ws.counts[block] = static_cast<uint32_t>(recorded);
     if (overflow) atomicOr(&ctl->overflow, 1u);
   }
 }
 
-__global__ void __launch_bounds__(kMaxBlocks) decide(const uint32_t* counts, int blocks, int64_t k, Control* ctl) {
-  const int64_t c = threadIdx.x < blocks ? counts[threadIdx.x] : 0;
+// One block per layer.
+__global__ void __launch_bounds__(kMaxBlocks) decide(const __grid_constant__ Table t, Workspace ws) {
+  const Segment& seg = t.seg[blockIdx.x];
+  if (seg.k == 0) return;
+  const int64_t c = threadIdx.x < seg.blocks ? ws.counts[seg.block0 + threadIdx.x] : 0;
   using Reduce = cub::BlockReduce<int64_t, kMaxBlocks>;
   __shared__ typename Reduce::TempStorage temp;
   const int64_t total = Reduce(temp).Sum(c);
-  if (threadIdx.x == 0) ctl->fast = !ctl->overflow && total >= k;
+  Control* ctl = ws.ctl + seg.index;
+  if (threadIdx.x == 0) ctl->fast = !ctl->overflow && total >= seg.k;
 }
 
 // Fallback only: puts back the entries ef_capture zeroed (key >= U, all of them recorded), so
 // that g is whole again for the passes that read it.
-__global__ void __launch_bounds__(kThreads) restore(float* g, const float2* candidates, int64_t slice,
-                                                    const uint32_t* counts, const Control* ctl) {
-  if (ctl->fast) return;
+__global__ void __launch_bounds__(kThreads) restore(const __grid_constant__ Table t, Workspace ws) {
+  int local;
+  const Segment& seg = segment_of(t, &local);
+  const Control* ctl = ws.ctl + seg.index;
+  if (seg.k == 0 || ctl->fast) return;
   const uint32_t upper = ctl->upper_key;
-  const float2* mine = candidates + blockIdx.x * slice;
-  for (int64_t j = threadIdx.x, count = counts[blockIdx.x]; j < count; j += kThreads) {
+  const float2* mine = ws.candidates + seg.cand0 + local * seg.slice;
+  for (int64_t j = threadIdx.x, count = ws.counts[seg.block0 + local]; j < count; j += kThreads) {
     const float2 e = mine[j];
-    if (key_of(e.x) >= upper) g[__float_as_int(e.y)] = e.x;
+    if (key_of(e.x) >= upper) seg.g[__float_as_int(e.y)] = e.x;
   }
 }
 
 // The entries a block reads after `decide`: its candidate slice, or its chunk of g.
 struct Source {
   const float* g;
-  int64_t n, chunk;
-  const float2* candidates;
-  int64_t slice;
-  const uint32_t* counts;
+  int64_t n, begin, chunk;
+  const float2* candidates;  // this block's slice
+  uint32_t count;            // ... and how many it holds
+
+  __device__ Source(const Segment& seg, const Workspace& ws, int local)
+      : g(seg.g), n(seg.n), begin(local * seg.chunk), chunk(seg.chunk),
+        candidates(ws.candidates + seg.cand0 + local * seg.slice), count(ws.counts[seg.block0 + local]) {}
 
   __device__ __forceinline__ int64_t size(bool fast) const {
-    if (fast) return counts[blockIdx.x];
-    const int64_t begin = blockIdx.x * chunk;
+    if (fast) return count;
     return begin >= n ? 0 : (begin + chunk < n ? chunk : n - begin);
   }
   __device__ __forceinline__ float2 at(bool fast, int64_t j) const {  // (value, index bits)
-    if (fast) return candidates[blockIdx.x * slice + j];
-    const int64_t i = blockIdx.x * chunk + j;
+    if (fast) return candidates[j];
+    const int64_t i = begin + j;
     return make_float2(g[i], __int_as_float(static_cast<int>(i)));
   }
 };
 
 // --- the digits of T ---------------------------------------------------------------------------
 
-__global__ void __launch_bounds__(kThreads) level_hist(Source src, int level, const Control* ctl, uint32_t* hist) {
+__global__ void __launch_bounds__(kThreads) level_hist(const __grid_constant__ Table t, Workspace ws, int level) {
   __shared__ uint32_t sh[kBins];
+  int local;
+  const Segment& seg = segment_of(t, &local);
+  if (seg.k == 0) return;
   for (int b = threadIdx.x; b < kBins; b += kThreads) sh[b] = 0;
   __syncthreads();
+  const Control* ctl = ws.ctl + seg.index;
   const bool fast = ctl->fast;
   const uint32_t prefix = ctl->prefix;
+  const Source src(seg, ws, local);
   const int64_t size = src.size(fast);
   for (int64_t j = threadIdx.x; j < size; j += kThreads) {
     const uint32_t key = key_of(src.at(fast, j).x);
@@ -372,15 +484,21 @@ __global__ void __launch_bounds__(kThreads) level_hist(Source src, int level, co
     else if (level == 2 && (key >> kShift1) == prefix) atomicAdd(&sh[key & ((1u << kShift1) - 1)], 1u);
   }
   __syncthreads();
+  uint32_t* hist = ws.hist + (static_cast<int64_t>(seg.index) * 3 + level) * kBins;
   for (int b = threadIdx.x; b < kBins; b += kThreads)
     if (sh[b]) atomicAdd(&hist[b], sh[b]);
 }
 
-__global__ void __launch_bounds__(kPickThreads) pick_bucket(const uint32_t* hist, int level, int bits, int64_t k,
-                                                            Control* ctl) {
+// One block per layer.
+__global__ void __launch_bounds__(kPickThreads) pick_bucket(const __grid_constant__ Table t, Workspace ws, int level,
+                                                            int bits) {
   __shared__ uint32_t bucket;
   __shared__ int64_t above, in_bucket;
-  const int64_t want = level == 0 ? k : ctl->remaining;
+  const Segment& seg = t.seg[blockIdx.x];
+  if (seg.k == 0) return;
+  Control* ctl = ws.ctl + seg.index;
+  const int64_t want = level == 0 ? seg.k : ctl->remaining;
+  const uint32_t* hist = ws.hist + (static_cast<int64_t>(seg.index) * 3 + level) * kBins;
   find_bucket(HistCount{hist}, 1 << bits, want, &bucket, &above, &in_bucket);
   __syncthreads();
   if (threadIdx.x == 0) {
@@ -391,14 +509,19 @@ __global__ void __launch_bounds__(kPickThreads) pick_bucket(const uint32_t* hist
 
 // --- ordered compaction ----------------------------------------------------------------------------
 
-__global__ void __launch_bounds__(kThreads) count_kept(Source src, const Control* ctl, uint32_t* above, uint32_t* ties) {
+__global__ void __launch_bounds__(kThreads) count_kept(const __grid_constant__ Table t, Workspace ws) {
+  int local;
+  const Segment& seg = segment_of(t, &local);
+  if (seg.k == 0) return;
+  const Control* ctl = ws.ctl + seg.index;
   const bool fast = ctl->fast;
-  const uint32_t t = ctl->prefix;
+  const uint32_t threshold = ctl->prefix;
+  const Source src(seg, ws, local);
   uint32_t a = 0, e = 0;
   for (int64_t j = threadIdx.x, size = src.size(fast); j < size; j += kThreads) {
     const uint32_t key = key_of(src.at(fast, j).x);
-    a += key > t;
-    e += key == t;
+    a += key > threshold;
+    e += key == threshold;
   }
   using Reduce = cub::BlockReduce<uint32_t, kThreads>;
   __shared__ typename Reduce::TempStorage temp;
@@ -406,41 +529,48 @@ __global__ void __launch_bounds__(kThreads) count_kept(Source src, const Control
   __syncthreads();
   e = Reduce(temp).Sum(e);
   if (threadIdx.x == 0) {
-    above[blockIdx.x] = a;
-    ties[blockIdx.x] = e;
+    ws.above[seg.block0 + local] = a;
+    ws.ties[seg.block0 + local] = e;
   }
 }
 
-// One block, one thread per chunk: where each chunk's kept entries go, and how many of its
-// ties are kept (the first `remaining` ties in index order over all chunks).
-__global__ void __launch_bounds__(kMaxBlocks) scan_blocks(const uint32_t* above, const uint32_t* ties, int blocks,
-                                                          const Control* ctl, int64_t* offset, int64_t* ties_kept) {
+// One block per layer, one thread per chunk: where each chunk's kept entries go, and how many
+// of its ties are kept (the first `remaining` ties in index order over all chunks).
+__global__ void __launch_bounds__(kMaxBlocks) scan_blocks(const __grid_constant__ Table t, Workspace ws) {
   using Scan = cub::BlockScan<int64_t, kMaxBlocks>;
   __shared__ typename Scan::TempStorage temp;
+  const Segment& seg = t.seg[blockIdx.x];
+  if (seg.k == 0) return;
   const int b = threadIdx.x;
-  const int64_t e = b < blocks ? ties[b] : 0;
+  const bool mine = b < seg.blocks;
+  const int64_t e = mine ? ws.ties[seg.block0 + b] : 0;
   int64_t ties_before;
   Scan(temp).ExclusiveSum(e, ties_before);
-  const int64_t want = ctl->remaining;
+  const int64_t want = ws.ctl[seg.index].remaining;
   const int64_t kept_ties = want - ties_before <= 0 ? 0 : (want - ties_before < e ? want - ties_before : e);
-  const int64_t kept = (b < blocks ? above[b] : 0) + kept_ties;
+  const int64_t kept = (mine ? ws.above[seg.block0 + b] : 0) + kept_ties;
   int64_t before;
   __syncthreads();
   Scan(temp).ExclusiveSum(kept, before);
-  if (b < blocks) {
-    offset[b] = before;
-    ties_kept[b] = kept_ties;
+  if (mine) {
+    ws.offset[seg.block0 + b] = before;
+    ws.ties_kept[seg.block0 + b] = kept_ties;
   }
 }
 
-__global__ void __launch_bounds__(kThreads) write_kept(Source src, const Control* ctl, const int64_t* offset,
-                                                       const int64_t* ties_kept, float* g, float* values,
-                                                       int32_t* indices, double* kept_partial) {
+__global__ void __launch_bounds__(kThreads) write_kept(const __grid_constant__ Table t, Workspace ws, Flags f) {
   using Scan = cub::BlockScan<unsigned long long, kThreads>;
   __shared__ typename Scan::TempStorage temp;
-  const bool fast = ctl->fast;
-  const uint32_t t = ctl->prefix, upper = ctl->upper_key;
-  const int64_t out0 = offset[blockIdx.x], tk = ties_kept[blockIdx.x];
+  int local;
+  const Segment& seg = segment_of(t, &local);
+  if (seg.k == 0) return;
+  const Control* ctl = ws.ctl + seg.index;
+  const bool fast = ctl->fast, touch = f.touches(seg);
+  const uint32_t threshold = ctl->prefix, upper = ctl->upper_key;
+  const int64_t block = seg.block0 + local;
+  const int64_t out0 = ws.offset[block], tk = ws.ties_kept[block];
+  float* g = seg.g;
+  const Source src(seg, ws, local);
   uint64_t done = 0;  // (ties << 32 | above) before this tile, in this block
   double sq = 0;
   const int64_t size = src.size(fast);
@@ -452,10 +582,10 @@ __global__ void __launch_bounds__(kThreads) write_kept(Source src, const Control
       e = src.at(fast, j);
       key = key_of(e.x);
     }
-    const bool is_above = j < size && key > t, is_tie = j < size && key == t;
-    const unsigned long long mine = (static_cast<unsigned long long>(is_tie) << 32) | is_above;
+    const bool is_above = j < size && key > threshold, is_tie = j < size && key == threshold;
+    const unsigned long long bits = (static_cast<unsigned long long>(is_tie) << 32) | is_above;
     unsigned long long before, total;
-    Scan(temp).ExclusiveSum(mine, before, total);
+    Scan(temp).ExclusiveSum(bits, before, total);
     __syncthreads();
     before += done;
     const int64_t above_before = before & 0xffffffffu, tie_rank = before >> 32;
@@ -463,90 +593,145 @@ __global__ void __launch_bounds__(kThreads) write_kept(Source src, const Control
     const int32_t i = __float_as_int(e.y);
     if (kept) {
       const int64_t pos = out0 + above_before + (tie_rank < tk ? tie_rank : tk);
-      values[pos] = e.x;
-      indices[pos] = i;
+      seg.values[pos] = touch ? e.x : __int_as_float(0x7fc00000);  // a poisoned layer sends NaN
+      seg.indices[pos] = i;
       sq += static_cast<double>(e.x) * e.x;
     }
     // The fast path's g already has the entries >= U zeroed (ef_capture): zero the kept ones
-    // below U, and put back the few >= U that were not kept. The fallback's g is whole.
-    if (kept && (!fast || key < upper)) g[i] = 0.0f;
-    if (fast && j < size && !kept && key >= upper) g[i] = e.x;
+    // below U, and put back the few >= U that were not kept. The fallback's g is whole. A
+    // layer that keeps its residual (poisoned) was never zeroed.
+    if (touch && kept && (!fast || key < upper)) g[i] = 0.0f;
+    if (touch && fast && j < size && !kept && key >= upper) g[i] = e.x;
     done += total;
   }
   const double block_sq = block_sum<kThreads>(sq);
-  if (threadIdx.x == 0) kept_partial[blockIdx.x] = block_sq;
+  if (threadIdx.x == 0) ws.kept_partial[block] = block_sq;
 }
 
-__global__ void __launch_bounds__(kMaxBlocks) finish_norms(const double* g_partial, const double* kept_partial,
-                                                           int blocks, bool any_kept, double* g_sq, double* kept_sq) {
-  const double a = threadIdx.x < blocks ? g_partial[threadIdx.x] : 0.0;
+// One block per layer: both partial sums in a fixed order.
+__global__ void __launch_bounds__(kMaxBlocks) finish_norms(const __grid_constant__ Table t, Workspace ws) {
+  const Segment& seg = t.seg[blockIdx.x];
+  const bool mine = threadIdx.x < seg.blocks;
+  const double a = mine ? ws.g_partial[seg.block0 + threadIdx.x] : 0.0;
   const double ga = block_sum<kMaxBlocks>(a);
   __syncthreads();
-  const double b = any_kept && threadIdx.x < blocks ? kept_partial[threadIdx.x] : 0.0;
+  const double b = seg.k > 0 && mine ? ws.kept_partial[seg.block0 + threadIdx.x] : 0.0;
   const double kb = block_sum<kMaxBlocks>(b);
   if (threadIdx.x == 0) {
-    *g_sq = ga;
-    *kept_sq = kb;
+    *seg.g_sq = ga;
+    *seg.kept_sq = kb;
   }
+}
+
+// One launch sequence: the layers of `t` (all of dtype G).
+template <typename G>
+cudaError_t run(const Table& t, int blocks, const Workspace& ws, Flags f, cudaStream_t stream) {
+  const int layers = t.count;
+  sample<G><<<layers, kSampleThreads, 0, stream>>>(t, ws, f);
+  ef_capture<G><<<blocks, kThreads, 0, stream>>>(t, ws, f);
+  decide<<<layers, kMaxBlocks, 0, stream>>>(t, ws);
+  restore<<<blocks, kThreads, 0, stream>>>(t, ws);
+  const int bits[3] = {11, 11, 9};
+  for (int level = 0; level < 3; ++level) {
+    level_hist<<<blocks, kThreads, 0, stream>>>(t, ws, level);
+    pick_bucket<<<layers, kPickThreads, 0, stream>>>(t, ws, level, bits[level]);
+  }
+  count_kept<<<blocks, kThreads, 0, stream>>>(t, ws);
+  scan_blocks<<<layers, kMaxBlocks, 0, stream>>>(t, ws);
+  write_kept<<<blocks, kThreads, 0, stream>>>(t, ws, f);
+  finish_norms<<<layers, kMaxBlocks, 0, stream>>>(t, ws);
+  return cudaGetLastError();
 }
 
 template <typename G>
-cudaError_t run(const G* grad, float* g, int64_t n, int64_t k, float* values, int32_t* indices, double* g_sq,
-                double* kept_sq, const Workspace& ws, cudaStream_t stream) {
-  // Control and histograms start at zero: one memset over the head of the workspace.
+cudaError_t run_all(const TopKLayer* layers, int count, bool poison, char* workspace,
+                    size_t workspace_bytes, cudaStream_t stream) {
+  std::vector<Segment> segs(count);
+  Workspace ws;
+  if (layout(workspace, layers, count, segs.data(), &ws) > workspace_bytes) return cudaErrorInvalidValue;
+  for (Segment& s : segs)
+    s.vectorized = reinterpret_cast<uintptr_t>(s.g) % 16 == 0 && reinterpret_cast<uintptr_t>(s.grad) % (4 * sizeof(G)) == 0;
+  // Every layer's Control and histograms start at zero: one memset over the head.
   cudaError_t err = cudaMemsetAsync(ws.ctl, 0, reinterpret_cast<char*>(ws.counts) - reinterpret_cast<char*>(ws.ctl),
                                     stream);
   if (err) return err;
-  const int blocks = blocks_for(n);
-  const int64_t chunk = chunk_for(n, blocks);
-  const bool vec = reinterpret_cast<uintptr_t>(g) % 16 == 0 && reinterpret_cast<uintptr_t>(grad) % (4 * sizeof(G)) == 0;
-  const int samples = n < kSample ? static_cast<int>(n) : kSample;
-  if (k > 0)
-    sample<G><<<1, kSampleThreads, 0, stream>>>(grad, g, n, samples, sample_target(n, k, samples),
-                                                sample_target(n, k, samples, -1), ws.ctl);
-  ef_capture<G><<<blocks, kThreads, 0, stream>>>(grad, g, n, chunk, vec, k > 0, ws.ctl, ws.candidates, ws.slice,
-                                                 ws.counts, ws.g_partial);
-  if ((err = cudaGetLastError())) return err;
-  if (k > 0) {
-    const Source src{g, n, chunk, ws.candidates, ws.slice, ws.counts};
-    decide<<<1, kMaxBlocks, 0, stream>>>(ws.counts, blocks, k, ws.ctl);
-    restore<<<blocks, kThreads, 0, stream>>>(g, ws.candidates, ws.slice, ws.counts, ws.ctl);
-    const int bits[3] = {11, 11, 9};
-    for (int level = 0; level < 3; ++level) {
-      level_hist<<<blocks, kThreads, 0, stream>>>(src, level, ws.ctl, ws.hist + level * kBins);
-      pick_bucket<<<1, kPickThreads, 0, stream>>>(ws.hist + level * kBins, level, bits[level], k, ws.ctl);
-    }
-    count_kept<<<blocks, kThreads, 0, stream>>>(src, ws.ctl, ws.above, ws.ties);
-    scan_blocks<<<1, kMaxBlocks, 0, stream>>>(ws.above, ws.ties, blocks, ws.ctl, ws.offset, ws.ties_kept);
-    write_kept<<<blocks, kThreads, 0, stream>>>(src, ws.ctl, ws.offset, ws.ties_kept, g, values, indices,
-                                                ws.kept_partial);
-    if ((err = cudaGetLastError())) return err;
+  const Flags f{poison};
+  for (int first = 0; first < count; first += kMaxSegments) {
+    Table t;
+    t.count = count - first < kMaxSegments ? count - first : kMaxSegments;
+    t.first_block = segs[first].block0;
+    for (int i = 0; i < t.count; ++i) t.seg[i] = segs[first + i];
+    const Segment& last = t.seg[t.count - 1];
+    if ((err = run<G>(t, last.block0 + last.blocks - t.first_block, ws, f, stream))) return err;
   }
-  finish_norms<<<1, kMaxBlocks, 0, stream>>>(ws.g_partial, ws.kept_partial, blocks, k > 0, g_sq, kept_sq);
-  return cudaGetLastError();
+  return cudaSuccess;
+}
+
+// --- undoing a call (topk_restore) ------------------------------------------------------------
+
+constexpr int kMaxRestoreLayers = 64;  // per launch: the table stays under 4 KiB of parameters
+
+struct RestoreTable {
+  RestoreLayer layer[kMaxRestoreLayers];
+  int64_t first[kMaxRestoreLayers + 1];  // each layer's first entry in this launch's numbering
+  int32_t count;
+};
+
+// One thread per kept entry of the launch's layers: residual[index] = value where the layer's
+// flag is set. (Each layer's indices are distinct: no two threads write one entry.)
+__global__ void __launch_bounds__(kThreads) restore_kept(const __grid_constant__ RestoreTable t) {
+  const int64_t j = blockIdx.x * static_cast<int64_t>(kThreads) + threadIdx.x;
+  if (j >= t.first[t.count]) return;
+  int lo = 0, hi = t.count - 1;
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) / 2;
+    if (t.first[mid] <= j) lo = mid;
+    else hi = mid - 1;
+  }
+  const RestoreLayer& l = t.layer[lo];
+  if (!*l.flag) return;
+  const int64_t e = j - t.first[lo];
+  const int32_t i = l.indices[e];
+  if (i >= 0 && i < l.n) l.residual[i] = l.values[e];
 }
 
 }  // namespace
 
-size_t topk_ef_workspace_bytes(int64_t n, int64_t k) { return layout(nullptr, n, k, nullptr); }
+size_t topk_ef_workspace_bytes(const TopKLayer* layers, int count) {
+  std::vector<Segment> segs(count);
+  return layout(nullptr, layers, count, segs.data(), nullptr);
+}
 
-cudaError_t topk_ef(const void* grad, DType grad_dtype, float* residual, int64_t n, int64_t k, float* values,
-                    int32_t* indices, double* g_sq, double* kept_sq, void* workspace, size_t workspace_bytes,
-                    cudaStream_t stream) {
-  if (n < 0 || n > INT_MAX || k < 0 || k > n) return cudaErrorInvalidValue;
-  Workspace ws;
-  if (layout(static_cast<char*>(workspace), n, k, &ws) > workspace_bytes) return cudaErrorInvalidValue;
-  switch (grad_dtype) {
-    case DType::kFloat32:
-      return run(static_cast<const float*>(grad), residual, n, k, values, indices, g_sq, kept_sq, ws, stream);
-    case DType::kFloat16:
-      return run(static_cast<const __half*>(grad), residual, n, k, values, indices, g_sq, kept_sq, ws, stream);
-    case DType::kBFloat16:
-      return run(static_cast<const __nv_bfloat16*>(grad), residual, n, k, values, indices, g_sq, kept_sq, ws,
-                 stream);
-    default:
+cudaError_t topk_ef(const TopKLayer* layers, int count, DType grad_dtype, bool poison, void* workspace,
+                    size_t workspace_bytes, cudaStream_t stream) {
+  if (count < 1) return cudaErrorInvalidValue;
+  for (int i = 0; i < count; ++i)
+    if (layers[i].n < 0 || layers[i].n > INT_MAX || layers[i].k < 0 || layers[i].k > layers[i].n)
       return cudaErrorInvalidValue;
+  char* base = static_cast<char*>(workspace);
+  switch (grad_dtype) {
+    case DType::kFloat32: return run_all<float>(layers, count, poison, base, workspace_bytes, stream);
+    case DType::kFloat16: return run_all<__half>(layers, count, poison, base, workspace_bytes, stream);
+    case DType::kBFloat16: return run_all<__nv_bfloat16>(layers, count, poison, base, workspace_bytes, stream);
+    default: return cudaErrorInvalidValue;
   }
+}
+
+cudaError_t topk_restore(const RestoreLayer* layers, int count, cudaStream_t stream) {
+  for (int first = 0; first < count; first += kMaxRestoreLayers) {
+    RestoreTable t;
+    t.count = count - first < kMaxRestoreLayers ? count - first : kMaxRestoreLayers;
+    t.first[0] = 0;
+    for (int i = 0; i < t.count; ++i) {
+      t.layer[i] = layers[first + i];
+      t.first[i + 1] = t.first[i] + t.layer[i].k;
+    }
+    const int64_t entries = t.first[t.count];
+    if (entries == 0) continue;
+    restore_kept<<<static_cast<unsigned>((entries + kThreads - 1) / kThreads), kThreads, 0, stream>>>(t);
+    if (const cudaError_t err = cudaGetLastError()) return err;
+  }
+  return cudaSuccess;
 }
 
 }  // namespace cuda
