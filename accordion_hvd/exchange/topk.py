@@ -3,9 +3,12 @@
 Per layer (codecs/topk.py does the math): g = grad + e, the k entries of largest magnitude
 are selected, and every rank's (values, int32 indices) are gathered, packed as bytes in one
 payload per layer; the result is their average. k is a function of the level, the same on
-every rank, so a bucket's payload has the same length everywhere. A bucket's allgather
-starts as soon as its last layer is encoded (exchange/buckets.py); a step issues one
-collective per bucket.
+every rank, so a bucket's payload has the same length everywhere. A layer's gradient is held
+until its bucket is complete; then the whole bucket is encoded in one kernel call
+(``accordion::topk_ef_many``, which writes the bytes the bucket sends) and its allgather
+starts (exchange/buckets.py): one kernel call and one collective per bucket, whatever the
+layer count. (float64 layers, which have no kernel, and per-step policies encode layer by
+layer.)
 
 A layer whose level keeps half its entries or more is sent dense instead: it goes through
 Horovod's ordinary allreduce, and its error feedback is settled at the end of the step.
@@ -21,7 +24,8 @@ Non-finite gradients: a rank sends NaN values for such a layer (selected from e 
 gradient is not folded in), so every rank sees the fault in the gathered data. The check is
 a 0-d bool flag on the device, never read by the host here: the results carry the NaN (the
 adapter zeroes them) and ``end_step(skipped)`` puts each selection back into its error
-feedback where the step is skipped.
+feedback where the step is skipped (the bucket kernel leaves a non-finite layer's e as it
+was, so that layer has nothing to undo).
 """
 
 from __future__ import annotations
