@@ -15,7 +15,8 @@ Only the communication differs between methods:
 * ``hvd-fp32``, ``hvd-fp16``: Horovod's dense allreduce (``hvd.Compression.none`` / ``fp16``);
 * ``ours-r1``, ``ours-r4``, ``ours-accordion`` (rank 1 <-> 4, a window every 4 steps, so it
   switches inside the run), ``ours-network-aware`` (the same levels, chosen by
-  ``policies.NetworkAware`` every 4 steps), ``ours-topk1``, ``ours-topk10`` (1% and 10%):
+  ``policies.NetworkAware`` every 4 steps), ``ours-network-aware-fp16`` (the same, with
+  float16 as its dense level, ``NetworkAware(dense="fp16")``), ``ours-topk1``, ``ours-topk10`` (1% and 10%):
   ``AccordionCompressor`` in the stock ``hvd.DistributedOptimizer``;
 * ``plain-topk1``: TopK 1% with error feedback written the obvious way in plain torch
   (per layer: add the residual, ``topk``, allgather values and indices, scatter-add,
@@ -51,7 +52,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from accordion_hvd.cli import models  # noqa: E402
 
 HVD = ("hvd-idle", "hvd-fp32", "hvd-fp16", "ours-r1", "ours-r4", "ours-accordion", "ours-network-aware",
-       "ours-topk1", "ours-topk10", "plain-topk1")
+       "ours-network-aware-fp16", "ours-topk1", "ours-topk10", "plain-topk1")
 DDP = ("ddp-fp32", "ddp-fp16", "ddp-r1", "ddp-r4", "ddp-ours-r1", "ddp-ours-r4", "ddp-ours-accordion")
 METHODS = ("floor", *HVD, *DDP)
 FIRST, LAST = 3, 12  # the median is over steps FIRST+1..LAST (the first steps warm up), or to --steps - 2
@@ -136,6 +137,8 @@ def our_compressor(kind: str):
         "accordion": lambda: acc.AccordionCompressor(acc.PowerSGD(rank=1, critical_rank=4), interval=4),
         "network-aware": lambda: acc.AccordionCompressor(acc.PowerSGD(rank=1, critical_rank=4), interval=4,
                                                          policy="network-aware"),
+        "network-aware-fp16": lambda: acc.AccordionCompressor(acc.PowerSGD(rank=1, critical_rank=4), interval=4,
+                                                              policy=acc.policies.NetworkAware(dense="fp16")),
         "topk1": lambda: acc.AccordionCompressor(acc.TopK(0.01), policy="static"),
         "topk10": lambda: acc.AccordionCompressor(acc.TopK(0.1), policy="static"),
     }[kind]()
