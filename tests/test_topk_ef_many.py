@@ -9,6 +9,7 @@ from torch.library import opcheck
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import accordion_hvd as acc
+from accordion_hvd import reference
 from accordion_hvd.comm.simulated import SimulatedWorld
 
 NAN = float("nan")
@@ -208,3 +209,46 @@ def test_cuda_more_layers_than_one_launch_holds():
     gpu = acc.ops.topk_ef_many([g.cuda() for g in grads], gpu_res, ks)
     assert torch.equal(cpu[0], gpu[0].cpu())
     assert all(torch.equal(a, b.cpu()) for a, b in zip(residuals, gpu_res))
+
+
+def test_a_bucket_mixing_float32_and_float64_layers():
+    """float64 layers have no kernel and are encoded one by one; a bucket holding both kinds
+    sends both, each layer the average of every rank's top k (checked against the reference
+    over three steps, error feedback included)."""
+    shapes = {"a": ((32, 48), torch.float32), "b": ((40, 30), torch.float64), "c": ((16, 64), torch.float32)}
+    ratio, steps, world = 0.05, 3, 2
+
+    def grads_of(rank, step):
+        gen = torch.Generator().manual_seed(100 * step + rank)
+        return {n: torch.randn(s, generator=gen).to(dtype) for n, (s, dtype) in shapes.items()}
+
+    def worker(rank, channel):
+        comp = acc.AccordionCompressor(acc.TopK(ratio=ratio), policy="static")
+        comp._channel = channel
+        out = []
+        for step in range(steps):
+            grads = grads_of(rank, step)
+            sent = {n: comp.compress_named(n, g) for n, g in grads.items()}
+            results = {}
+            for n in sorted(sent):
+                averaged = channel.wait(channel.allreduce_mean_async([sent[n][0]], f"hvd.{n}"))[0]
+                results[n] = comp.decompress(averaged.clone(), sent[n][1])
+            out.append(results)
+        return out
+
+    got = SimulatedWorld(world).run(worker)
+    residuals = {r: {n: torch.zeros(s, dtype=d).reshape(-1) for n, (s, d) in shapes.items()} for r in range(world)}
+    for step in range(steps):
+        for n, (shape, dtype) in shapes.items():
+            k = acc.TopK(ratio=ratio).level_k(acc.levels.NORMAL, residuals[0][n].numel())
+            picked = []
+            for r in range(world):
+                values, indices, residuals[r][n], *_ = reference.topk_select(
+                    grads_of(r, step)[n].reshape(-1), residuals[r][n], k)
+                picked.append((values, indices))
+            expected = reference.sparse_average(torch.cat([v for v, _ in picked]),
+                                                    torch.cat([i for _, i in picked]), residuals[0][n].numel(), world)
+            for r in range(world):
+                assert got[r][step][n].dtype == dtype
+                torch.testing.assert_close(got[r][step][n].reshape(-1), expected.to(dtype), rtol=1e-6, atol=1e-7,
+                                           msg=f"step {step}, layer {n}, rank {r}")

@@ -180,11 +180,13 @@ class Round1:
             bucket.handle = self.channel.allreduce_mean_async([t for p in payloads for t in p], name=name)
         else:
             deferred = [n for n, p in zip(sending, payloads) if p is DEFERRED]
-            if deferred:  # a bucket's layers are all deferred or none is (one codec, one mode)
-                if len(deferred) != len(sending):
-                    raise RuntimeError(f"AccordionCompressor: bucket {index} mixes deferred and ready payloads")
+            if deferred and len(deferred) == len(sending):  # the usual case: the encoder packs the bucket
                 packed, bucket.sizes = self.encode(sending)
             else:
+                if deferred:  # some layers encode one by one (TopK's float64 ones): slot the others in
+                    made, sizes = self.encode(deferred)
+                    parts = dict(zip(deferred, torch.split(made, sizes)))
+                    payloads = [parts[n] if p is DEFERRED else p for n, p in zip(sending, payloads)]
                 bucket.sizes = [p.numel() for p in payloads]
                 packed = torch.cat(payloads) if len(payloads) > 1 else payloads[0]
             bucket.handle = self.channel.allgather_async(packed, name=name)
