@@ -29,7 +29,10 @@ OURS, PEERS, ACCORDION = "ours-network-aware", ("hvd-fp16", "ours-r4", "ours-acc
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("csv", type=Path)
+    p.add_argument("--ours", default=OURS, help=f"the method held to the bar (default {OURS}; e.g. "
+                                                 "ours-network-aware-fp16)")
     args = p.parse_args()
+    ours = args.ours
     steps: dict[tuple, dict[str, float]] = defaultdict(dict)
     with open(args.csv) as f:
         for row in csv.DictReader(f):
@@ -37,12 +40,13 @@ def main() -> None:
                 steps[(row["model"], row["rate"], row["round"])][row["method"]] = float(row["step_s"])
     ratios: dict[tuple, dict[str, list]] = defaultdict(lambda: defaultdict(list))
     for (model, rate, _), methods in steps.items():
-        if OURS not in methods or not all(m in methods for m in PEERS):
+        if ours not in methods or not all(m in methods for m in PEERS):
             continue
         best = min(PEERS, key=methods.get)
-        ratios[(model, rate)]["best"].append((methods[OURS] / methods[best], best))
-        ratios[(model, rate)]["accordion"].append(methods[OURS] / methods[ACCORDION])
-    print(f"Command: `.venv/bin/python benchmarks/network_aware_bar.py {args.csv}`\n")
+        ratios[(model, rate)]["best"].append((methods[ours] / methods[best], best))
+        ratios[(model, rate)]["accordion"].append(methods[ours] / methods[ACCORDION])
+    flag = "" if ours == OURS else f" --ours {ours}"
+    print(f"Command: `.venv/bin/python benchmarks/network_aware_bar.py {args.csv}{flag}`\n")
     print("| model | rate | NetworkAware / fastest peer, per round (which) | median | bar 1.03x | "
           "/ Accordion, per round | median | bar (100 Mbit/s) < 1.0x |")
     print("|---|---|---|---:|---|---|---:|---|")
@@ -54,7 +58,7 @@ def main() -> None:
         print(f"| {model} | {rate} | {rounds} | {best:.3f} | {'met' if best <= 1.03 else 'not met'} | "
               f"{', '.join(f'{x:.3f}' for x in r['accordion'])} | {acc:.3f} | {acc_bar} |")
 
-    runs = sorted(args.csv.with_suffix("").glob(f"*-{OURS}.json"))
+    runs = sorted(args.csv.with_suffix("").glob(f"*-{ours}.json"))
     traced = [(path, json.loads(path.read_text())) for path in runs]
     traced = [(path, run) for path, run in traced if run.get("decisions")]
     if traced:
@@ -70,11 +74,11 @@ def main() -> None:
         own = {i for k in trying for i in range(k, k + WINDOW)}  # 0-based steps run at its own levels
         # the same round's Accordion, step by step: where NetworkAware ran Accordion's own levels
         # (leaving out the steps that end a window), any difference is the machine's noise
-        peer = json.loads(path.with_name(path.name.replace(OURS, ACCORDION)).read_text())["walls"]
+        peer = json.loads(path.with_name(path.name.replace(ours, ACCORDION)).read_text())["walls"]
         same = [i for i in range(3, last) if i not in own and (i + 1) % WINDOW]
         noise = statistics.median(run["walls"][i] for i in same) / statistics.median(peer[i] for i in same)
         ends = statistics.median(run["walls"][i] - peer[i] for i in range(WINDOW - 1, last, WINDOW))
-        print(f"| {path.stem.removesuffix('-' + OURS)} | {', '.join(map(str, trying)) or '-'} | "
+        print(f"| {path.stem.removesuffix('-' + ours)} | {', '.join(map(str, trying)) or '-'} | "
               f"{', '.join(map(str, slower)) or '-'} | {len(own & set(range(3, last)))} of {last - 3} | "
               f"{noise:.3f} | {ends:+.3f} |")
 
