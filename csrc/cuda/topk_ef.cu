@@ -139,6 +139,9 @@ struct Flags {             // how the finite flags apply
   __device__ __forceinline__ bool touches(const Segment& s) const { return !poison || adds(s); }
 };
 
+// Kernel parameters are limited to 4 KiB (before CUDA 12.1 / Volta): the table must fit.
+static_assert(sizeof(Table) + sizeof(Workspace) + sizeof(Flags) <= 4000, "Table too large for kernel parameters");
+
 // The layer that this block of a sweeping kernel works on, and the block's chunk in it.
 __device__ __forceinline__ const Segment& segment_of(const Table& t, int* local) {
   const int block = t.first_block + static_cast<int>(blockIdx.x);
@@ -676,6 +679,8 @@ struct RestoreTable {
   int64_t first[kMaxRestoreLayers + 1];  // each layer's first entry in this launch's numbering
   int32_t count;
 };
+
+static_assert(sizeof(RestoreTable) <= 4000, "RestoreTable too large for kernel parameters");
 
 // One thread per kept entry of the launch's layers: residual[index] = value where the layer's
 // flag is set. (Each layer's indices are distinct: no two threads write one entry.)

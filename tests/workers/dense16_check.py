@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 import accordion_hvd as acc
 from accordion_hvd.levels import DENSE16
-from worker_util import checker, say
+from worker_util import checker, leave_torch_distributed, say
 
 codec_name = sys.argv[1]
 front = sys.argv[2] if len(sys.argv) > 2 else "horovod"
@@ -109,5 +109,4 @@ check(all(torch.equal(gathered[0], row) for row in gathered), "ranks ended with 
 check(losses[-1] < losses[0], f"the loss did not fall: {losses[0]:.4f} -> {losses[-1]:.4f}")
 say(f"rank {rank}: OK dense16 ({codec_name}, {front}, {len(levels)} layers); loss {losses[0]:.4f} -> {losses[-1]:.4f}")
 if front == "ddp":
-    dist.barrier()
-    dist.destroy_process_group()
+    leave_torch_distributed(dist)  # every group, ours included, destroyed; no interpreter teardown

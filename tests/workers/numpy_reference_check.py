@@ -65,7 +65,7 @@ import numpy as np
 import torch
 
 import accordion_hvd as acc
-from worker_util import checker, say
+from worker_util import checker, leave_torch_distributed, say
 
 mode, steps = sys.argv[1], int(sys.argv[2])
 front = sys.argv[3] if len(sys.argv) > 3 else "horovod"
@@ -276,5 +276,4 @@ ties = f", ties straddling the k-th place {straddling_ties}" if TOPK else ""
 say(f"rank {rank}: OK {mode} {codec!r} through {front} on {device.type}, size {size}, {steps} steps, "
     f"max |error| {worst:.2e}{ties}")
 if front == "ddp":
-    dist.barrier()
-    dist.destroy_process_group()  # every group, ours included, before the interpreter tears down
+    leave_torch_distributed(dist)  # every group, ours included, destroyed; no interpreter teardown
