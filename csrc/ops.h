@@ -109,12 +109,9 @@ inline std::tuple<at::Tensor, at::Tensor> topk_ef_outputs(const at::Tensor& grad
 // (optional, 1-d bool, one flag per layer) works as the codec needs for a non-finite
 // gradient: that layer's residual is left exactly as it was and its values are NaN (the
 // indices are a valid selection of the residual alone), so every rank sees the fault in the
-// gathered data and there is nothing to undo for that layer.
-struct ManyLayout {
-  std::vector<int64_t> offsets;  // per layer, in entries (k's prefix sums); offsets.back(): total
-};
-
-inline ManyLayout check_topk_ef_many_args(at::TensorList grads, at::TensorList residuals, at::IntArrayRef ks,
+// gathered data and there is nothing to undo for that layer. Both checks return the layers'
+// offsets in the payload, in entries (the prefix sums of ks; the last one is the total).
+inline std::vector<int64_t> check_topk_ef_many_args(at::TensorList grads, at::TensorList residuals, at::IntArrayRef ks,
                                           const std::optional<at::Tensor>& finite) {
   constexpr const char* op = "accordion::topk_ef_many";
   const size_t layers = grads.size();
@@ -122,9 +119,8 @@ inline ManyLayout check_topk_ef_many_args(at::TensorList grads, at::TensorList r
   TORCH_CHECK(residuals.size() == layers && ks.size() == layers, op,
               ": grads, residuals and ks must have the same length, got ", layers, ", ", residuals.size(), " and ",
               ks.size());
-  ManyLayout out;
-  out.offsets.reserve(layers + 1);
-  out.offsets.push_back(0);
+  std::vector<int64_t> offsets{0};
+  offsets.reserve(layers + 1);
   for (size_t i = 0; i < layers; ++i) {
     check_ef_add_args(grads[i], residuals[i], op);
     check_contiguous_float(residuals[i], op, "every residual");
@@ -133,7 +129,7 @@ inline ManyLayout check_topk_ef_many_args(at::TensorList grads, at::TensorList r
     TORCH_CHECK(n <= std::numeric_limits<int32_t>::max(), op, ": at most 2^31 - 1 entries per layer (int32 indices), "
                 "got ", n, " in layer ", i);
     TORCH_CHECK(ks[i] >= 0 && ks[i] <= n, op, ": ks[", i, "] must be in [0, numel = ", n, "], got ", ks[i]);
-    out.offsets.push_back(out.offsets.back() + ks[i]);
+    offsets.push_back(offsets.back() + ks[i]);
   }
   if (finite) {
     TORCH_CHECK(finite->layout() == at::kStrided && finite->dim() == 1 && finite->scalar_type() == at::kBool &&
@@ -142,7 +138,7 @@ inline ManyLayout check_topk_ef_many_args(at::TensorList grads, at::TensorList r
                 finite->numel());
     check_same_device(*finite, residuals[0], op, "finite and the residuals");
   }
-  return out;
+  return offsets;
 }
 
 // A layer's values and indices inside a topk_ef_many payload (uint8, 8 bytes per entry).
@@ -153,30 +149,29 @@ inline std::pair<at::Tensor, at::Tensor> payload_parts(const at::Tensor& payload
 
 // restore_many_if_: undo a topk_ef_many where a skipped step needs it: layer i's kept entries
 // go back into residuals[i] if flags[i] (1-d bool on their device).
-inline ManyLayout check_restore_many_args(at::TensorList residuals, const at::Tensor& payload, at::IntArrayRef ks,
+inline std::vector<int64_t> check_restore_many_args(at::TensorList residuals, const at::Tensor& payload, at::IntArrayRef ks,
                                           const at::Tensor& flags) {
   constexpr const char* op = "accordion::restore_many_if_";
   const size_t layers = residuals.size();
   TORCH_CHECK(ks.size() == layers, op, ": residuals and ks must have the same length, got ", layers, " and ",
               ks.size());
-  ManyLayout out;
-  out.offsets.push_back(0);
+  std::vector<int64_t> offsets{0};
   for (size_t i = 0; i < layers; ++i) {
     check_contiguous_float(residuals[i], op, "every residual");
     check_same_device(residuals[i], payload, op, "every residual and the payload");
     TORCH_CHECK(ks[i] >= 0 && ks[i] <= residuals[i].numel(), op, ": ks[", i, "] must be in [0, numel = ",
                 residuals[i].numel(), "], got ", ks[i]);
-    out.offsets.push_back(out.offsets.back() + ks[i]);
+    offsets.push_back(offsets.back() + ks[i]);
   }
   TORCH_CHECK(payload.layout() == at::kStrided && payload.scalar_type() == at::kByte && payload.dim() == 1 &&
-              payload.is_contiguous() && payload.numel() == 8 * out.offsets.back(), op,
-              ": payload must be a contiguous 1-d uint8 tensor of 8 * sum(ks) = ", 8 * out.offsets.back(),
+              payload.is_contiguous() && payload.numel() == 8 * offsets.back(), op,
+              ": payload must be a contiguous 1-d uint8 tensor of 8 * sum(ks) = ", 8 * offsets.back(),
               " bytes, got ", payload.scalar_type(), " ", payload.sizes());
   TORCH_CHECK(flags.layout() == at::kStrided && flags.dim() == 1 && flags.scalar_type() == at::kBool &&
               flags.numel() == static_cast<int64_t>(layers), op, ": flags must be a 1-d bool tensor of ", layers,
               " flags, got a ", flags.dim(), "-d ", flags.scalar_type(), " tensor of ", flags.numel());
   check_same_device(flags, payload, op, "flags and the payload");
-  return out;
+  return offsets;
 }
 
 // sparse_average: TopK's decode, the average over ranks of their sparse vectors, densely.

@@ -183,8 +183,7 @@ def test_cuda_matches_cpu(grad_dtype):
     on_cpu, on_gpu = bucket(grad_dtype=grad_dtype), bucket("cuda", grad_dtype=grad_dtype)
     cpu = acc.ops.topk_ef_many(*on_cpu, torch.tensor(finite))
     gpu = acc.ops.topk_ef_many(*on_gpu, torch.tensor(finite, device="cuda"))
-    assert torch.equal(cpu[0].view(torch.int32)[cpu[0].view(torch.float32) == cpu[0].view(torch.float32)],
-                       gpu[0].cpu().view(torch.int32)[cpu[0].view(torch.float32) == cpu[0].view(torch.float32)])
+    assert torch.equal(cpu[0], gpu[0].cpu())  # bytes: both write the quiet NaN 0x7fc00000 for the poisoned layer
     assert all(torch.equal(a, b.cpu()) for a, b in zip(on_cpu[1], on_gpu[1]))
     torch.testing.assert_close(gpu[1].cpu(), cpu[1], rtol=1e-12, atol=0)
     torch.testing.assert_close(gpu[2].cpu(), cpu[2], rtol=1e-12, atol=0)

@@ -31,14 +31,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> topk_ef(const at::Ten
 std::tuple<at::Tensor, at::Tensor, at::Tensor> topk_ef_many(at::TensorList grads, at::TensorList residuals,
                                                             at::IntArrayRef ks,
                                                             const std::optional<at::Tensor>& finite) {
-  const ManyLayout layout = check_topk_ef_many_args(grads, residuals, ks, finite);
+  const std::vector<int64_t> offsets = check_topk_ef_many_args(grads, residuals, ks, finite);
   const auto options = residuals[0].options();
-  at::Tensor payload = at::empty({8 * layout.offsets.back()}, options.dtype(at::kByte));
+  at::Tensor payload = at::empty({8 * offsets.back()}, options.dtype(at::kByte));
   const int64_t layers = static_cast<int64_t>(grads.size());
   at::Tensor g_sq = at::empty({layers}, options.dtype(at::kDouble)), kept_sq = at::empty_like(g_sq);
   const at::Tensor flags = finite ? finite->contiguous() : at::Tensor();
   for (int64_t i = 0; i < layers; ++i) {
-    auto [values, indices] = payload_parts(payload, layout.offsets[i], ks[i]);
+    auto [values, indices] = payload_parts(payload, offsets[i], ks[i]);
     const bool ok = !finite || flags.const_data_ptr<bool>()[i];
     // A non-finite layer: the selection of the residual alone, made on a copy (rare path).
     at::Tensor residual = ok ? residuals[i] : residuals[i].clone();
@@ -54,11 +54,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> topk_ef_many(at::TensorList grads
 
 void restore_many_if_(at::TensorList residuals, const at::Tensor& payload, at::IntArrayRef ks,
                       const at::Tensor& flags) {
-  const ManyLayout layout = check_restore_many_args(residuals, payload, ks, flags);
+  const std::vector<int64_t> offsets = check_restore_many_args(residuals, payload, ks, flags);
   const at::Tensor f = flags.contiguous();
   for (size_t i = 0; i < residuals.size(); ++i) {
     if (!f.const_data_ptr<bool>()[i]) continue;
-    auto [values, indices] = payload_parts(payload, layout.offsets[i], ks[i]);
+    auto [values, indices] = payload_parts(payload, offsets[i], ks[i]);
     const int64_t n = residuals[i].numel();
     float* r = residuals[i].mutable_data_ptr<float>();
     const float* v = values.const_data_ptr<float>();

@@ -71,11 +71,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> topk_ef(const at::Ten
 std::tuple<at::Tensor, at::Tensor, at::Tensor> topk_ef_many(at::TensorList grads, at::TensorList residuals,
                                                             at::IntArrayRef ks,
                                                             const std::optional<at::Tensor>& finite) {
-  const ManyLayout layout = check_topk_ef_many_args(grads, residuals, ks, finite);
+  const std::vector<int64_t> offsets = check_topk_ef_many_args(grads, residuals, ks, finite);
   const c10::cuda::CUDAGuard guard(residuals[0].device());
   const auto options = residuals[0].options();
   const int64_t count = static_cast<int64_t>(grads.size());
-  at::Tensor payload = at::empty({8 * layout.offsets.back()}, options.dtype(at::kByte));
+  at::Tensor payload = at::empty({8 * offsets.back()}, options.dtype(at::kByte));
   at::Tensor g_sq = at::empty({count}, options.dtype(at::kDouble)), kept_sq = at::empty_like(g_sq);
   const at::Tensor flags = finite ? finite->contiguous() : at::Tensor();
   std::vector<at::Tensor> contiguous;  // alive until the kernels are launched
@@ -85,7 +85,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> topk_ef_many(at::TensorList grads
     for (int64_t i = 0; i < count; ++i) {
       if (grads[i].scalar_type() != dtype) continue;
       contiguous.push_back(grads[i].contiguous());
-      auto [values, indices] = payload_parts(payload, layout.offsets[i], ks[i]);
+      auto [values, indices] = payload_parts(payload, offsets[i], ks[i]);
       layers.push_back({contiguous.back().const_data_ptr(), residuals[i].mutable_data_ptr<float>(),
                         residuals[i].numel(), ks[i], values.mutable_data_ptr<float>(),
                         indices.mutable_data_ptr<int32_t>(), g_sq.mutable_data_ptr<double>() + i,
@@ -99,13 +99,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> topk_ef_many(at::TensorList grads
 // One launch per 64 layers; the flags are read on the device.
 void restore_many_if_(at::TensorList residuals, const at::Tensor& payload, at::IntArrayRef ks,
                       const at::Tensor& flags) {
-  const ManyLayout layout = check_restore_many_args(residuals, payload, ks, flags);
+  const std::vector<int64_t> offsets = check_restore_many_args(residuals, payload, ks, flags);
   if (residuals.empty()) return;
   const c10::cuda::CUDAGuard guard(payload.device());
   const at::Tensor f = flags.contiguous();
   std::vector<cuda::RestoreLayer> layers;
   for (size_t i = 0; i < residuals.size(); ++i) {
-    auto [values, indices] = payload_parts(payload, layout.offsets[i], ks[i]);
+    auto [values, indices] = payload_parts(payload, offsets[i], ks[i]);
     layers.push_back({residuals[i].mutable_data_ptr<float>(), values.const_data_ptr<float>(),
                       indices.const_data_ptr<int32_t>(), f.const_data_ptr<bool>() + i, residuals[i].numel(), ks[i]});
   }
