@@ -114,6 +114,58 @@ def sparse_average(values: torch.Tensor, indices: torch.Tensor, numel: int, worl
     return torch.ops.accordion.sparse_average.default(values, indices, numel, world_size, dtype, bad)
 
 
+MAX_BUCKET_RANK = 16
+"""The highest rank the PowerSGD bucket ops take (csrc/ops.h: a CUDA thread keeps a row's r
+sums in registers); a layer at a higher rank goes through the per-layer path."""
+
+
+def _nonempty(op: str, name: str, tensors) -> list[torch.Tensor]:
+    tensors = list(tensors)
+    if not tensors:  # the dispatcher needs a tensor to pick a kernel
+        raise ValueError(f"{op}: {name} must hold at least one tensor")
+    return tensors
+
+
+def powersgd_p_many(grads: list[torch.Tensor], residuals: list[torch.Tensor], qts: list[torch.Tensor],
+                    finite: torch.Tensor | None = None) -> torch.Tensor:
+    """PowerSGD's first phase for a bucket in one call: per layer, ``M = grad + e`` into the
+    residual (float32, n x m) and ``P = M Q`` (Q^T given, r x m); returns every layer's P
+    (n x r) one after the other in one flat float32 tensor: the bucket's P payload. ``finite``
+    (1-d bool, one flag per layer): where False the gradient is not added (e stays as it
+    was) and that layer's P is NaN. See ``reference.powersgd_p``."""
+    residuals = _nonempty("accordion::powersgd_p_many", "residuals", residuals)
+    return torch.ops.accordion.powersgd_p_many.default(list(grads), residuals, list(qts), finite)
+
+
+def powersgd_qt_many(ps: list[torch.Tensor], residuals: list[torch.Tensor]) -> torch.Tensor:
+    """Per layer ``Q^T = P^T M`` (r x m) from its P (n x r) and M (the residual), every layer
+    one after the other in one flat float32 tensor: the bucket's Q^T payload."""
+    residuals = _nonempty("accordion::powersgd_qt_many", "residuals", residuals)
+    return torch.ops.accordion.powersgd_qt_many.default(list(ps), residuals)
+
+
+def powersgd_finish_many_(residuals: list[torch.Tensor], outs: list[torch.Tensor], qts: list[torch.Tensor],
+                          ps: list[torch.Tensor], qts_avg: list[torch.Tensor], ok: torch.Tensor | None = None) -> None:
+    """Per layer ``out = P Q^T_avg`` (in out's dtype) and the layer's Q^T set to the average.
+    With ``ok`` (0-d bool) False, every out is zero and every Q^T is kept, decided on the
+    device. The residuals are only read for their shapes (``powersgd_settle_many_`` updates them)."""
+    residuals = list(residuals)
+    if residuals:
+        torch.ops.accordion.powersgd_finish_many_.default(residuals, list(outs), list(qts), list(ps), list(qts_avg), ok)
+
+
+def powersgd_settle_many_(residuals: list[torch.Tensor], ps: list[torch.Tensor], qts: list[torch.Tensor],
+                          flag: torch.Tensor) -> None:
+    """Per layer ``e -= P Q^T`` if ``flag`` (0-d bool on their device) is True (the step went
+    through), decided on the device: the CPU reads the flag, the CUDA kernel returns at once
+    when it is False."""
+    if not isinstance(flag, torch.Tensor):
+        raise TypeError(f"accordion::powersgd_settle_many_: flag must be a torch.Tensor, got {type(flag).__name__}")
+    residuals = list(residuals)
+    if residuals:
+        torch.ops.accordion.powersgd_settle_many_.default(residuals, list(ps), list(qts), flag)
+
+
 def orthogonalize_(ps: list[torch.Tensor], eps: float = 1e-8) -> list[torch.Tensor]:
     """Gram-Schmidt on the columns of every (n x r) matrix in ``ps``, in place, in one call."""
     ps = list(ps)
@@ -175,6 +227,26 @@ def _restore_many_if_fake(residuals, payload, ks, flags):
 @torch.library.register_fake("accordion::sparse_average")
 def _sparse_average_fake(values, indices, numel, world_size, dtype, bad=None):
     return values.new_empty(numel, dtype=dtype)
+
+
+@torch.library.register_fake("accordion::powersgd_p_many")
+def _powersgd_p_many_fake(grads, residuals, qts, finite=None):
+    return residuals[0].new_empty(sum(r.shape[0] * q.shape[0] for r, q in zip(residuals, qts)))
+
+
+@torch.library.register_fake("accordion::powersgd_qt_many")
+def _powersgd_qt_many_fake(ps, residuals):
+    return residuals[0].new_empty(sum(p.shape[1] * r.shape[1] for p, r in zip(ps, residuals)))
+
+
+@torch.library.register_fake("accordion::powersgd_finish_many_")
+def _powersgd_finish_many_fake(residuals, outs, qts, ps, qts_avg, ok=None):
+    return None
+
+
+@torch.library.register_fake("accordion::powersgd_settle_many_")
+def _powersgd_settle_many_fake(residuals, ps, qts, flag):
+    return None
 
 
 @torch.library.register_fake("accordion::orthogonalize_")

@@ -65,3 +65,22 @@ def orthogonalize_(p: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
             rest = p[:, i + 1 :]
             rest.sub_(col @ (col.t() @ rest))
     return p
+
+
+def powersgd_p(grad: torch.Tensor, residual: torch.Tensor, qt: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """PowerSGD's first phase for one layer (``accordion::powersgd_p_many`` does a bucket):
+    ``M = grad + residual`` (residual n x m; grad of n * m entries) and ``P = M Q``, with Q
+    given as Q^T (r x m). Returns ``(M, P)``."""
+    m = ef_add(grad.reshape(residual.shape), residual)
+    return m, m @ qt.t()
+
+
+def powersgd_qt(p: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    """PowerSGD's second product, ``Q^T = P^T M`` (r x m) (``accordion::powersgd_qt_many``)."""
+    return p.t() @ m
+
+
+def powersgd_approx(p: torch.Tensor, qt: torch.Tensor) -> torch.Tensor:
+    """The rank-r approximation ``M_hat = P Q^T`` (``accordion::powersgd_finish_many_``
+    writes it to the gradient; ``accordion::powersgd_settle_many_`` subtracts it from e)."""
+    return p @ qt

@@ -15,6 +15,11 @@ TORCH_LIBRARY(accordion, m) {
   m.def("restore_many_if_(Tensor(a!)[] residuals, Tensor payload, int[] ks, Tensor flags) -> ()");
   m.def("sparse_average(Tensor values, Tensor indices, int numel, int world_size, ScalarType dtype, "
         "Tensor(a!)? bad=None) -> Tensor");
+  m.def("powersgd_p_many(Tensor[] grads, Tensor(a!)[] residuals, Tensor[] qts, Tensor? finite=None) -> Tensor");
+  m.def("powersgd_qt_many(Tensor[] ps, Tensor[] residuals) -> Tensor");
+  m.def("powersgd_finish_many_(Tensor(a!)[] residuals, Tensor(b!)[] outs, Tensor(c!)[] qts, Tensor[] ps, "
+        "Tensor[] qts_avg, Tensor? ok=None) -> ()");
+  m.def("powersgd_settle_many_(Tensor(a!)[] residuals, Tensor[] ps, Tensor[] qts, Tensor flag) -> ()");
   m.def("orthogonalize_(Tensor(a!)[] ps, float eps) -> ()");
   m.def("error_update_(Tensor(a!) residual, Tensor approx, ScalarType dtype) -> Tensor");
   m.def("fill_if_(Tensor(a!)[] tensors, Tensor flag, Scalar value) -> ()");

@@ -174,6 +174,149 @@ inline std::vector<int64_t> check_restore_many_args(at::TensorList residuals, co
   return offsets;
 }
 
+// PowerSGD for a whole bucket (the codec's phases, codecs/powersgd.py, a bucket per call).
+// Every layer is a float32 residual e (n x m, contiguous) with Q^T (r x m, float32,
+// contiguous, 1 <= r <= kMaxBucketRank); a bucket's P and Q^T payloads are flat float32
+// buffers, layer after layer: P (n x r) at the prefix sum of n * r, Q^T (r x m) at the prefix
+// sum of r * m. The ranks are capped so that a CUDA thread keeps a row's r sums in registers.
+constexpr int64_t kMaxBucketRank = 16;
+
+inline void check_bucket_layer(const at::Tensor& residual, const at::Tensor& qt, const at::Tensor& first,
+                               size_t i, const char* op) {
+  check_contiguous_float(residual, op, "every residual");
+  check_contiguous_float(qt, op, "every Q^T");
+  TORCH_CHECK(residual.dim() == 2 && qt.dim() == 2 && qt.size(1) == residual.size(1), op, ": layer ", i,
+              ": the residual must be 2-d (n x m) and Q^T (r x m), got ", residual.sizes(), " and ", qt.sizes());
+  TORCH_CHECK(qt.size(0) >= 1 && qt.size(0) <= kMaxBucketRank, op, ": layer ", i, ": rank must be in [1, ",
+              kMaxBucketRank, "], got ", qt.size(0));
+  check_same_device(residual, first, op, "every tensor of the bucket");
+  check_same_device(qt, first, op, "every tensor of the bucket");
+}
+
+inline void check_layer_flags(const std::optional<at::Tensor>& flags, size_t layers, const at::Tensor& first,
+                              const char* op, const char* name) {
+  if (!flags) return;
+  TORCH_CHECK(flags->layout() == at::kStrided && flags->dim() == 1 && flags->scalar_type() == at::kBool &&
+              flags->numel() == static_cast<int64_t>(layers), op, ": ", name, " must be a 1-d bool tensor of ", layers,
+              " flags (one per layer), got a ", flags->dim(), "-d ", flags->scalar_type(), " tensor of ",
+              flags->numel());
+  check_same_device(*flags, first, op, "the flags and the residuals");
+}
+
+inline void check_bucket_flag(const std::optional<at::Tensor>& flag, const at::Tensor& first, const char* op,
+                              const char* name) {
+  if (!flag) return;
+  TORCH_CHECK(flag->layout() == at::kStrided && flag->dim() == 0 && flag->scalar_type() == at::kBool, op, ": ", name,
+              " must be a 0-d bool tensor, got a ", flag->dim(), "-d ", flag->scalar_type(), " tensor");
+  check_same_device(*flag, first, op, "the flag and the residuals");
+}
+
+// powersgd_p_many: per layer, M = grad + e written into e, and P = M Q into the P payload.
+// `finite` (optional, 1-d bool, one flag per layer): where false the gradient is not added
+// (e is left as it was) and that layer's P is NaN, so every rank sees the fault in the
+// averaged P. Returns the offsets of the layers' P in the payload (the last: its length).
+inline std::vector<int64_t> check_powersgd_p_many_args(at::TensorList grads, at::TensorList residuals,
+                                                       at::TensorList qts, const std::optional<at::Tensor>& finite) {
+  constexpr const char* op = "accordion::powersgd_p_many";
+  const size_t layers = residuals.size();
+  TORCH_CHECK(layers >= 1, op, ": residuals must hold at least one tensor");
+  TORCH_CHECK(grads.size() == layers && qts.size() == layers, op,
+              ": grads, residuals and qts must have the same length, got ", grads.size(), ", ", layers, " and ",
+              qts.size());
+  std::vector<int64_t> offsets{0};
+  for (size_t i = 0; i < layers; ++i) {
+    check_bucket_layer(residuals[i], qts[i], residuals[0], i, op);
+    TORCH_CHECK(grads[i].layout() == at::kStrided && grads[i].is_contiguous() &&
+                grads[i].numel() == residuals[i].numel(), op, ": layer ", i, ": grad must be a contiguous tensor of ",
+                residuals[i].numel(), " entries (any shape), got ", grads[i].sizes(), " with strides ",
+                grads[i].strides());
+    check_ef_add_args(grads[i].view(residuals[i].sizes()), residuals[i], op);
+    offsets.push_back(offsets.back() + residuals[i].size(0) * qts[i].size(0));
+  }
+  check_layer_flags(finite, layers, residuals[0], op, "finite");
+  return offsets;
+}
+
+// powersgd_qt_many: per layer, Q^T = P^T M (r x m) into the Q payload, from each layer's
+// (orthogonalized, averaged) P (n x r, float32, contiguous) and its M (in e). Returns the
+// offsets of the layers' Q^T in the payload.
+inline std::vector<int64_t> check_powersgd_qt_many_args(at::TensorList ps, at::TensorList residuals) {
+  constexpr const char* op = "accordion::powersgd_qt_many";
+  const size_t layers = residuals.size();
+  TORCH_CHECK(layers >= 1, op, ": residuals must hold at least one tensor");
+  TORCH_CHECK(ps.size() == layers, op, ": ps and residuals must have the same length, got ", ps.size(), " and ",
+              layers);
+  std::vector<int64_t> offsets{0};
+  for (size_t i = 0; i < layers; ++i) {
+    check_contiguous_float(ps[i], op, "every P");
+    check_contiguous_float(residuals[i], op, "every residual");
+    TORCH_CHECK(residuals[i].dim() == 2 && ps[i].dim() == 2 && ps[i].size(0) == residuals[i].size(0), op,
+                ": layer ", i, ": the residual must be 2-d (n x m) and P (n x r), got ", residuals[i].sizes(), " and ",
+                ps[i].sizes());
+    TORCH_CHECK(ps[i].size(1) >= 1 && ps[i].size(1) <= kMaxBucketRank, op, ": layer ", i, ": rank must be in [1, ",
+                kMaxBucketRank, "], got ", ps[i].size(1));
+    check_same_device(ps[i], residuals[0], op, "every tensor of the bucket");
+    check_same_device(residuals[i], residuals[0], op, "every tensor of the bucket");
+    offsets.push_back(offsets.back() + ps[i].size(1) * residuals[i].size(1));
+  }
+  return offsets;
+}
+
+// powersgd_finish_many_: per layer, with the averaged Q^T: M_hat = P Q^T written to out (the
+// gradient's memory, float32, float16 or bfloat16, n * m entries, contiguous) and the layer's
+// Q^T (the next step's warm start) set to the average. With `ok` (0-d bool) false some rank's
+// gradient was not finite (P and Q^T are NaN): out is zero and Q^T is left as it was. The
+// error feedback is settled later (powersgd_settle_many_), once the step is known not to be
+// skipped: until then e holds M, so a skipped step loses nothing.
+inline void check_powersgd_finish_many_args(at::TensorList residuals, at::TensorList outs, at::TensorList qts,
+                                            at::TensorList ps, at::TensorList qts_avg,
+                                            const std::optional<at::Tensor>& ok) {
+  constexpr const char* op = "accordion::powersgd_finish_many_";
+  const size_t layers = residuals.size();
+  TORCH_CHECK(outs.size() == layers && qts.size() == layers && ps.size() == layers && qts_avg.size() == layers, op,
+              ": residuals, outs, qts, ps and qts_avg must have the same length, got ", layers, ", ", outs.size(),
+              ", ", qts.size(), ", ", ps.size(), " and ", qts_avg.size());
+  for (size_t i = 0; i < layers; ++i) {
+    check_bucket_layer(residuals[i], qts[i], residuals[0], i, op);
+    check_contiguous_float(ps[i], op, "every P");
+    check_contiguous_float(qts_avg[i], op, "every averaged Q^T");
+    TORCH_CHECK(ps[i].dim() == 2 && ps[i].size(0) == residuals[i].size(0) && ps[i].size(1) == qts[i].size(0), op,
+                ": layer ", i, ": P must be n x r = ", residuals[i].size(0), " x ", qts[i].size(0), ", got ",
+                ps[i].sizes());
+    TORCH_CHECK(qts_avg[i].sizes() == qts[i].sizes(), op, ": layer ", i, ": the averaged Q^T must be ", qts[i].sizes(),
+                ", got ", qts_avg[i].sizes());
+    const at::Tensor& out = outs[i];
+    TORCH_CHECK(out.layout() == at::kStrided && out.is_contiguous() && out.numel() == residuals[i].numel() &&
+                (out.scalar_type() == at::kFloat || out.scalar_type() == at::kHalf ||
+                 out.scalar_type() == at::kBFloat16), op, ": layer ", i, ": out must be a contiguous float32, float16 "
+                "or bfloat16 tensor of ", residuals[i].numel(), " entries, got ", out.scalar_type(), " ",
+                out.sizes());
+    TORCH_CHECK(!out.is_same(residuals[i]), op, ": layer ", i, ": out must not be the residual");
+    for (const at::Tensor* t : {&ps[i], &qts_avg[i], &out}) check_same_device(*t, residuals[0], op, "every tensor of the bucket");
+  }
+  if (layers) check_bucket_flag(ok, residuals[0], op, "ok");
+}
+
+// powersgd_settle_many_: e = M - P Q^T for every layer when `flag` (0-d bool, on the device)
+// is true: the step went through (and no rank's gradient was non-finite). The CPU reads the
+// flag; the CUDA kernel reads it first and returns at once when it is false.
+inline void check_powersgd_settle_many_args(at::TensorList residuals, at::TensorList ps, at::TensorList qts,
+                                          const at::Tensor& flag) {
+  constexpr const char* op = "accordion::powersgd_settle_many_";
+  const size_t layers = residuals.size();
+  TORCH_CHECK(ps.size() == layers && qts.size() == layers, op,
+              ": residuals, ps and qts must have the same length, got ", layers, ", ", ps.size(), " and ", qts.size());
+  for (size_t i = 0; i < layers; ++i) {
+    check_bucket_layer(residuals[i], qts[i], residuals[0], i, op);
+    check_contiguous_float(ps[i], op, "every P");
+    TORCH_CHECK(ps[i].dim() == 2 && ps[i].size(0) == residuals[i].size(0) && ps[i].size(1) == qts[i].size(0), op,
+                ": layer ", i, ": P must be n x r = ", residuals[i].size(0), " x ", qts[i].size(0), ", got ",
+                ps[i].sizes());
+    check_same_device(ps[i], residuals[0], op, "every tensor of the bucket");
+  }
+  if (layers) check_bucket_flag(flag, residuals[0], op, "flag");
+}
+
 // sparse_average: TopK's decode, the average over ranks of their sparse vectors, densely.
 inline void check_sparse_average_args(const at::Tensor& values, const at::Tensor& indices, int64_t numel,
                                       int64_t world_size, at::ScalarType dtype) {

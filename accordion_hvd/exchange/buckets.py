@@ -100,7 +100,8 @@ def _layout_mismatch_message(sets: list[dict], layers: str) -> str:
 
 DEFERRED = object()
 """A round-1 payload to be made when its bucket launches: ``Round1(encode=...)`` then encodes
-the bucket's layers in one call (TopK's whole-bucket kernel) and returns their packed bytes."""
+the bucket's deferred layers in one call (a whole-bucket kernel) and returns their packed
+payload: TopK's bytes, PowerSGD's P matrices."""
 
 
 @dataclass
@@ -109,6 +110,8 @@ class _Bucket:
     handle: Any = None
     sending: list[str] = field(default_factory=list)  # this step: the layers with a payload
     sizes: list[int] = field(default_factory=list)    # per layer sent: tensors (allreduce) or bytes (allgather)
+    shapes: list | None = None  # a packed allreduce (every layer deferred): each layer's one tensor's shape
+    packed: torch.Tensor | None = None  # its averaged flat payload, once taken
 
 
 class Round1:
@@ -117,9 +120,13 @@ class Round1:
     ``kind`` "allreduce": each layer's payload is a list of tensors, averaged over ranks;
     the result of a layer is the list of averages. ``kind`` "allgather": each payload is a
     1-D uint8 tensor of the same length on every rank; the result is a (world size, length)
-    uint8 view, one row per rank. An allgather payload may be ``DEFERRED``: when its bucket
-    launches, ``encode(names)`` makes the payloads of the bucket's deferred layers at once and
-    returns ``(packed bytes, bytes per layer)`` (TopK: one kernel call per bucket).
+    uint8 view, one row per rank. A payload may be ``DEFERRED``: when its bucket launches,
+    ``encode(names)`` makes the payloads of the bucket's deferred layers at once (one kernel
+    call per bucket) and returns the packed payload and each layer's part of it: for an
+    allgather ``(bytes, bytes per layer)`` (TopK), for an allreduce ``(flat tensor, shape per
+    layer)``, each layer's payload then being the one tensor of that shape (PowerSGD's P). A
+    bucket whose layers are all deferred sends the packed payload as it is, and its average
+    stays available whole (``packed``).
     """
 
     def __init__(self, channel: Channel, kind: str, prefix: str, first_cap: int = FIRST_BUCKET_BYTES,
@@ -141,7 +148,7 @@ class Round1:
         self._launched = 0                # buckets launched this step, in layout order
         if self.buckets is not None:
             for b in self.buckets:
-                b.handle = None
+                b.handle, b.packed = None, None
 
     def ready(self, name: str, payload: Any, grad: torch.Tensor) -> None:
         """Layer ``name``'s payload for this step (``None``: the layer sends nothing in round 1
@@ -175,7 +182,19 @@ class Round1:
             return
         name = f"{self.prefix}.b{index}.{len(sending)}"
         payloads = [self._payloads[n] for n in sending]
+        bucket.shapes, bucket.packed = None, None
         if self.kind == "allreduce":
+            deferred = [n for n, p in zip(sending, payloads) if p is DEFERRED]
+            if deferred and len(deferred) == len(sending):  # the usual case: send the packed payload as made
+                made, bucket.shapes = self.encode(sending)
+                bucket.sizes = [1] * len(sending)
+                bucket.handle = self.channel.allreduce_mean_async([made], name=name)
+                return
+            if deferred:  # some layers encode one by one (float64, DENSE): slot the others in
+                made, shapes = self.encode(deferred)
+                parts = torch.split(made, [_numel(s) for s in shapes])
+                made_by_name = {n: [t.view(s)] for n, t, s in zip(deferred, parts, shapes)}
+                payloads = [made_by_name[n] if p is DEFERRED else p for n, p in zip(sending, payloads)]
             bucket.sizes = [len(p) for p in payloads]
             bucket.handle = self.channel.allreduce_mean_async([t for p in payloads for t in p], name=name)
         else:
@@ -233,7 +252,12 @@ class Round1:
             layers = ", ".join(bucket.names[:4]) + (" ..." if len(bucket.names) > 4 else "")
             raise type(exc)(f"{exc} (bucket {index} holds layers {layers})") from exc  # keeps CollectiveTimeout
         bucket.handle = None
-        if self.kind == "allreduce":
+        if bucket.shapes is not None:  # packed: each layer's P is a view of the averaged flat payload
+            bucket.packed = result[0]
+            parts = torch.split(bucket.packed, [_numel(s) for s in bucket.shapes])
+            for n, t, shape in zip(bucket.sending, parts, bucket.shapes):
+                out[n] = [t.view(shape)]
+        elif self.kind == "allreduce":
             offset = 0
             for n, count in zip(bucket.sending, bucket.sizes):
                 out[n] = result[offset:offset + count]
@@ -256,6 +280,11 @@ class Round1:
         self.begin_step()
         return out
 
+    def packed(self, index: int) -> torch.Tensor | None:
+        """Taken bucket ``index``'s averaged payload as one flat tensor, if it was sent packed
+        (every layer deferred): one check of the whole bucket instead of one per layer."""
+        return self.buckets[index].packed
+
     @property
     def complete(self) -> bool:
         """Whether every layer of the agreed layout has reported this step (all buckets issued)."""
@@ -265,6 +294,13 @@ class Round1:
     def active(self) -> bool:
         """Whether this step has reported layers that ``results`` has not consumed yet."""
         return bool(self._order)
+
+
+def _numel(shape) -> int:
+    count = 1
+    for size in shape:
+        count *= int(size)
+    return count
 
 
 def arrived(channel: Channel, handle: Any) -> bool:

@@ -24,6 +24,15 @@ allreduce instead (the P round's buffer is float32), and the error feedback keep
 float16 rounded away. A network-aware policy uses them for layers whose transfer hides
 under backward (policies/network_aware.py).
 
+The math goes a bucket at a time: a compressed layer's gradient is held until its bucket is
+complete, then one call computes M = grad + e and P for every layer of the bucket, writing
+the P round's payload (``codec.start_many``, exchange/buckets.py's ``DEFERRED``); one call
+makes the bucket's Q^T payload once its P average is back (``middle_many``), one writes
+every result (``finish_many``) and one settles every error feedback (``settle_many``): a
+fixed number of kernel calls per bucket, whatever its layer count. Layers the bucket ops do
+not take (float64, a rank above ``ops.MAX_BUCKET_RANK``, DENSE) go layer by layer, in the
+same collectives.
+
 Non-finite gradients: a rank sends NaN as P for such a layer (and does not fold that
 gradient into e), so the fault shows in the averaged P that every rank reads. Nothing here
 reads a tensor on the host: each bucket's averaged P gives a 0-d bool flag on the device,
@@ -42,7 +51,7 @@ import torch
 from ..comm.channel import Channel
 from ..codecs._common import either, finite_flag
 from ..levels import DENSE
-from .buckets import BUCKET_BYTES, FIRST_BUCKET_BYTES, Round1, lane
+from .buckets import BUCKET_BYTES, DEFERRED, FIRST_BUCKET_BYTES, Round1, lane
 
 
 class PowerSGDExchange:
@@ -60,18 +69,23 @@ class PowerSGDExchange:
     def __init__(self, codec, channel: Channel, *, first_cap: int = FIRST_BUCKET_BYTES, cap: int = BUCKET_BYTES,
                  before_last: Callable[[], None] | None = None, seconds: dict[str, float] | None = None) -> None:
         self.codec, self.channel = codec, channel
-        self.round1 = Round1(channel, "allreduce", "acc.P", first_cap=first_cap, cap=cap)
+        self.round1 = Round1(channel, "allreduce", "acc.P", first_cap=first_cap, cap=cap, encode=self._encode_bucket)
         self.q_lane = lane(channel, "q")
         self.before_last = before_last
         self.seconds = seconds if seconds is not None else {"compress": 0.0, "comm": 0.0}
         self._finished: list[Any] = []  # layers finished this step: e = M - M_hat once it is not skipped
+        self._finished_many: list[list[Any]] = []  # the same, a bucket's bucket-op layers at once
+        self._ok: torch.Tensor | None = None  # no rank's gradient was non-finite (0-d bool), for those
         self._settle: list[Any] = []    # DENSE layers finished this step: e = 0 once it is not skipped
         self._sent_whole: list[tuple[Any, torch.dtype]] = []  # DENSE16 layers and the dtype they went in
         self._begin()
 
     def _begin(self) -> None:
         self._layers: dict[str, tuple[Any, torch.Tensor]] = {}  # this step: name -> (state, grad)
-        self._q: list[tuple[int, list[str], Any]] = []          # Q rounds issued: (bucket, names, handle)
+        self._deferred: dict[str, tuple[Any, torch.Tensor, torch.Tensor]] = {}  # name -> (state, grad, finite)
+        self._many: set[str] = set()  # this step's layers that go through the bucket ops
+        self._q: list[tuple[int, list[str], list[str], Any]] = []  # Q rounds issued: (bucket, bucket-op
+                                                                    # layers, per-layer ones, handle)
         self._dense: dict[str, torch.Tensor] = {}               # DENSE layers' averaged M, once back
         self._next_q = 0        # the next bucket whose Q round is due, in layout order
         self._closed = False    # every P round issued
@@ -91,16 +105,32 @@ class PowerSGDExchange:
             if self.round1.complete:
                 self._close()
             return out
-        started = time.perf_counter()
-        p = self.codec.start(state, grad, finite)
-        self._layers[name] = (state, grad)
-        self.seconds["compress"] += time.perf_counter() - started
-        self.round1.ready(name, [p], grad)
+        if self.codec.encodes_many(state):  # encoded with the rest of its bucket (_encode_bucket)
+            self._deferred[name] = (state, grad, finite)
+            self.round1.ready(name, DEFERRED, grad)
+        else:
+            started = time.perf_counter()
+            p = self.codec.start(state, grad, finite)
+            self._layers[name] = (state, grad)
+            self.seconds["compress"] += time.perf_counter() - started
+            self.round1.ready(name, [p], grad)
         if self.round1.complete:  # the step's last layer: start everything that is left
             self._close()
         else:
             self._start_q_rounds(wait=False)
         return None
+
+    def _encode_bucket(self, names: list[str]) -> tuple[torch.Tensor, list[tuple[int, int]]]:
+        """Round 1's ``encode``: M and P of a complete bucket's deferred layers in one call;
+        returns the P payload and each layer's P shape (n, r)."""
+        started = time.perf_counter()
+        states, grads, finites = zip(*(self._deferred.pop(n) for n in names))
+        payload = self.codec.start_many(states, grads, torch.stack(finites))
+        for n, state, grad in zip(names, states, grads):
+            self._layers[n] = (state, grad)
+            self._many.add(n)
+        self.seconds["compress"] += time.perf_counter() - started
+        return payload, [(s.residual.shape[0], s.q.shape[1]) for s in states]
 
     def _close(self) -> None:
         if not self._closed:
@@ -120,18 +150,24 @@ class PowerSGDExchange:
             self.seconds["comm"] += time.perf_counter() - started
             self._next_q += 1
             if averages:  # a rank sent NaN: flagged here, masked in ``finish``
-                self.fault = either(self.fault, ~torch.stack([finite_flag(a[0]) for a in averages.values()]).all())
+                packed = self.round1.packed(index)  # one check for the whole bucket, when it was sent packed
+                ok = finite_flag(packed) if packed is not None else \
+                    torch.stack([finite_flag(a[0]) for a in averages.values()]).all()
+                self.fault = either(self.fault, ~ok)
             dense = [n for n in averages if self._layers[n][0].level == DENSE]
             for n in dense:  # M itself was averaged: that is the result, no Q round
                 self._dense[n] = averages[n][0]
-            names = [n for n in averages if n not in self._dense]
-            if not names:
+            many = [n for n in averages if n in self._many]
+            single = [n for n in averages if n not in self._dense and n not in self._many]
+            if not many and not single:
                 continue
-            p_avgs = [averages[n][0] for n in names]
             started = time.perf_counter()
-            qs = self.codec.middle([self._layers[n][0] for n in names], p_avgs)
+            qs = [self.codec.middle_many([self._layers[n][0] for n in many], [averages[n][0] for n in many])] \
+                if many else []
+            qs += self.codec.middle([self._layers[n][0] for n in single], [averages[n][0] for n in single])
             self.seconds["compress"] += time.perf_counter() - started
-            self._q.append((index, names, self.q_lane.allreduce_mean_async(qs, name=f"acc.Q.b{index}.{len(names)}")))
+            name = f"acc.Q.b{index}.{len(many) + len(single)}"
+            self._q.append((index, many, single, self.q_lane.allreduce_mean_async(qs, name=name)))
 
     def results(self) -> dict[str, torch.Tensor]:
         """Wait for the rest of the step's exchange; each layer's averaged gradient M_hat,
@@ -140,16 +176,25 @@ class PowerSGDExchange:
         self._close()
         ok = None if self.fault is None else ~self.fault
         out: dict[str, torch.Tensor] = {}
-        for index, names, handle in self._q:
+        self._ok = ok
+        for index, many, single, handle in self._q:
             started = time.perf_counter()
             try:
                 q_avgs = self.q_lane.wait(handle)
             except TimeoutError as exc:
+                names = many + single
                 raise type(exc)(f"{exc} (Q round of bucket {index}: {', '.join(names[:4])}"
                                    f"{' ...' if len(names) > 4 else ''})") from exc
             self.seconds["comm"] += time.perf_counter() - started
             started = time.perf_counter()
-            for n, q in zip(names, q_avgs):
+            if many:  # the first tensor of the round: the bucket ops' Q^T, layer after layer
+                states, grads = zip(*(self._layers[n] for n in many))
+                shapes = [tuple(s.q.t().shape) for s in states]
+                qts = [t.view(shape) for t, shape in zip(torch.split(q_avgs[0], [r * m for r, m in shapes]), shapes)]
+                out.update(zip(many, self.codec.finish_many(states, qts, grads, ok)))
+                self._finished_many.append(list(states))
+                q_avgs = q_avgs[1:]
+            for n, q in zip(single, q_avgs):
                 state, grad = self._layers[n]
                 out[n] = self.codec.finish(state, q, grad, ok)
                 self._finished.append(state)
@@ -160,6 +205,7 @@ class PowerSGDExchange:
             self._settle.append(state)
         self.round1.begin_step()
         self._layers, self._q, self._dense, self._next_q, self._closed = {}, [], {}, 0, False  # ``fault`` stays
+        self._deferred, self._many = {}, set()
         return out
 
     @torch.no_grad()
@@ -170,11 +216,15 @@ class PowerSGDExchange:
         done = ~skipped
         for state in self._finished:
             self.codec.settle(state, done)
+        if self._finished_many:  # the bucket ops' layers kept M where P was NaN: settle only if ok
+            flag = done if self._ok is None else done & self._ok
+            for states in self._finished_many:
+                self.codec.settle_many(states, flag)
         for state in self._settle:  # a DENSE layer's e held M until now
             self.codec.settle_dense(state, done)
         for state, dtype in self._sent_whole:
             self.codec.settle_sent(state, dtype, done)
-        self._finished, self._settle, self._sent_whole = [], [], []
+        self._finished, self._finished_many, self._settle, self._sent_whole, self._ok = [], [], [], [], None
         if self.round1.active:  # layers reported but no results taken (nothing to decompress)
             self.round1.results()
         self._begin()
@@ -182,5 +232,8 @@ class PowerSGDExchange:
     def abort(self) -> None:
         """Forget the step in flight (its collectives will never complete)."""
         self.round1.begin_step()
-        self._finished, self._settle, self._sent_whole = [], [], []
+        for states in self._finished_many:  # e keeps M, as a skipped step's; drop the factors
+            for state in states:
+                state.factors = None
+        self._finished, self._finished_many, self._settle, self._sent_whole, self._ok = [], [], [], [], None
         self._begin()

@@ -25,4 +25,12 @@ at::Tensor sparse_average_cpu(const at::Tensor& values, const at::Tensor& indice
 void orthogonalize_cpu(const std::vector<at::Tensor>& ps, double eps);
 at::Tensor error_update_cpu(const at::Tensor& residual, const at::Tensor& approx, at::ScalarType out_dtype);
 
+// PowerSGD for a whole bucket, one layer per call (cpu/powersgd_bucket.cpp): M = grad + e into
+// e and P = M Q (skipped, P NaN, when !add); Q^T = P^T M; out = P Q^T in out's dtype; e -= P Q^T.
+void powersgd_p_cpu(const at::Tensor& grad, const at::Tensor& residual, const at::Tensor& qt, const at::Tensor& p,
+                    bool add);
+void powersgd_qt_cpu(const at::Tensor& p, const at::Tensor& residual, at::Tensor& qt);
+void powersgd_finish_cpu(const at::Tensor& p, const at::Tensor& qt_avg, at::Tensor& out);
+void powersgd_settle_cpu(const at::Tensor& residual, const at::Tensor& p, const at::Tensor& qt);
+
 }  // namespace accordion

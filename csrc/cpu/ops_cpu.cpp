@@ -71,6 +71,51 @@ void restore_many_if_(at::TensorList residuals, const at::Tensor& payload, at::I
   }
 }
 
+// PowerSGD's phases for a bucket: one layer after the other (each layer's BLAS calls are
+// parallel already), writing the payloads the bucket's collectives send; flags read directly.
+at::Tensor powersgd_p_many(at::TensorList grads, at::TensorList residuals, at::TensorList qts,
+                           const std::optional<at::Tensor>& finite) {
+  const std::vector<int64_t> offsets = check_powersgd_p_many_args(grads, residuals, qts, finite);
+  at::Tensor payload = at::empty({offsets.back()}, residuals[0].options());
+  const at::Tensor flags = finite ? finite->contiguous() : at::Tensor();
+  for (size_t i = 0; i < residuals.size(); ++i) {
+    const at::Tensor p = payload.narrow(0, offsets[i], offsets[i + 1] - offsets[i]).view({residuals[i].size(0), -1});
+    powersgd_p_cpu(grads[i], residuals[i], qts[i], p, !finite || flags.const_data_ptr<bool>()[i]);
+  }
+  return payload;
+}
+
+at::Tensor powersgd_qt_many(at::TensorList ps, at::TensorList residuals) {
+  const std::vector<int64_t> offsets = check_powersgd_qt_many_args(ps, residuals);
+  at::Tensor payload = at::empty({offsets.back()}, residuals[0].options());
+  for (size_t i = 0; i < residuals.size(); ++i) {
+    at::Tensor qt = payload.narrow(0, offsets[i], offsets[i + 1] - offsets[i]).view({ps[i].size(1), -1});
+    powersgd_qt_cpu(ps[i], residuals[i], qt);
+  }
+  return payload;
+}
+
+void powersgd_finish_many_(at::TensorList residuals, at::TensorList outs, at::TensorList qts, at::TensorList ps,
+                           at::TensorList qts_avg, const std::optional<at::Tensor>& ok) {
+  check_powersgd_finish_many_args(residuals, outs, qts, ps, qts_avg, ok);
+  const bool good = !ok || ok->item<bool>();
+  for (size_t i = 0; i < residuals.size(); ++i) {
+    at::Tensor out = outs[i];
+    if (!good) {  // P and Q^T are NaN: M_hat is zero, the warm start is kept
+      out.zero_();
+      continue;
+    }
+    powersgd_finish_cpu(ps[i], qts_avg[i], out);
+    const_cast<at::Tensor&>(qts[i]).copy_(qts_avg[i]);
+  }
+}
+
+void powersgd_settle_many_(at::TensorList residuals, at::TensorList ps, at::TensorList qts, const at::Tensor& flag) {
+  check_powersgd_settle_many_args(residuals, ps, qts, flag);
+  if (residuals.empty() || !flag.item<bool>()) return;
+  for (size_t i = 0; i < residuals.size(); ++i) powersgd_settle_cpu(residuals[i], ps[i], qts[i]);
+}
+
 at::Tensor sparse_average(const at::Tensor& values, const at::Tensor& indices, int64_t numel, int64_t world_size,
                           at::ScalarType dtype, const std::optional<at::Tensor>& bad) {
   check_sparse_average_args(values, indices, numel, world_size, dtype);
@@ -112,6 +157,10 @@ TORCH_LIBRARY_IMPL(accordion, CPU, m) {
   m.impl("topk_ef_many", &topk_ef_many);
   m.impl("restore_many_if_", &restore_many_if_);
   m.impl("sparse_average", &sparse_average);
+  m.impl("powersgd_p_many", &powersgd_p_many);
+  m.impl("powersgd_qt_many", &powersgd_qt_many);
+  m.impl("powersgd_finish_many_", &powersgd_finish_many_);
+  m.impl("powersgd_settle_many_", &powersgd_settle_many_);
   m.impl("orthogonalize_", &orthogonalize_);
   m.impl("error_update_", &error_update_);
   m.impl("fill_if_", &fill_if_);

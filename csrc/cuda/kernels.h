@@ -87,6 +87,36 @@ struct MatrixRef {
 constexpr int kMaxMatricesPerLaunch = 200;
 cudaError_t orthogonalize(const MatrixRef* matrices, int count, DType dtype, double eps,
                           cudaStream_t stream);
+// PowerSGD for a whole bucket (powersgd_bucket.cu), one launch sequence per kLayersPerLaunch
+// layers. Each phase reads the fields it names; the others may be anything. Every matrix is
+// float32, contiguous, row-major; 1 <= r <= 16 (ops.h's kMaxBucketRank).
+//   powersgd_p:      grad (n*m entries of grad_dtype), residual (n x m), qt (r x m), finite
+//                    (a flag in device memory, or nullptr) -> residual = M = grad + e, p (n x r)
+//                    = M Q; where *finite is false: residual untouched, p NaN.
+//   powersgd_qt:     p, residual -> qt_out (r x m) = P^T M. workspace: powersgd_qt_workspace_bytes.
+//   powersgd_finish: p, qt_avg (r x m) -> out (n*m entries of out_dtype) = P Q^T, qt = qt_avg;
+//                    where *ok (device memory; nullptr: true) is false: out = 0, qt untouched.
+//   powersgd_settle: p, qt_avg (the Q^T to use), *flag (device memory) -> residual -= P Q^T
+//                    if *flag.
+constexpr int kLayersPerLaunch = 32;
+struct PowerSGDLayer {
+  const void* grad;
+  float* residual;
+  float* qt;
+  float* p;
+  const float* qt_avg;
+  float* qt_out;
+  void* out;
+  const bool* finite;
+  int64_t n, m, r;
+};
+cudaError_t powersgd_p(const PowerSGDLayer* layers, int count, DType grad_dtype, cudaStream_t stream);
+size_t powersgd_qt_workspace_bytes(const PowerSGDLayer* layers, int count);
+cudaError_t powersgd_qt(const PowerSGDLayer* layers, int count, float* workspace, cudaStream_t stream);
+cudaError_t powersgd_finish(const PowerSGDLayer* layers, int count, DType out_dtype, const bool* ok,
+                            cudaStream_t stream);
+cudaError_t powersgd_settle(const PowerSGDLayer* layers, int count, const bool* flag, cudaStream_t stream);
+
 // residual[i] -= approx[i] (float32) and out[i] = approx[i] in out_dtype, in one pass.
 cudaError_t error_update(float* residual, const float* approx, int64_t n, void* out,
                          DType out_dtype, cudaStream_t stream);

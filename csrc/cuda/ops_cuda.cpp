@@ -145,6 +145,97 @@ at::Tensor sparse_average(const at::Tensor& values, const at::Tensor& indices, i
   return direct ? out : out.to(dtype);
 }
 
+// PowerSGD for a bucket: a fixed launch sequence per phase and gradient dtype, whatever the
+// layer count; flags stay on the device. Layer i of a phase as the kernels take it.
+cuda::PowerSGDLayer psgd_layer(const at::Tensor& residual, int64_t r) {
+  cuda::PowerSGDLayer L{};
+  L.residual = residual.mutable_data_ptr<float>();
+  L.n = residual.size(0);
+  L.m = residual.size(1);
+  L.r = r;
+  return L;
+}
+
+at::Tensor powersgd_p_many(at::TensorList grads, at::TensorList residuals, at::TensorList qts,
+                           const std::optional<at::Tensor>& finite) {
+  const std::vector<int64_t> offsets = check_powersgd_p_many_args(grads, residuals, qts, finite);
+  const c10::cuda::CUDAGuard guard(residuals[0].device());
+  at::Tensor payload = at::empty({offsets.back()}, residuals[0].options());
+  const at::Tensor flags = finite ? finite->contiguous() : at::Tensor();
+  for (const at::ScalarType dtype : {at::kFloat, at::kHalf, at::kBFloat16}) {
+    std::vector<cuda::PowerSGDLayer> layers;
+    for (size_t i = 0; i < residuals.size(); ++i) {
+      if (grads[i].scalar_type() != dtype) continue;
+      cuda::PowerSGDLayer L = psgd_layer(residuals[i], qts[i].size(0));
+      L.grad = grads[i].const_data_ptr();  // contiguous (checked)
+      L.qt = const_cast<float*>(qts[i].const_data_ptr<float>());
+      L.p = payload.mutable_data_ptr<float>() + offsets[i];
+      L.finite = finite ? flags.const_data_ptr<bool>() + i : nullptr;
+      layers.push_back(L);
+    }
+    if (!layers.empty())
+      C10_CUDA_CHECK(cuda::powersgd_p(layers.data(), static_cast<int>(layers.size()), to_kernel_dtype(dtype),
+                                      current_stream()));
+  }
+  return payload;
+}
+
+at::Tensor powersgd_qt_many(at::TensorList ps, at::TensorList residuals) {
+  const std::vector<int64_t> offsets = check_powersgd_qt_many_args(ps, residuals);
+  const c10::cuda::CUDAGuard guard(residuals[0].device());
+  at::Tensor payload = at::empty({offsets.back()}, residuals[0].options());
+  std::vector<cuda::PowerSGDLayer> layers;
+  for (size_t i = 0; i < residuals.size(); ++i) {
+    cuda::PowerSGDLayer L = psgd_layer(residuals[i], ps[i].size(1));
+    L.p = const_cast<float*>(ps[i].const_data_ptr<float>());
+    L.qt_out = payload.mutable_data_ptr<float>() + offsets[i];
+    layers.push_back(L);
+  }
+  const size_t bytes = cuda::powersgd_qt_workspace_bytes(layers.data(), static_cast<int>(layers.size()));
+  // From the caching allocator: freed on return, it stays reserved for the stream's later work.
+  at::Tensor workspace = at::empty({static_cast<int64_t>(bytes / sizeof(float))}, residuals[0].options());
+  C10_CUDA_CHECK(cuda::powersgd_qt(layers.data(), static_cast<int>(layers.size()),
+                                   workspace.mutable_data_ptr<float>(), current_stream()));
+  return payload;
+}
+
+void powersgd_finish_many_(at::TensorList residuals, at::TensorList outs, at::TensorList qts, at::TensorList ps,
+                           at::TensorList qts_avg, const std::optional<at::Tensor>& ok) {
+  check_powersgd_finish_many_args(residuals, outs, qts, ps, qts_avg, ok);
+  if (residuals.empty()) return;
+  const c10::cuda::CUDAGuard guard(residuals[0].device());
+  for (const at::ScalarType dtype : {at::kFloat, at::kHalf, at::kBFloat16}) {
+    std::vector<cuda::PowerSGDLayer> layers;
+    for (size_t i = 0; i < residuals.size(); ++i) {
+      if (outs[i].scalar_type() != dtype) continue;
+      cuda::PowerSGDLayer L = psgd_layer(residuals[i], qts[i].size(0));
+      L.p = const_cast<float*>(ps[i].const_data_ptr<float>());
+      L.qt_avg = qts_avg[i].const_data_ptr<float>();
+      L.qt = const_cast<float*>(qts[i].const_data_ptr<float>());
+      L.out = outs[i].mutable_data_ptr();
+      layers.push_back(L);
+    }
+    if (!layers.empty())
+      C10_CUDA_CHECK(cuda::powersgd_finish(layers.data(), static_cast<int>(layers.size()), to_kernel_dtype(dtype),
+                                           ok ? ok->const_data_ptr<bool>() : nullptr, current_stream()));
+  }
+}
+
+void powersgd_settle_many_(at::TensorList residuals, at::TensorList ps, at::TensorList qts, const at::Tensor& flag) {
+  check_powersgd_settle_many_args(residuals, ps, qts, flag);
+  if (residuals.empty()) return;
+  const c10::cuda::CUDAGuard guard(residuals[0].device());
+  std::vector<cuda::PowerSGDLayer> layers;
+  for (size_t i = 0; i < residuals.size(); ++i) {
+    cuda::PowerSGDLayer L = psgd_layer(residuals[i], qts[i].size(0));
+    L.p = const_cast<float*>(ps[i].const_data_ptr<float>());
+    L.qt_avg = qts[i].const_data_ptr<float>();
+    layers.push_back(L);
+  }
+  C10_CUDA_CHECK(cuda::powersgd_settle(layers.data(), static_cast<int>(layers.size()), flag.const_data_ptr<bool>(),
+                                       current_stream()));
+}
+
 void orthogonalize_(at::TensorList ps, double eps) {
   const std::vector<at::Tensor> mats = orthogonalize_matrices(ps, eps);
   if (mats.empty()) return;
@@ -196,6 +287,10 @@ TORCH_LIBRARY_IMPL(accordion, CUDA, m) {
   m.impl("topk_ef_many", &topk_ef_many);
   m.impl("restore_many_if_", &restore_many_if_);
   m.impl("sparse_average", &sparse_average);
+  m.impl("powersgd_p_many", &powersgd_p_many);
+  m.impl("powersgd_qt_many", &powersgd_qt_many);
+  m.impl("powersgd_finish_many_", &powersgd_finish_many_);
+  m.impl("powersgd_settle_many_", &powersgd_settle_many_);
   m.impl("orthogonalize_", &orthogonalize_);
   m.impl("error_update_", &error_update_);
   m.impl("fill_if_", &fill_if_);
