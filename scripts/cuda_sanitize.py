@@ -5,8 +5,10 @@
 
 Paths covered: TopK with the candidate list and without it (a constant tensor), with ties
 cut at the threshold, k = 0, 1 and n, misaligned (scalar) and aligned (vector) inputs, every
-gradient dtype; the decode with overlapping ranks and a bad index; Gram-Schmidt with r <= 8
-and r > 8; the error update. Prints one line per case and checks each result against the
+gradient dtype; a bucket's TopK (more layers than one launch's table, a non-finite layer)
+and its restore; the decode with overlapping ranks and a bad index; Gram-Schmidt with r <= 8
+and r > 8; the error update; PowerSGD's four bucket phases (ranks 1-16, a non-finite layer,
+16-bit outputs, a settle flag of each value). Prints one line per case and checks each result against the
 CPU kernel, so a sanitizer report can be matched to a case.
 """
 
@@ -23,6 +25,35 @@ def topk_case(name, grad, residual, k):
     print(f"ok topk_ef {name} n={grad.numel()} k={k}", flush=True)
 
 
+def powersgd_bucket():
+    dims = [(1, 5, 1), (64, 27, 2), (300, 7, 3), (128, 1152, 16)] * 9  # 36 layers: two launches' tables
+    grads = [torch.randn(n * m, dtype=torch.float16) for n, m, _ in dims]
+    residuals = [torch.randn(n, m) for n, m, _ in dims]
+    qts = [torch.randn(r, m) for n, m, r in dims]
+    finite = torch.tensor([i != 5 for i in range(len(dims))])
+    res_gpu = [e.cuda() for e in residuals]
+    p = acc.ops.powersgd_p_many([g.cuda() for g in grads], res_gpu, [q.cuda() for q in qts], finite.cuda())
+    torch.testing.assert_close(p.cpu(), acc.ops.powersgd_p_many(grads, residuals, qts, finite), rtol=1e-4, atol=1e-3,
+                               equal_nan=True)
+    ps, offset = [], 0
+    for n, m, r in dims:
+        ps.append(p[offset:offset + n * r].view(n, r).nan_to_num())
+        offset += n * r
+    qt = acc.ops.powersgd_qt_many(ps, res_gpu)
+    qt_avgs, offset = [], 0
+    for n, m, r in dims:
+        qt_avgs.append(qt[offset:offset + r * m].view(r, m))
+        offset += r * m
+    outs = [torch.empty(n * m, device="cuda", dtype=torch.bfloat16) for n, m, _ in dims]
+    qts_gpu = [q.cuda() for q in qts]
+    for ok in (False, True):
+        acc.ops.powersgd_finish_many_(res_gpu, outs, qts_gpu, ps, qt_avgs, torch.tensor(ok, device="cuda"))
+    for flag in (False, True):
+        acc.ops.powersgd_settle_many_(res_gpu, ps, qts_gpu, torch.tensor(flag, device="cuda"))
+    torch.cuda.synchronize()
+    print("ok powersgd_p_many, _qt_many, _finish_many_, _settle_many_", flush=True)
+
+
 def main():
     assert acc.with_cuda and torch.cuda.is_available(), "needs a GPU and a build with CUDA kernels"
     torch.manual_seed(0)
@@ -34,6 +65,21 @@ def main():
     topk_case("misaligned", buf[1:], torch.zeros(5_000), 50)
     topk_case("constant (no candidate list)", torch.full((9_000,), 0.25), torch.zeros(9_000), 4_000)
     topk_case("ties at the threshold", torch.randint(-2, 3, (30_000,)).float(), torch.zeros(30_000), 7_000)
+
+    grads = [torch.randn(n) for n in (1, 7, 5_000, 20_011)] * 9  # 36 layers: two launches' tables
+    ks = [g.numel() // 10 for g in grads]
+    finite = torch.tensor([i != 2 for i in range(len(grads))])
+    res_cpu = [torch.randn_like(g) for g in grads]
+    res_gpu = [r.cuda() for r in res_cpu]
+    cpu = acc.ops.topk_ef_many(grads, res_cpu, ks, finite)
+    gpu = acc.ops.topk_ef_many([g.cuda() for g in grads], res_gpu, ks, finite.cuda())
+    acc.ops.restore_many_if_(res_gpu, gpu[0], ks, finite.cuda())
+    acc.ops.restore_many_if_(res_cpu, cpu[0], ks, finite)
+    torch.cuda.synchronize()
+    assert torch.equal(cpu[0], gpu[0].cpu()) and all(torch.equal(a, b.cpu()) for a, b in zip(res_cpu, res_gpu))
+    print("ok topk_ef_many, restore_many_if_", flush=True)
+
+    powersgd_bucket()
 
     values = torch.randn(3 * 500)
     indices = torch.cat([torch.randperm(2_000)[:500] for _ in range(3)]).to(torch.int32)

@@ -28,7 +28,8 @@ $py -c "import accordion_hvd as a; print('with_cuda', a.with_cuda)"
 
 step "tests"
 PYTHONUNBUFFERED=1 timeout 300 $py -m pytest -q -p no:cacheprovider ${PYTEST_K:+-k "$PYTEST_K"} tests/test_cuda_kernels.py \
-    tests/test_ef_add.py tests/test_topk_ef.py tests/test_powersgd_ops.py 2>&1 | tee "$out/tests.log" | tail -25
+    tests/test_ef_add.py tests/test_topk_ef.py tests/test_topk_ef_many.py tests/test_powersgd_ops.py \
+    tests/test_powersgd_many.py tests/test_no_host_sync.py 2>&1 | tee "$out/tests.log" | tail -25
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 
 if [ "${1:-}" = "--bench" ]; then
