@@ -15,6 +15,16 @@ rounds with its range, its time over the floor, and the per-round ratios of ours
 
 Writes the .md given by --out (default benchmarks/results/step-time.md), a .csv beside it with
 every run, and the per-run JSON under a folder of the same name.
+
+On a GPU machine (no emulated links: ``--local`` runs the workers as processes of this
+machine, ``--nodes`` of them, and ``--rates`` is ignored):
+
+    python benchmarks/step_time.py --local --device cuda --models resnet18,lstm --nodes 2 \
+        --methods floor,ddp-fp16,ddp-r1,ours-r1,ddp-r4,ours-r4,ours-accordion,ours-topk1 \
+        --out benchmarks/results/gpu/step-time.md
+
+Each worker takes GPU local rank mod the GPU count; with fewer GPUs than workers they share
+one, and DDP runs on Gloo instead of NCCL (NCCL needs a GPU per rank): say so with the figures.
 """
 
 from __future__ import annotations
@@ -50,10 +60,47 @@ PAIRS = [("ours-r1", "ddp-r1"), ("ours-r4", "ddp-r4"), ("ours-accordion", "ddp-r
 HOROVOD_DEFAULTS = {"HOROVOD_CYCLE_TIME": "1"}
 
 
+def gpus() -> str:
+    import torch
+    if not torch.cuda.is_available():
+        return "(not visible here: see each run's JSON, field device)"
+    return f"{torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}"
+
+
+class OneMachine:
+    """``--local``: the cluster's launchers as processes of this machine (localrun.py), no
+    emulated links; ``exec_everywhere`` tells copy k its index (ACCORDION_WORKER_INDEX), so
+    that each floor copy takes its GPU as a launched worker would."""
+
+    def __init__(self, workers: int) -> None:
+        import localrun
+        self.localrun, self.nodes, self.python = localrun, workers, sys.executable
+
+    def __enter__(self) -> "OneMachine":
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        pass
+
+    def horovodrun(self, args, *, timeout: float, env: dict | None = None):
+        return self.localrun.horovodrun(list(args), np=self.nodes, timeout=timeout, env=env)
+
+    def torchrun(self, args, *, timeout: float) -> dict:
+        return {0: self.localrun.torchrun(list(args), np=self.nodes, timeout=timeout)}
+
+    def exec_everywhere(self, argv_of, *, timeout: float) -> dict:
+        from concurrent.futures import ThreadPoolExecutor
+        with ThreadPoolExecutor(self.nodes) as pool:
+            runs = [pool.submit(self.localrun.launch, list(argv_of(k)), timeout, {"ACCORDION_WORKER_INDEX": str(k)})
+                    for k in range(self.nodes)]
+            return {k: r.result() for k, r in enumerate(runs)}
+
+
 def run(cluster, method: str, model: str, out: Path, timeout: float, env: dict | None = None,
-        steps: int = LAST + 2) -> dict:
+        steps: int = LAST + 2, device: str = "cpu") -> dict:
     out.unlink(missing_ok=True)  # a failed run must not leave an earlier run's result in its place
-    args = [str(WORKER), "--method", method, "--model", model, "--steps", str(steps), "--out", str(out)]
+    args = [str(WORKER), "--method", method, "--model", model, "--steps", str(steps), "--device", device,
+            "--out", str(out)]  # --out last: the floor's copies each get their own
     if env is None:
         env = {} if method.startswith("ours-") else HOROVOD_DEFAULTS
     if method in DDP:
@@ -65,14 +112,15 @@ def run(cluster, method: str, model: str, out: Path, timeout: float, env: dict |
         return read(out)
     result = cluster.horovodrun(args, timeout=timeout, env=env)
     if result.returncode != 0:
-        raise RuntimeError(why(result.stdout + result.stderr))
+        raise RuntimeError(why((result.stdout or "") + (result.stderr or "")))
     return read(out)
 
 
 def check(results: dict) -> None:
     bad = {k: r for k, r in results.items() if r.returncode != 0}
     if bad:
-        raise RuntimeError("\n".join(f"node{k + 1}: {why(r.stdout + r.stderr)}" for k, r in bad.items()))
+        raise RuntimeError("\n".join(f"node{k + 1}: {why((r.stdout or '') + (r.stderr or ''))}"
+                                     for k, r in bad.items()))
 
 
 def why(output: str) -> str:
@@ -133,6 +181,10 @@ def main() -> None:
     p.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "step-time.md")
     p.add_argument("--start-round", type=int, default=0,
                    help="rounds before this one are read from their JSON, not run (adding rounds to a run)")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where the workers train")
+    p.add_argument("--local", action="store_true",
+                   help="no emulated cluster: --nodes workers as processes of this machine (a GPU machine); "
+                        "--rates is ignored")
     p.add_argument("--report-only", action="store_true",
                    help="run nothing: rebuild the tables from the per-run JSON already under --out's folder "
                         "(after an interrupted run; a run without its JSON counts as failed)")
@@ -143,7 +195,14 @@ def main() -> None:
         p.error(f"unknown methods {unknown} (known: {', '.join(METHODS)})" if unknown else "--rounds must be >= 1")
     if args.steps < LAST + 2:
         p.error(f"--steps must be at least {LAST + 2}, got {args.steps}")
-    from cluster import Cluster  # needs root, ip and tc: refuses with one line otherwise
+    if args.device == "cuda" and not args.report_only:
+        import torch
+        if not torch.cuda.is_available():
+            p.error("--device cuda: no CUDA GPU on this machine")
+    if args.local:
+        args.rates = "local"
+    else:
+        from cluster import Cluster  # needs root, ip and tc: refuses with one line otherwise
 
     raw = args.out.with_suffix("")
     raw.mkdir(parents=True, exist_ok=True)
@@ -152,14 +211,16 @@ def main() -> None:
         for nodes in (int(n) for n in args.nodes.split(",")):
             for rate in args.rates.split(","):
                 step = {m: [] for m in methods}
-                with nullcontext() if args.report_only else Cluster(nodes, rate=rate, prefix="accstep-") as cluster:
+                machine = OneMachine(nodes) if args.local else None
+                with nullcontext() if args.report_only else machine or Cluster(nodes, rate=rate, prefix="accstep-") \
+                        as cluster:
                     for round_ in range(args.rounds):
                         for name in methods:
                             out = raw / f"{model}-{nodes}n-{rate}-r{round_}-{name}.json"
                             try:
                                 reuse = args.report_only or round_ < args.start_round
                                 result = read(out) if reuse else run(cluster, name, model, out, args.timeout,
-                                                                                steps=args.steps)
+                                                                     steps=args.steps, device=args.device)
                                 seconds, error = result["step_s"], ""
                             except Exception as exc:  # a timeout, a crash: record it, go on
                                 seconds, error = None, f"{type(exc).__name__}: {exc}"
@@ -175,11 +236,16 @@ def main() -> None:
         writer.writeheader()
         writer.writerows(rows)
     command = (f".venv/bin/python benchmarks/step_time.py --models {args.models} --nodes {args.nodes} "
-               f"--rates {args.rates} --rounds {args.rounds} --methods {args.methods} "
+               + ("--local " if args.local else f"--rates {args.rates} ")
+               + (f"--device {args.device} " if args.device != "cpu" else "")
+               + f"--rounds {args.rounds} --methods {args.methods} "
                + (f"--steps {args.steps} " if args.steps != LAST + 2 else "")
                + f"--out {os.path.relpath(args.out, REPO)}")
     header = ["# Time per step: ours against DDP and the compute floor", "",
-              f"Machine: {platform.node()}, {cpu_model()}, {os.cpu_count()} cores shared by all nodes (one worker "
+              f"Machine: {platform.node()}, {cpu_model()}, {os.cpu_count()} cores"
+              + (f", GPUs: {gpus()}" if args.device == "cuda" else "")
+              + (" (--local: the workers are processes of this machine, no emulated links)" if args.local else "")
+              + f" shared by all nodes (one worker "
               "per node, 1 thread each). Synthetic batches of 32 per worker, SGD with momentum; median of steps "
               f"4-{args.steps - 2} of each run (benchmarks/step_worker.py). {args.rounds} rounds; in each, every method ran "
               f"once, back to back. Command: `{command}`. Per-run JSON: `{os.path.relpath(raw, REPO)}/`.", "",

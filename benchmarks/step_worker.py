@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -95,6 +96,20 @@ def batches(shape, batch_size: int, count: int = 4):
             for _ in range(count)]
 
 
+def worker_device(kind: str) -> torch.device:
+    """This worker's device: the CPU, or (``cuda``) GPU local rank mod the GPU count (several
+    workers share a GPU when there are fewer GPUs than workers)."""
+    if kind == "cpu":
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise SystemExit("step_worker: --device cuda: no CUDA GPU on this machine")
+    local = int(os.environ.get("HOROVOD_LOCAL_RANK") or os.environ.get("LOCAL_RANK") or
+                os.environ.get("ACCORDION_WORKER_INDEX") or 0)
+    device = torch.device("cuda", local % torch.cuda.device_count())
+    torch.cuda.set_device(device)
+    return device
+
+
 class PlainTopK:
     """TopK with error feedback the obvious way: per layer, torch ops and one allgather pair."""
 
@@ -123,7 +138,7 @@ class PlainTopK:
                 p.grad.copy_(hvd.synchronize(h))
                 continue
             values, idx = hvd.synchronize(h[0]), hvd.synchronize(h[1])
-            dense = torch.zeros(p.numel(), dtype=p.dtype)
+            dense = torch.zeros(p.numel(), dtype=p.dtype, device=p.device)
             dense.index_add_(0, idx, values)
             p.grad.copy_(dense.view_as(p) / hvd.size())
 
@@ -154,8 +169,11 @@ def setup(method: str, model, lr: float):
         from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook as powersgd
         from torch.nn.parallel import DistributedDataParallel
         from ddp_train import gloo_options  # 8 Gloo threads: the hook blocks inside callbacks (why: there)
-        dist.init_process_group("gloo", pg_options=gloo_options())
-        ddp = DistributedDataParallel(model)  # default buckets
+        cuda = next(model.parameters()).is_cuda
+        # NCCL needs a GPU per rank; with fewer GPUs than ranks DDP runs on Gloo (CUDA tensors)
+        nccl = cuda and torch.cuda.device_count() >= int(os.environ.get("WORLD_SIZE", "1"))
+        dist.init_process_group("nccl" if nccl else "gloo", **({} if nccl else {"pg_options": gloo_options()}))
+        ddp = DistributedDataParallel(model, device_ids=[torch.cuda.current_device()] if cuda else None)  # default buckets
         if method == "ddp-fp16":
             ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
         elif method in ("ddp-r1", "ddp-r4"):
@@ -204,27 +222,36 @@ def main() -> None:
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--lr", type=float, default=0.01)
     p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                   help="cuda: model and batches on GPU local rank mod the GPU count; every phase boundary "
+                        "synchronizes the GPU, so the times are the device's")
     args = p.parse_args()
     torch.set_num_threads(1)
+    device = worker_device(args.device)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     model, shape = build_model(args.model)
-    net, opt, after_backward, rank, size, compression = setup(args.method, model, args.lr)
-    data = batches(shape, args.batch_size)
+    net, opt, after_backward, rank, size, compression = setup(args.method, model.to(device), args.lr)
+    data = [(x.to(device), y.to(device)) for x, y in batches(shape, args.batch_size)]
     walls, phases, ours_s, starts, levels, decisions = [], [], [], [], [], []
     before = dict(compression.seconds) if compression is not None else None
     start = time.perf_counter()
     for step in range(args.steps):
         x, y = data[step % len(data)]
+        sync()
         t0 = time.perf_counter()
         starts.append(t0)
         opt.zero_grad()
         loss = F.cross_entropy(net(x), y)
+        sync()
         t1 = time.perf_counter()
         loss.backward()
+        sync()
         t2 = time.perf_counter()
         in_backward = compression.seconds["comm"] - before["comm"] if compression is not None else 0.0
         if after_backward is not None:
             after_backward()
         opt.step()
+        sync()
         t3 = time.perf_counter()
         walls.append(t3 - t0)
         phases.append({"forward": t1 - t0, "backward": t2 - t1, "step": t3 - t2})
@@ -251,6 +278,7 @@ def main() -> None:
     if rank == 0:
         window = walls[FIRST:max(LAST, args.steps - 2)]  # the last steps wind down
         result = {"method": args.method, "model": args.model, "size": size, "batch_size": args.batch_size,
+                  "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
                   "step_s": statistics.median(window), "walls": walls, "phases": phases, "ours": ours_s,
                   "total_s": total, "loss": loss.item(), "ranks": ranks}
         if compression is not None:

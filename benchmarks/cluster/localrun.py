@@ -38,6 +38,11 @@ def torchrun(args: list[str], *, np: int = 2, timeout: float = 180,
     return _launch([str(BIN / "torchrun"), "--standalone", "--nproc_per_node", str(np), *args], timeout, env)
 
 
+def launch(cmd: list[str], timeout: float, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """Any command, with the same timeout and environment (one process of a local job)."""
+    return _launch(cmd, timeout, env)
+
+
 def _launch(cmd: list[str], timeout: float, env: dict[str, str] | None) -> subprocess.CompletedProcess:
     """Run a launcher in its own process group; on timeout kill the group and fail with the output."""
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
