@@ -284,3 +284,37 @@ def test_cuda_more_layers_than_one_launch_holds():
     q_cpu = ops.powersgd_qt_many(ps, residuals)
     q_gpu = ops.powersgd_qt_many([p.cuda() for p in ps], gpu_res)
     torch.testing.assert_close(q_gpu.cpu(), q_cpu, rtol=1e-4, atol=1e-3)
+
+
+def test_a_state_dict_is_a_copy_that_later_steps_leave_alone():
+    """``finish_many`` sets each layer's Q^T in place: a checkpoint (or Elastic's commit)
+    taken before a step must not change with it."""
+    shapes = {f"l{i}": ((32, 48), torch.float32) for i in range(3)}
+
+    def worker(rank, channel):
+        comp = acc.AccordionCompressor(acc.PowerSGD(rank=2), policy="static")
+        comp._channel = channel
+        saved = None
+        for step in range(3):
+            gen = torch.Generator().manual_seed(100 * step + rank)
+            sent = {n: comp.compress_named(n, torch.randn(s, generator=gen)) for n, (s, _) in shapes.items()}
+            for n in sorted(sent):
+                averaged = channel.wait(channel.allreduce_mean_async([sent[n][0]], f"hvd.{n}"))[0]
+                comp.decompress(averaged.clone(), sent[n][1])
+            if step == 1:
+                saved = comp.state_dict()
+                frozen = {k: v.clone() for k, v in _tensors(saved).items()}
+        return all(torch.equal(v, frozen[k]) for k, v in _tensors(saved).items())
+
+    assert all(SimulatedWorld(2).run(worker))
+
+
+def _tensors(tree, prefix=""):
+    """Every tensor in a nested state_dict, by its path."""
+    if isinstance(tree, torch.Tensor):
+        return {prefix: tree}
+    items = tree.items() if isinstance(tree, dict) else enumerate(tree) if isinstance(tree, (list, tuple)) else []
+    out = {}
+    for k, v in items:
+        out.update(_tensors(v, f"{prefix}/{k}"))
+    return out

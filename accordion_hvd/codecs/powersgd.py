@@ -180,7 +180,8 @@ class PowerSGD:
     def state_to_dict(self, state: PowerSGDState) -> dict:
         """A layer's state as plain values and tensors (copies), for checkpoints."""
         return {"shape": list(state.shape), "level": state.level.to_state(), "rank": state.rank,
-                "residual": state.residual.clone(), "qt": state.q.t().contiguous()}
+                "residual": state.residual.clone(),
+                "qt": state.q.t().clone(memory_format=torch.contiguous_format)}  # a copy: finish_many updates Q in place
 
     def state_from_dict(self, name: str, d: dict) -> PowerSGDState:
         shape = torch.Size(d["shape"])
