@@ -6,12 +6,12 @@ count, with the same results as the layer-by-layer path."""
 import pytest
 import torch
 from torch.library import opcheck
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import accordion_hvd as acc
 from accordion_hvd import ops, reference
 from accordion_hvd.codecs.powersgd import PowerSGD
 from accordion_hvd.comm.simulated import SimulatedWorld
+from dispatch_count import CountOps
 
 # ResNet-style matrices (n x m) and ranks, with a one-row layer, a short row and rank 16.
 SHAPES = [(64, 27, 1), (64, 576, 4), (128, 1152, 2), (10, 512, 16), (1, 40, 1), (300, 7, 3)]
@@ -153,17 +153,6 @@ def test_bad_input_of_the_later_phases():
 
 
 # --- the exchange: a fixed number of calls per bucket -------------------------------------------
-
-class CountOps(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.counts = {}
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        key = str(func.overloadpacket)
-        self.counts[key] = self.counts.get(key, 0) + 1
-        return func(*args, **(kwargs or {}))
-
 
 def run_steps(shapes, steps=3, codec=lambda: acc.PowerSGD(rank=2), count=False, per_layer=False, world=2):
     """Per rank, per step: the results (and, with ``count``, the ops dispatched) of a PowerSGD

@@ -6,11 +6,11 @@ count."""
 import pytest
 import torch
 from torch.library import opcheck
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import accordion_hvd as acc
 from accordion_hvd import reference
 from accordion_hvd.comm.simulated import SimulatedWorld
+from dispatch_count import CountOps
 
 NAN = float("nan")
 
@@ -130,17 +130,6 @@ def test_restore_rejects_an_index_outside_the_layer():
 
 
 # --- the exchange: one call per bucket ------------------------------------------------------
-
-class CountOps(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.counts = {}
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        key = str(func.overloadpacket)
-        self.counts[key] = self.counts.get(key, 0) + 1
-        return func(*args, **(kwargs or {}))
-
 
 def encode_calls(layers: int, steps: int = 3) -> list[dict]:
     """Per step: the accordion ops one rank's TopK compressor dispatches, 2 ranks, ``layers``
