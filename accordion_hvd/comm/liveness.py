@@ -10,10 +10,14 @@ counter twice a few periods apart: a rank whose counter did not move is not resp
 link is down or its process frozen); if rank 0's store itself does not answer, rank 0 is the
 one this rank cannot reach. A few seconds, paid only on the way out.
 
-The cost in a healthy run is one small store message per rank per second. The beating thread
-is stopped and joined at interpreter exit (``atexit``): a daemon thread still inside a store
-call when Python finalizes is ended by a forced unwind through C++ frames, which aborts the
-process ("terminate called without an active exception").
+The cost in a healthy run is one small store message per rank per second. Every thread that
+makes store calls (the beating threads, also of heartbeats closed when Horovod Elastic
+re-formed the world, and ``diagnose``'s readers) is stopped and joined at interpreter exit
+(``atexit``, at most ``STORE_TIMEOUT_S`` in all): a daemon thread still inside a store call
+when Python finalizes is ended by a forced unwind through C++ frames, which aborts the
+process ("terminate called without an active exception"). A call blocked on a link cut
+during the run returns with an error once rank 0's store closes at its exit; the join gives
+it that time.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ PERIOD_S = 1.0       # seconds between a rank's heartbeats
 STORE_TIMEOUT_S = 5  # how long one store message may take before the store counts as unreachable
 _current: "Heartbeat | None" = None  # the live channel's heartbeat, for waits outside the channel
 _running: "set[Heartbeat]" = set()  # every heartbeat not closed yet, for the exit
+_store_threads: "set[threading.Thread]" = set()  # every thread that may be inside a store call, for the exit
 
 
 class Heartbeat:
@@ -59,7 +64,7 @@ class Heartbeat:
         self._store_lost: str | None = None  # set once the store stopped answering: never read again
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._beat, name=f"accordion-heartbeat-{rank}", daemon=True)
-        self._thread.start()
+        _track(self._thread)
         _current = self
         _running.add(self)
 
@@ -93,7 +98,7 @@ class Heartbeat:
                 pass
 
         reader = threading.Thread(target=read, name="accordion-liveness-read", daemon=True)
-        reader.start()
+        _track(reader)
         reader.join(STORE_TIMEOUT_S)
         if not found:
             # The reader may still be blocked on the connection: never use it again.
@@ -119,10 +124,21 @@ class Heartbeat:
                 f"{2.5 * self.period:g} s (its link is down or its process frozen)")
 
 
+def _track(thread: threading.Thread) -> None:
+    """Start a thread that makes store calls, remembered for the exit (finished ones forgotten)."""
+    for done in [t for t in _store_threads if not t.is_alive()]:
+        _store_threads.discard(done)
+    _store_threads.add(thread)
+    thread.start()
+
+
 @atexit.register
 def _stop_at_exit() -> None:
     for heartbeat in list(_running):
-        heartbeat.close(wait=STORE_TIMEOUT_S)
+        heartbeat.close()
+    deadline = time.monotonic() + STORE_TIMEOUT_S
+    for thread in list(_store_threads):
+        thread.join(max(0.0, deadline - time.monotonic()))
 
 
 def diagnose() -> str:

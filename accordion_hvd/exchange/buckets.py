@@ -30,6 +30,7 @@ order (Gloo) and hooks fire in a different order on different ranks:
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -192,7 +193,7 @@ class Round1:
                 return
             if deferred:  # some layers encode one by one (float64, DENSE): slot the others in
                 made, shapes = self.encode(deferred)
-                parts = torch.split(made, [_numel(s) for s in shapes])
+                parts = torch.split(made, [math.prod(s) for s in shapes])
                 made_by_name = {n: [t.view(s)] for n, t, s in zip(deferred, parts, shapes)}
                 payloads = [made_by_name[n] if p is DEFERRED else p for n, p in zip(sending, payloads)]
             bucket.sizes = [len(p) for p in payloads]
@@ -254,7 +255,7 @@ class Round1:
         bucket.handle = None
         if bucket.shapes is not None:  # packed: each layer's P is a view of the averaged flat payload
             bucket.packed = result[0]
-            parts = torch.split(bucket.packed, [_numel(s) for s in bucket.shapes])
+            parts = torch.split(bucket.packed, [math.prod(s) for s in bucket.shapes])
             for n, t, shape in zip(bucket.sending, parts, bucket.shapes):
                 out[n] = [t.view(shape)]
         elif self.kind == "allreduce":
@@ -294,13 +295,6 @@ class Round1:
     def active(self) -> bool:
         """Whether this step has reported layers that ``results`` has not consumed yet."""
         return bool(self._order)
-
-
-def _numel(shape) -> int:
-    count = 1
-    for size in shape:
-        count *= int(size)
-    return count
 
 
 def arrived(channel: Channel, handle: Any) -> bool:
