@@ -173,7 +173,8 @@ class AccordionCompressor(HorovodCompressor):
                                  f"the layer's gradient accumulated over the window")
             self._probe = self.controller.probe = NetworkProbe(
                 codec, states=lambda: self._layers, buckets=lambda: [b.names for b in (self.round1.buckets or [])],
-                measure_link=self._window_link, dense_level=self.policy.dense_level)
+                measure_link=self._window_link, dense_level=self.policy.dense_level,
+                math_s=lambda: self.seconds["compress"])
         self._names = None if named_parameters is None else GradientNames(named_parameters)
         self.wait = check_wait(wait)
         self._met_horovod = False                    # compress() was called by Horovod: wait installed

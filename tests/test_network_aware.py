@@ -301,6 +301,81 @@ def test_a_layer_that_cannot_hide_never_goes_gentler_than_its_budget():
         == {"only": DENSE}  # 90% of a step of tolerance pays dense's 31 ms: the gentlest level
 
 
+def test_kernel_work_counts_each_rounds_math_and_the_finish():
+    shape = torch.Size([512, 512, 3, 3])  # a ResNet-18 layer: M is 512 x 4608
+    psgd = acc.PowerSGD(rank=1, critical_rank=4)
+    for level in (NORMAL, CRITICAL, DENSE, DENSE16):
+        assert len(psgd.kernel_work(shape, level)) == len(psgd.wire(shape, level)) + 1
+    r1, r4, dense, dense16 = (sum(psgd.kernel_work(shape, lv)) for lv in (NORMAL, CRITICAL, DENSE, DENSE16))
+    assert dense < dense16 < r1 < r4  # whole: one add and one settle; compressed: two products more
+    nm = 512 * 4608
+    assert psgd.kernel_work(shape, NORMAL)[0] == 3 * 4 * nm + nm  # grad + e into e (3 passes), P = M Q
+    topk = acc.TopK(ratio=0.01, critical_ratio=0.1)
+    for level in (NORMAL, CRITICAL, DENSE, DENSE16):
+        assert len(topk.kernel_work(shape, level)) == len(topk.wire(shape, level)) + 1
+    assert sum(topk.kernel_work(shape, DENSE)) < sum(topk.kernel_work(shape, NORMAL)) \
+        < sum(topk.kernel_work(shape, CRITICAL))
+
+
+def test_the_prediction_prices_each_levels_math():
+    """On a fast link a layer ready at the end of backward: sent whole it costs 7 ms on the wire
+    (planned) and little math; at 1% almost no wire but 50 ms of selection. Without the math
+    in the model the policy keeps Accordion's 1%; with it, the layer goes whole."""
+    fast = Link(alpha=10e-6, beta=8 / 10e9)
+    sizes = {"early": 1 << 10, "late": 1 << 20}
+    network = topk_network(fast, {"early": 0.0, "late": 0.5}, 0.5, sizes, (("early",), ("late",)))
+    kernels = {n: {NORMAL: (0.05, 0.01), CRITICAL: (0.05, 0.02), DENSE: (0.001, 0.001)} for n in sizes}
+    norms = {"early": 1.0, "late": 1.0}
+    chosen = {}
+    for name, report in (("wire only", network), ("with math", replace(network, kernel_s=kernels))):
+        policy = NetworkAware(verify=False)
+        window(policy, norms, None, None)
+        chosen[name] = window(policy, norms, errors_for(sizes), report)
+    assert chosen["wire only"]["late"] == NORMAL and chosen["with math"]["late"] == DENSE
+    bad = replace(network, kernel_s={**kernels, "late": {**kernels["late"], NORMAL: (math.nan, 0.0)}})
+    policy = NetworkAware(verify=False)
+    assert window(policy, norms, errors_for(sizes), bad) == {"early": CRITICAL, "late": CRITICAL}
+    assert "not finite" in policy.last["kept"]
+
+
+class _OneRank:
+    size = 1
+
+    def allreduce(self, values, name, op):
+        return list(values)
+
+
+def test_the_probe_leaves_the_math_out_of_ready_times_and_prices_every_level(monkeypatch):
+    import accordion_hvd.network_probe as probe_module
+    clock, math_clock = [0.0], [0.0]
+    monkeypatch.setattr(probe_module.time, "perf_counter", lambda: clock[0])
+    codec = acc.PowerSGD(rank=1, critical_rank=4)
+    states = {"a": codec.init_state("a", torch.zeros(64, 32)), "b": codec.init_state("b", torch.zeros(128, 64))}
+    probe = probe_module.NetworkProbe(codec, states=lambda: states, buckets=lambda: [("a", "b")],
+                                      measure_link=lambda: SLOW, math_s=lambda: math_clock[0])
+    for _ in range(3):  # per step: a ready, 0.1 s of math, 0.2 s of backward, b ready, 0.05 s of math
+        probe.mark("a")
+        clock[0] += 0.3
+        math_clock[0] += 0.1
+        probe.mark("b")
+        clock[0] += 0.05
+        math_clock[0] += 0.05
+        probe.end_step()
+    report = probe.network(_OneRank(), ["a", "b"])
+    assert report.ready_s == pytest.approx({"a": 0.0, "b": 0.2}) and report.backward_s == pytest.approx(0.2)
+    ran = sum(sum(codec.kernel_work(states[n].shape, states[n].level)) for n in states)
+    for n in states:  # the window's 0.15 s of math per step, spread over its levels' work
+        for level in probe.levels:
+            assert report.kernel_s[n][level] == pytest.approx(
+                tuple(w * 0.15 / ran for w in codec.kernel_work(states[n].shape, level)))
+    assert sum(sum(report.kernel_s[n][states[n].level]) for n in states) == pytest.approx(0.15)
+    blind = probe_module.NetworkProbe(codec, states=lambda: states, buckets=lambda: [("a", "b")],
+                                      measure_link=lambda: SLOW)
+    blind.mark("a")
+    blind.end_step()
+    assert blind.network(_OneRank(), ["a", "b"]).kernel_s == {}  # no math clock: no math priced
+
+
 @pytest.mark.parametrize("why,change", [
     ("no link", dict(link=None)),
     ("not finite", dict(backward_s=math.nan)),

@@ -117,6 +117,25 @@ class PowerSGD:
         r = self.level_rank(level, shape)
         return ("allreduce", itemsize * n * r), ("allreduce", itemsize * m * r)
 
+    def kernel_work(self, shape: torch.Size, level: Level, itemsize: int = 4) -> tuple[float, ...]:
+        """The math one layer of ``shape`` costs at ``level``, in work units (a byte of memory
+        read or written, or a multiply-add: on the CPUs measured both run at 25-30 G/s,
+        benchmarks/results/kernels-cpu-powersgd-bucket.md): the work before each of ``wire``'s
+        rounds can be issued, then the finishing work (result and error feedback). The
+        network-aware probe turns units into seconds at the rate it measures.
+
+        At rank r, n x m: M = grad + e and P = M Q (3 passes over M, nmr); orthogonalization
+        and Q^T = P^T M (1 pass, nmr); M_hat = P Q^T into the result (1 pass, nmr) and
+        e -= M_hat (3 passes). Sent whole: M = grad + e (3 passes; at DENSE16 its float16
+        copy, half a pass more), then the average into the result and e settled (3 passes)."""
+        n, m = self.matrix_shape(shape)
+        nm = n * m
+        if level in UNCOMPRESSED:
+            extra = 0.5 * nm * itemsize if level == DENSE16 else 0.0
+            return 3.0 * nm * itemsize + extra, 3.0 * nm * itemsize + extra
+        r = self.level_rank(level, shape)
+        return 3.0 * nm * itemsize + nm * r, nm * itemsize + nm * r + n * r * r, 4.0 * nm * itemsize + nm * r
+
     @torch.no_grad()
     def level_errors(self, state: PowerSGDState, grad: torch.Tensor, levels: tuple[Level, ...]) -> list[float]:
         """Squared error ``||M - M_hat||^2`` of compressing ``M = grad + e`` at each of ``levels``.

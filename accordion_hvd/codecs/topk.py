@@ -94,6 +94,22 @@ class TopK:
             return (("dense", min(itemsize, 2) * numel if level == DENSE16 else itemsize * numel),)
         return (("allgather", (itemsize + 4) * k),)
 
+    def kernel_work(self, shape: torch.Size, level: Level, itemsize: int = 4) -> tuple[float, ...]:
+        """The math one layer of ``shape`` costs at ``level``, in work units (bytes of memory
+        read or written; see PowerSGD.kernel_work): the work before its round can be issued,
+        then the finishing work. Selected: g = grad + e (3 passes), the top-k selection (its
+        two passes over |g|), the k values and indices written and zeroed in e; then the
+        gathered entries added into a zeroed result (1 pass plus the entries). Sent whole: g
+        (3 passes; DENSE16 half a pass more), then the average into the result (2 passes) and e
+        settled (1 pass)."""
+        numel = math.prod(shape)
+        k = self.level_k(level, numel)
+        if 2 * k >= numel:
+            extra = 0.5 * numel * itemsize if level == DENSE16 else 0.0
+            return 3.0 * numel * itemsize + extra, 3.0 * numel * itemsize + extra
+        entry = k * (2 * itemsize + 4)
+        return 5.0 * numel * itemsize + entry, numel * itemsize + entry
+
     @torch.no_grad()
     def level_errors(self, state: TopKState, grad: torch.Tensor, levels: tuple[Level, ...]) -> list[float]:
         """Squared error ``||g - C(g)||^2`` of compressing ``g = grad + e`` at each of ``levels``:

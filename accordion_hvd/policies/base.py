@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 from ..costmodel import Link
@@ -26,6 +26,10 @@ class NetworkReport:
         outside the buckets, by an allreduce issued when the layer is ready).
     step_s: the window's measured step, from one step's end to the next (the median over the
         window's steps, mean over ranks), or None when some rank measured none.
+    kernel_s: per layer and level, the seconds of the codec's math: before each of the
+        layer's rounds (one per ``wire`` entry), then to finish it (result and error
+        feedback). Empty when the window gave no rate: the prediction then has no math (and
+        ``ready_s`` and ``backward_s`` hold the math of the levels that ran).
     """
     link: Link | None
     world: int
@@ -34,6 +38,7 @@ class NetworkReport:
     buckets: tuple[tuple[str, ...], ...]
     wire: dict[str, dict[Level, tuple[tuple[str, int], ...]]]
     step_s: float | None = None
+    kernel_s: dict[str, dict[Level, tuple[float, ...]]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

@@ -58,8 +58,12 @@ measures again. Its cost against Accordion is at most the trial windows; without
 step (a rank timed none) it keeps Accordion's levels.
 
 ``tolerance``: a move of (a) may lengthen the predicted step by up to this fraction of the
-budget's predicted step (0: only moves that cost nothing). Codec kernel time per level is
-not in the prediction (it is measured in the backward timings at the current levels only).
+budget's predicted step (0: only moves that cost nothing).
+
+The prediction has each level's math as well as its transfers: the codec counts a level's
+work per layer (bytes and multiply-adds, ``codec.kernel_work``), and the probe prices it at
+the rate the window's own math ran (network_probe.py), so a level whose kernels cost more
+than its transfer saves (on a fast link, PowerSGD against sending a layer whole) is seen to.
 """
 
 from __future__ import annotations
@@ -273,23 +277,29 @@ class NetworkAware(Policy):
     @staticmethod
     def predict(levels: dict[str, Level], network: NetworkReport) -> float:
         """Predicted seconds from the step's first ready gradient to its end, with ``levels``
-        (the cost model's step: buckets issued when complete, one collective at a time; a
+        (the cost model's step: buckets issued when complete, one collective at a time, each
+        round after its layers' math on the main thread, each bucket finished by theirs; a
         layer sent dense is an allreduce of its own, issued when it is ready)."""
         buckets = []
         for names in network.buckets:
-            rounds: list[list] = []
+            rounds: list[list] = []  # [kind, bytes, math seconds before it]
+            finish = 0.0
             for n in names:
                 wire = network.wire[n][levels[n]]
+                kernel = network.kernel_s.get(n, {}).get(levels[n]) or (0.0,) * (len(wire) + 1)
                 if wire[0][0] == "dense":  # outside the buckets: its own allreduce when ready
-                    buckets.append(Bucket(network.ready_s[n], [Round("allreduce", wire[0][1])]))
+                    buckets.append(Bucket(network.ready_s[n], [Round("allreduce", wire[0][1], kernel[0])],
+                                          finish_s=kernel[-1]))
                     continue
                 for i, (kind, nbytes) in enumerate(wire):
                     if i == len(rounds):
-                        rounds.append([kind, 0])
+                        rounds.append([kind, 0, 0.0])
                     rounds[i][1] += nbytes
+                    rounds[i][2] += kernel[i]
+                finish += kernel[-1]
             if rounds:
                 ready = max(network.ready_s[n] for n in names)
-                buckets.append(Bucket(ready, [Round(kind, nbytes) for kind, nbytes in rounds]))
+                buckets.append(Bucket(ready, [Round(*r) for r in rounds], finish_s=finish))
         buckets.sort(key=lambda b: b.ready_s)
         backward = max([network.backward_s, *(b.ready_s for b in buckets)])
         return step_s(0.0, backward, buckets, network.link, network.world)
@@ -337,7 +347,8 @@ def _unusable(network: NetworkReport | None, budget: dict[str, Level]) -> str | 
     if missing:
         return f"no measurements for {', '.join(missing[:3])}"
     timings = [network.backward_s, *(network.ready_s[n] for n in budget)]
-    if not all(math.isfinite(t) and t >= 0 for t in timings):
+    timings += [t for n in budget for kernel in network.kernel_s.get(n, {}).values() for t in kernel]
+    if not all(isinstance(t, (int, float)) and math.isfinite(t) and t >= 0 for t in timings):
         return "a timing is negative or not finite"
     if not network.buckets:
         return "no exchange in this window"
