@@ -119,10 +119,10 @@ class PowerSGD:
 
     def kernel_work(self, shape: torch.Size, level: Level, itemsize: int = 4) -> tuple[float, ...]:
         """The math one layer of ``shape`` costs at ``level``, in work units (a byte of memory
-        read or written, or a multiply-add: on the CPUs measured both run at 25-30 G/s,
-        benchmarks/results/kernels-cpu-powersgd-bucket.md): the work before each of ``wire``'s
-        rounds can be issued, then the finishing work (result and error feedback). The
-        network-aware probe turns units into seconds at the rate it measures.
+        read or written, or a multiply-add, counted alike: the kernels are memory-bound on
+        the CPU, and one rate, which the network-aware probe measures, prices both): the work
+        before each of ``wire``'s rounds can be issued, then the finishing work (result and
+        error feedback).
 
         At rank r, n x m: M = grad + e and P = M Q (3 passes over M, nmr); orthogonalization
         and Q^T = P^T M (1 pass, nmr); M_hat = P Q^T into the result (1 pass, nmr) and

@@ -18,7 +18,9 @@ class NetworkReport:
         the window did not determine one.
     world: the number of ranks.
     backward_s: from the step's first compressed gradient to its last one (mean over the
-        window's steps and over ranks): the part of backward that can hide communication.
+        window's steps and over ranks): the part of backward that can hide communication;
+        like ``ready_s``, without the compression math done in it (the probe takes it out
+        when it has the compressor's math clock).
     ready_s: per compressed layer, when its gradient was ready, in seconds after the first.
     buckets: the exchange's agreed buckets of layers, in the order they are issued.
     wire: per layer and level, the collectives the layer costs, (kind, bytes per rank), in
@@ -28,8 +30,7 @@ class NetworkReport:
         window's steps, mean over ranks), or None when some rank measured none.
     kernel_s: per layer and level, the seconds of the codec's math: before each of the
         layer's rounds (one per ``wire`` entry), then to finish it (result and error
-        feedback). Empty when the window gave no rate: the prediction then has no math (and
-        ``ready_s`` and ``backward_s`` hold the math of the levels that ran).
+        feedback). Empty when the window gave no rate: the prediction then has no math.
     """
     link: Link | None
     world: int
