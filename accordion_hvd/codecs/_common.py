@@ -71,3 +71,10 @@ def rounding_error(g: torch.Tensor, dtype: torch.dtype) -> float:
     if g.numel() and float(g.abs().max()) > torch.finfo(dtype).max:
         return math.inf
     return float((g - g.to(dtype).to(g.dtype)).square().sum(dtype=torch.float64))
+
+
+def whole_layer_work(numel: int, level: Level, itemsize: int) -> tuple[float, float]:
+    """A layer sent whole, in ``kernel_work``'s units: g = grad + e (3 passes; at DENSE16 its
+    float16 copy, half a pass more), then the average into the result and e settled (3)."""
+    extra = 0.5 * numel * itemsize if level == DENSE16 else 0.0
+    return 3.0 * numel * itemsize + extra, 3.0 * numel * itemsize + extra

@@ -25,7 +25,7 @@ import torch
 
 from .. import ops, reference
 from ..levels import CRITICAL, DENSE, DENSE16, NORMAL, UNCOMPRESSED, Level, check_level, positive_number
-from ._common import residual_dtype, rounding_error, settle_sent, wire_dtype
+from ._common import residual_dtype, rounding_error, settle_sent, whole_layer_work, wire_dtype
 
 
 @dataclass
@@ -126,13 +126,11 @@ class PowerSGD:
 
         At rank r, n x m: M = grad + e and P = M Q (3 passes over M, nmr); orthogonalization
         and Q^T = P^T M (1 pass, nmr); M_hat = P Q^T into the result (1 pass, nmr) and
-        e -= M_hat (3 passes). Sent whole: M = grad + e (3 passes; at DENSE16 its float16
-        copy, half a pass more), then the average into the result and e settled (3 passes)."""
+        e -= M_hat (3 passes). Sent whole: ``_common.whole_layer_work``."""
         n, m = self.matrix_shape(shape)
         nm = n * m
         if level in UNCOMPRESSED:
-            extra = 0.5 * nm * itemsize if level == DENSE16 else 0.0
-            return 3.0 * nm * itemsize + extra, 3.0 * nm * itemsize + extra
+            return whole_layer_work(nm, level, itemsize)
         r = self.level_rank(level, shape)
         return 3.0 * nm * itemsize + nm * r, nm * itemsize + nm * r + n * r * r, 4.0 * nm * itemsize + nm * r
 

@@ -16,7 +16,7 @@ import torch
 
 from .. import ops, reference
 from ..levels import CRITICAL, DENSE, DENSE16, NORMAL, UNCOMPRESSED, Level, check_level, positive_number
-from ._common import residual_dtype, rounding_error, settle_sent, wire_dtype
+from ._common import residual_dtype, rounding_error, settle_sent, whole_layer_work, wire_dtype
 
 
 @dataclass
@@ -99,14 +99,12 @@ class TopK:
         read or written; see PowerSGD.kernel_work): the work before its round can be issued,
         then the finishing work. Selected: g = grad + e (3 passes), the top-k selection (its
         two passes over |g|), the k values and indices written and zeroed in e; then the
-        gathered entries added into a zeroed result (1 pass plus the entries). Sent whole: g
-        (3 passes; DENSE16 half a pass more), then the average into the result (2 passes) and e
-        settled (1 pass)."""
+        gathered entries added into a zeroed result (1 pass plus the entries). Sent whole:
+        ``_common.whole_layer_work``."""
         numel = math.prod(shape)
         k = self.level_k(level, numel)
         if 2 * k >= numel:
-            extra = 0.5 * numel * itemsize if level == DENSE16 else 0.0
-            return 3.0 * numel * itemsize + extra, 3.0 * numel * itemsize + extra
+            return whole_layer_work(numel, level, itemsize)
         entry = k * (2 * itemsize + 4)
         return 5.0 * numel * itemsize + entry, numel * itemsize + entry
 
