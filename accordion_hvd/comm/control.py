@@ -8,15 +8,24 @@ with a deadline, $ACCORDION_COLLECTIVE_TIMEOUT). Four implementations of one pro
 ``MPIControlPlane`` (mpi4py, apart from Horovod's traffic), ``HorovodControlPlane`` (for
 ``horovodrun --gloo``, where every process sees an MPI world of size 1, and a controller
 trusting MPI would let the ranks diverge silently), ``ProcessGroupControlPlane`` (a
-``torch.distributed`` Gloo group: the DDP front end) and ``SimulatedControlPlane`` (unit
-tests). ``control_plane()`` picks MPI or Horovod.
+``torch.distributed`` Gloo group: the DDP front end, and the compressor's own Gloo data
+plane under ``--gloo``) and ``SimulatedControlPlane`` (unit tests). ``control_plane()`` picks
+MPI where MPI's world is Horovod's, else the caller's ``fallback``, else Horovod.
+
+Why a fallback before Horovod's collectives: each of them waits for Horovod's background
+cycle and its negotiation, about 20 ms at the cycle this package sets (comm/horovod.py), where
+MPI's or a Gloo group's allreduce of a few floats takes 1-5 ms. A window's end issues up to
+five of them (the norms; the network-aware policy's ready times, link and level errors), and
+a per-step policy one every step: at 20 ms each that was a visible share of a step on
+ResNet-18 (benchmarks/results/network-aware-steps-v5.md: window ends 60-140 ms slower than
+Accordion's). The compressor's Gloo data plane has a group for them (comm/gloo.py).
 """
 
 from __future__ import annotations
 
 import hashlib
 import logging
-from typing import Protocol
+from typing import Callable, Protocol
 
 import numpy as np
 import torch
@@ -183,10 +192,15 @@ class ProcessGroupControlPlane(_Plane):
     each element on one rank and passes the result on, so every rank gets the same bits."""
     kind = "torch.distributed"
 
-    def __init__(self, group, rank: int, size: int, timeout: float | None = None) -> None:
+    def __init__(self, group, rank: int, size: int, timeout: float | None = None, *,
+                 failure: Callable[[str, RuntimeError], Exception] | None = None) -> None:
+        """``failure(name, error)``: the exception to raise for a collective that failed (the
+        Horovod data plane's: Horovod's error kind, so that Elastic recovers); default a
+        RuntimeError naming the collective."""
         import torch.distributed as dist
 
         self._group, self.rank, self.size = group, rank, size
+        self._failure = failure
         self.timeout = collective_timeout(timeout)
         self._ops = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
         self._options = dist.AllreduceOptions
@@ -201,6 +215,8 @@ class ProcessGroupControlPlane(_Plane):
             wait_for(work.is_completed, name, self.rank, self.size, self.timeout)
             work.wait()
         except RuntimeError as exc:
+            if self._failure is not None:
+                raise self._failure(name, exc) from None
             raise RuntimeError(f"control collective {name!r} failed on rank {self.rank}: {exc}") from None
         result = buffer.numpy()
         if not _tags_agree(result[:len(head)], op, self.size):
@@ -246,13 +262,17 @@ def _why_not_mpi(hvd, start_mpi: bool) -> str | None:
     return None
 
 
-def control_plane(kind: str = "auto", *, timeout: float | None = None) -> ControlPlane:
+def control_plane(kind: str = "auto", *, timeout: float | None = None,
+                  fallback: Callable[[], ControlPlane] | None = None) -> ControlPlane:
     """The control plane of this Horovod job; call it on every rank, after ``hvd.init()``.
 
-    kind: "auto" (MPI where MPI's world is Horovod's, as under ``horovodrun --mpi``; Horovod's
-    collectives otherwise, e.g. under ``--gloo``), "mpi" (ValueError if MPI's world is not
-    Horovod's) or "horovod". For tests, build ``SimulatedControlPlane(world, rank)`` directly.
+    kind: "auto" (MPI where MPI's world is Horovod's, as under ``horovodrun --mpi``; otherwise,
+    e.g. under ``--gloo``, ``fallback()`` if given, else Horovod's collectives), "mpi"
+    (ValueError if MPI's world is not Horovod's) or "horovod". For tests, build
+    ``SimulatedControlPlane(world, rank)`` directly.
     timeout: seconds per collective; default $ACCORDION_COLLECTIVE_TIMEOUT, else 300.
+    fallback: builds a plane over Horovod's ranks without MPI (the compressor's Gloo group:
+    comm/gloo.py), called on every rank alike; faster than Horovod's collectives (module doc).
     """
     global _announced
     if kind not in ("auto", "mpi", "horovod"):
@@ -274,8 +294,14 @@ def control_plane(kind: str = "auto", *, timeout: float | None = None) -> Contro
     use_mpi = horovod.allreduce([why_not is None], "choose", op="min")[0] == 1
     if not use_mpi and why_not is None:
         why_not = "MPI's world is not Horovod's on another rank"
+    if use_mpi:
+        chosen, what = MPIControlPlane(timeout), f"MPI (mpi4py), whose world is Horovod's (size {hvd.size()})"
+    elif fallback is not None:
+        chosen = fallback()
+        what = f"a Gloo group of Horovod's ranks ({chosen.kind}), because {why_not}"
+    else:
+        chosen, what = horovod, f"Horovod's collectives, because {why_not}"
     if not _announced:
         _announced = True
-        log.info("accordion_hvd control plane: %s", f"MPI (mpi4py), whose world is Horovod's (size {hvd.size()})"
-                 if use_mpi else f"Horovod's collectives, because {why_not}")
-    return MPIControlPlane(timeout) if use_mpi else horovod
+        log.info("accordion_hvd control plane: %s", what)
+    return chosen

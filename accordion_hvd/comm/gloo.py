@@ -26,6 +26,11 @@ rounds, which start when each bucket's P average is back, a matter of timing on 
 and the compressor one for the gradients it does not compress (biases, normalization
 layers), whose buckets fill at other times than the compressed layers' ones.
 
+One more group carries the regime controller's reductions where MPI cannot
+(``control_plane``: under ``horovodrun --gloo``; under ``--mpi`` they stay on MPI). It is
+not a lane: its collectives are not data-plane traffic and stay out of the link fit
+(comm/link.py), and it pairs its collectives by order on its own, between steps.
+
 Every wait has the channel's timeout (a ``TimeoutError`` naming the collective); the group's
 own timeout is the same, so a collective that a rank never issues fails on every rank. A
 failed or timed-out collective also says which rank stopped answering (comm/liveness.py:
@@ -90,11 +95,23 @@ class GlooChannel(ProcessGroupChannel):
 
         super().__init__(group("accordion"), rank, size, timeout,
                          lanes={name: group(f"accordion.{name}") for name in LANES})
+        self._control_group = group("accordion.control")
         self._store = store  # kept alive with the groups
         store_host, port = address.rsplit(":", 1)
         self._heartbeat = Heartbeat(store_host, int(port), rank, size, setup_timeout=timeout)
         log.info("rank %d: compressed gradients travel on a Gloo group of %d ranks (%s)", rank, size,
                  f"interface {iface}" if iface else f"host {host}")
+
+    def control_plane(self):
+        """The compressor's control plane (comm/control.py, ``control_plane``): MPI where MPI's
+        world is Horovod's, else this channel's control group, whose reductions take a
+        millisecond where Horovod's wait for its cycle. Failures are this channel's kind."""
+        from .control import ProcessGroupControlPlane, control_plane
+
+        def gloo():
+            return ProcessGroupControlPlane(self._control_group, self.rank, self.size, self.timeout,
+                                            failure=self._failure)
+        return control_plane("auto", timeout=self.timeout, fallback=gloo)
 
     def _failure(self, name: str, exc: RuntimeError) -> Exception:
         """A collective that timed out raises ``CollectiveTimeout`` (see channel.py), one that

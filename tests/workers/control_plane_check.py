@@ -3,6 +3,8 @@
 Checks, on every rank:
   - control_plane("auto") picks "mpi" under --mpi and "horovod" under --gloo; under --gloo,
     kind="mpi" starts MPI as a singleton, is refused with a ValueError, and Horovod still works;
+  - the compressor's data plane (GlooChannel.control_plane) picks MPI under --mpi and its own
+    Gloo group ("torch.distributed") under --gloo, and that group passes the checks below;
   - sum, max and min of rank-dependent vectors (order-sensitive float sums included) match the
     expected values, and every rank holds the same bits (a digest compared by a second reduction);
   - ranks issuing differently named collectives all raise (RuntimeError under MPI, the timeout
@@ -22,6 +24,7 @@ import numpy as np
 import torch
 
 from accordion_hvd.comm.control import HorovodControlPlane, control_plane
+from accordion_hvd.comm.gloo import GlooChannel
 from worker_util import checker, say
 
 backend = sys.argv[1]
@@ -64,8 +67,11 @@ def same_bits_everywhere(p, array, name):
     return p.allreduce([d, -d], name, op="max").tolist() == [d, -d]  # max == min == mine
 
 
+channel_plane = GlooChannel().control_plane()
+check(channel_plane.kind == {"mpi": "mpi", "gloo": "torch.distributed"}[backend],
+      f"the Gloo channel's control plane is {channel_plane.kind} under --{backend}")
 everyone = np.stack([vector(r) for r in range(size)])
-planes = [plane] + ([HorovodControlPlane()] if plane.kind == "mpi" else [])
+planes = [plane] + ([HorovodControlPlane()] if plane.kind == "mpi" else [channel_plane])
 for p in planes:
     mine = vector(rank)
     inputs = {"sum": mine, "max": torch.from_numpy(mine), "min": mine.tolist()}  # numpy, torch, list
