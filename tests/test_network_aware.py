@@ -419,6 +419,7 @@ def test_its_own_levels_only_after_accordions_were_measured_and_only_while_they_
         errors come on demand, as from the controller: ``measured`` lists the windows that
         asked for them."""
         levels, seen = {"early": CRITICAL, "late": CRITICAL}, []
+        policy.verdicts = []
 
         def measure(i):
             if measured is not None:
@@ -430,6 +431,7 @@ def test_its_own_levels_only_after_accordions_were_measured_and_only_while_they_
                                   measure_errors=functools.partial(measure, i))
             levels = {**levels, **policy.end_window(report)}
             seen.append(dict(levels))
+            policy.verdicts.append(policy.last.get("verified"))
         return seen
 
     asked = []
@@ -444,15 +446,54 @@ def test_its_own_levels_only_after_accordions_were_measured_and_only_while_they_
     assert "measured 1.1000 s per step" in caplog.text and "measured slower" in slower.last["verified"]
     unmeasured = run(NetworkAware(), lambda lv: None)  # no rank timed a step: Accordion's levels throughout
     assert unmeasured[1:] == [accordion] * 5
-    # a verdict expires: after `memory` windows Accordion's levels are measured again, then tried again
-    forgetful = run(NetworkAware(memory=1), lambda lv: 1.1 if lv == own else 1.0)
-    assert forgetful[1:] == [accordion, own, accordion, accordion, own]
+    # a verdict expires: after `memory` windows the search runs again (now with the host cost
+    # its trial taught it, so it chooses Accordion's levels by itself: no trial, no verdict)
+    forgetful = NetworkAware(memory=1)
+    assert run(forgetful, lambda lv: 1.1 if lv == own else 1.0)[1:] == [accordion, own, accordion, accordion, accordion]
+    assert forgetful.verdicts[4].startswith("measured slower") and forgetful.verdicts[5] is None
     # the state carries the measurements: a resumed policy decides as the uninterrupted one
     first, again = NetworkAware(), NetworkAware()
     run(first, lambda lv: 1.1 if lv == own else 1.0)
     again.load_state_dict(first.state_dict())
     assert again.state_dict() == first.state_dict()
     assert window(again, norms, errors, replace(network, step_s=1.0)) == accordion
+
+
+def test_a_trial_slower_than_predicted_teaches_the_host_cost_of_a_byte(caplog):
+    # The search's choice of the first test sends "early" whole for free by the link alone.
+    # Measured 0.1 s per step slower than Accordion's levels (as a transfer's CPU slows backward
+    # on shared cores), the trial sets the cost of a byte so that the model would have said so,
+    # and the next search no longer sends it whole; a trial measured faster lowers it again.
+    caplog.set_level(logging.INFO, "accordion_hvd.policies")
+    sizes = {"early": 1 << 16, "late": 1 << 22}
+    network = topk_network(SLOW, {"early": 0.0, "late": 0.5}, 0.5, sizes, (("early",), ("late",)))
+    norms, errors = {"early": 1.0, "late": 1.0}, errors_for(sizes)
+    accordion, own = {"early": NORMAL, "late": NORMAL}, {"early": DENSE, "late": NORMAL}
+    extra = sum(b for _, b in network.wire["early"][DENSE]) - sum(b for _, b in network.wire["early"][NORMAL])
+    policy = NetworkAware()
+    steps = {str(accordion): 1.0, str(own): 1.1}
+    levels = window(policy, norms, None, None)  # critical: nothing to compare yet
+    for _ in range(3):  # Accordion's levels measured, then its own tried, then judged
+        levels = window(policy, norms, errors, replace(network, step_s=steps.get(str(levels), 1.0)))
+    assert levels == accordion and "measured slower" in policy.last["verified"]
+    assert policy.state_dict()["host_s_per_byte"] == pytest.approx(0.1 / extra)
+    assert "for %d bytes more per step" % extra in caplog.text
+    assert policy.choose(accordion, errors, network) == accordion  # sending it whole is no longer free
+    assert NetworkAware().choose(accordion, errors, network) == own  # (without what it learned)
+    learned = policy.state_dict()["host_s_per_byte"]  # the model now says what the clock said
+    assert policy.predict(own, network, learned) - policy.predict(accordion, network, learned) == pytest.approx(0.1)
+
+    cheap = NetworkAware()  # a trial that measured 0.05 s faster than the model said: the cost never goes below 0
+    state = cheap.state_dict()
+    state["host_s_per_byte"] = 0.02 / extra
+    cheap.load_state_dict(state)
+    cheap._trial_model = [1.0, 1.0, 0, extra]
+    cheap._calibrate(-0.05)
+    assert cheap.state_dict()["host_s_per_byte"] == 0.0
+    for sent in ([extra, extra], [20 * extra, 21 * extra]):  # no more bytes than the budget, 5% more: too few
+        cheap._trial_model = [1.0, 1.0, *sent]
+        cheap._calibrate(0.3)
+        assert cheap.state_dict()["host_s_per_byte"] == 0.0
 
 
 def test_state_round_trip_and_bad_input():

@@ -64,6 +64,20 @@ The prediction has each level's math as well as its transfers: the codec counts 
 work per layer (bytes and multiply-adds, ``codec.kernel_work``), and the probe prices it at
 the rate the window's own math ran (network_probe.py), so a level whose kernels cost more
 than its transfer saves (on a fast link, PowerSGD against sending a layer whole) is seen to.
+
+What the link fit cannot see is the CPU a transfer takes from the computation beside it
+(TCP copies, and on the emulated cluster the other node's network stack on the same cores):
+a layer sent whole whose bytes hid on the link still lengthened backward there
+(benchmarks/results/network-aware-steps-v5.md: 0.1-0.15 s per step for 7 layers sent whole
+at 1 Gbit/s). The policy learns that cost from its own trials: each trial window's measured
+step against the budget's, less what the model predicted for the same two, is the model's
+error; divided by the bytes per step the trial put on the wire beyond the budget's, it
+corrects a host cost per byte (seconds of the main thread per byte issued, never below 0),
+which every later prediction charges before each round as it charges the round's math. A
+trial that measured faster than predicted lowers it again; one that sent less than 10% more
+bytes than the budget teaches nothing (its difference is the noise of a measured step). One number for the machine, kept
+in the state (``host_s_per_byte`` in ``last``): after one dense-heavy trial was measured
+slower, the next budget's search no longer counts such a transfer as free.
 """
 
 from __future__ import annotations
@@ -80,6 +94,7 @@ from .base import NetworkReport, Policy, WindowReport
 
 log = logging.getLogger("accordion_hvd.policies")
 _SLACK = 1e-9  # relative: float noise in sums of errors and in simulated times
+_MIN_EXTRA_BYTES = 0.1  # a trial teaches the host cost of a byte if it sent this fraction more than the budget
 _DENSE_LEVELS = {"fp32": DENSE, "fp16": DENSE16}
 
 
@@ -122,6 +137,8 @@ class NetworkAware(Policy):
         self._trials: dict[str, list] = {}                # budget's signature -> [first window, [step seconds]]
         self._vetoed: dict[str, int] = {}                 # budget's signature -> window of the verdict
         self._trial_of: str | None = None                 # the budget the current window's own levels are tried for
+        self._trial_model: list | None = None             # its prediction: [budget's step, own step, their bytes]
+        self._host = 0.0                                   # seconds of the main thread per byte issued (module doc)
         self._mixed = False                                # levels changed inside the window (a decay)
         self.last: dict = {}  # the last window's decision (its predictions on the planning link), for logs
 
@@ -145,7 +162,7 @@ class NetworkAware(Policy):
         budget = self.regimes.end_window(report)
         ran = {layer: self._levels.get(layer, CRITICAL) for layer in budget}
         self._record(ran, None if report.network is None else report.network.step_s)
-        self._trial_of = None
+        self._trial_of, self._trial_model = None, None
         self.last = {}
         why = _unusable(report.network, budget)
         if not why and self.verify:
@@ -163,6 +180,8 @@ class NetworkAware(Policy):
         if self.verify and chosen != budget:
             self.last["verified"] = "trying its own levels against Accordion's measured step"
             self._trial_of = _signature(budget)
+            self._trial_model = [self.last["accordion_s"], self.last["predicted_s"],
+                                 _wire_bytes(budget, report.network), _wire_bytes(chosen, report.network)]
         return self._decided(chosen, report)
 
     def _decided(self, levels: dict[str, Level], report: WindowReport) -> dict[str, Level]:
@@ -174,7 +193,7 @@ class NetworkAware(Policy):
         decided = self.regimes.lr_decreased(layers)
         self._levels.update(decided)
         self._mixed = True  # this window's step no longer measures one set of levels
-        self._trial_of = None
+        self._trial_of, self._trial_model = None, None
         return decided
 
     # --- the check against the clock (module doc) --------------------------------------------
@@ -196,10 +215,26 @@ class NetworkAware(Policy):
         _, steps = self._trials.setdefault(budget, [self._window, []])
         steps.append(step_s)
         base, mean = self._measured[budget][1], sum(steps) / len(steps)
+        self._calibrate(step_s - base)
         if mean > base:
             self._vetoed[budget] = self._window
             log.info("NetworkAware: its levels measured %.4f s per step over %d window(s), Accordion's %.4f s: "
                      "back to Accordion's levels for %d windows", mean, len(steps), base, self.memory)
+
+    def _calibrate(self, measured: float) -> None:
+        """Correct the host cost per byte by the trial's error: ``measured`` seconds per step
+        it took beyond the budget's window, against what the model predicted (module doc)."""
+        if self._trial_model is None:
+            return
+        predicted_budget, predicted_own, bytes_budget, bytes_own = self._trial_model
+        extra = bytes_own - bytes_budget
+        if extra <= _MIN_EXTRA_BYTES * bytes_budget or extra <= 0:
+            return  # too few bytes more to tell a cost per byte from the noise of a measured step
+        error = measured - (predicted_own - predicted_budget)
+        before, self._host = self._host, max(0.0, self._host + error / extra)
+        log.info("NetworkAware: its levels took %+.4f s per step against Accordion's, the model said %+.4f s, "
+                 "for %d bytes more per step: host cost per byte %.3g -> %.3g s", measured,
+                 predicted_own - predicted_budget, extra, before, self._host)
 
     def _settled(self, budget: dict[str, Level]) -> dict[str, Level] | None:
         """The budget's own levels when the clock has decided for them (measured slower, or not
@@ -227,7 +262,7 @@ class NetworkAware(Policy):
                  for n in layers}
         limit = sum(errors[n][budget[n]] for n in layers) * (1 + _SLACK)
         levels = dict(budget)
-        reference = self.predict(levels, network)
+        reference = self.predict(levels, network, self._host)
         ceiling = reference * (1 + self.tolerance) + _SLACK * reference
 
         def error(lv):
@@ -239,13 +274,13 @@ class NetworkAware(Policy):
                     if errors[n][candidate] >= errors[n][levels[n]]:
                         break
                     trial = {**levels, n: candidate}
-                    if self.predict(trial, network) <= ceiling:
+                    if self.predict(trial, network, self._host) <= ceiling:
                         levels[n] = candidate
                         break
 
         gentler()
         free = dict(levels)  # gentler where it costs nothing: kept unless the trades below gain enough
-        now = self.predict(levels, network)
+        now = self.predict(levels, network, self._host)
         while True:  # spend the saved error where it buys the most time
             best, best_rate = None, 0.0
             spare = limit - error(levels)
@@ -255,31 +290,33 @@ class NetworkAware(Policy):
                     if extra <= 0 or extra > spare:
                         continue
                     trial = {**levels, n: candidate}
-                    saved = now - self.predict(trial, network)
+                    saved = now - self.predict(trial, network, self._host)
                     if saved > _SLACK * now and saved / extra > best_rate:
                         best, best_rate = (n, candidate), saved / extra
             if best is None:
                 break
             levels[best[0]] = best[1]
-            now = self.predict(levels, network)
+            now = self.predict(levels, network, self._host)
         ceiling = min(ceiling, now * (1 + self.tolerance) + _SLACK * now)
         gentler()
-        chosen = self.predict(levels, network)
+        chosen = self.predict(levels, network, self._host)
         if chosen > reference * (1 - self.min_gain):  # a gain within the model's error: not worth a trade
-            levels, chosen = free, self.predict(free, network)
+            levels, chosen = free, self.predict(free, network, self._host)
         self.last = {"predicted_s": chosen, "accordion_s": reference, "error": error(levels), "budget": error(budget),
-                     "changed": sum(levels[n] != budget[n] for n in layers)}
+                     "changed": sum(levels[n] != budget[n] for n in layers), "host_s_per_byte": self._host}
         log.info("NetworkAware: predicted step %.4f s (Accordion's levels: %.4f s), error %.4g of a budget of %.4g, "
                  "%d of %d layers away from Accordion's level", chosen, reference, self.last["error"],
                  self.last["budget"], self.last["changed"], len(layers))
         return levels
 
     @staticmethod
-    def predict(levels: dict[str, Level], network: NetworkReport) -> float:
+    def predict(levels: dict[str, Level], network: NetworkReport, host_s_per_byte: float = 0.0) -> float:
         """Predicted seconds from the step's first ready gradient to its end, with ``levels``
         (the cost model's step: buckets issued when complete, one collective at a time, each
         round after its layers' math on the main thread, each bucket finished by theirs; a
-        layer sent dense is an allreduce of its own, issued when it is ready)."""
+        layer sent dense is an allreduce of its own, issued when it is ready).
+        ``host_s_per_byte``: main-thread seconds charged before each round per byte it sends."""
+        host = host_s_per_byte
         buckets = []
         for names in network.buckets:
             rounds: list[list] = []  # [kind, bytes, math seconds before it]
@@ -288,7 +325,8 @@ class NetworkAware(Policy):
                 wire = network.wire[n][levels[n]]
                 kernel = network.kernel_s.get(n, {}).get(levels[n]) or (0.0,) * (len(wire) + 1)
                 if wire[0][0] == "dense":  # outside the buckets: its own allreduce when ready
-                    buckets.append(Bucket(network.ready_s[n], [Round("allreduce", wire[0][1], kernel[0])],
+                    buckets.append(Bucket(network.ready_s[n], [Round("allreduce", wire[0][1],
+                                                                           kernel[0] + host * wire[0][1])],
                                           finish_s=kernel[-1]))
                     continue
                 for i, (kind, nbytes) in enumerate(wire):
@@ -299,7 +337,8 @@ class NetworkAware(Policy):
                 finish += kernel[-1]
             if rounds:
                 ready = max(network.ready_s[n] for n in names)
-                buckets.append(Bucket(ready, [Round(*r) for r in rounds], finish_s=finish))
+                buckets.append(Bucket(ready, [Round(kind, nbytes, math_s + host * nbytes)
+                                              for kind, nbytes, math_s in rounds], finish_s=finish))
         buckets.sort(key=lambda b: b.ready_s)
         backward = max([network.backward_s, *(b.ready_s for b in buckets)])
         return step_s(0.0, backward, buckets, network.link, network.world)
@@ -309,7 +348,8 @@ class NetworkAware(Policy):
         return {"regimes": self.regimes.state_dict(), "levels": {k: v.to_state() for k, v in self._levels.items()},
                 "window": self._window, "measured": {k: list(v) for k, v in self._measured.items()},
                 "trials": {k: [v[0], list(v[1])] for k, v in self._trials.items()}, "vetoed": dict(self._vetoed),
-                "trial_of": self._trial_of}
+                "trial_of": self._trial_of, "trial_model": None if self._trial_model is None else list(self._trial_model),
+                "host_s_per_byte": self._host}
 
     def load_state_dict(self, state: dict) -> None:
         self.regimes.load_state_dict(state["regimes"])
@@ -320,6 +360,9 @@ class NetworkAware(Policy):
         self._trials = {str(k): [int(v[0]), [float(x) for x in v[1]]] for k, v in state.get("trials", {}).items()}
         self._vetoed = {str(k): int(v) for k, v in state.get("vetoed", {}).items()}
         self._trial_of = state.get("trial_of")
+        model = state.get("trial_model")
+        self._trial_model = None if model is None else [float(x) for x in model]
+        self._host = float(state.get("host_s_per_byte", 0.0))
 
 
 def _signature(levels: dict[str, Level]) -> str:
@@ -329,6 +372,11 @@ def _signature(levels: dict[str, Level]) -> str:
 
 def _bytes(wire) -> int:
     return sum(nbytes for _, nbytes in wire)
+
+
+def _wire_bytes(levels: dict[str, Level], network: NetworkReport) -> int:
+    """Bytes one rank issues per step with ``levels``."""
+    return sum(_bytes(network.wire[n][levels[n]]) for n in levels)
 
 
 def _fraction(name: str, value) -> float:
