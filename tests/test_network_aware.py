@@ -459,6 +459,26 @@ def test_its_own_levels_only_after_accordions_were_measured_and_only_while_they_
     assert window(again, norms, errors, replace(network, step_s=1.0)) == accordion
 
 
+def test_a_search_that_keeps_accordions_levels_is_not_repeated_until_it_expires():
+    # Nothing can hide (the only layer is ready at the end of backward): the search keeps the
+    # budget's levels, and the windows after it skip the level errors' products until `memory`.
+    sizes = {"only": 1 << 16}
+    network = topk_network(SLOW, {"only": 0.2}, 0.2, sizes, (("only",),))
+    norms, errors = {"only": 1.0}, errors_for(sizes)
+    policy, asked, levels = NetworkAware(memory=3), [], []
+    for i in range(8):
+        report = WindowReport(norms, 10, network=replace(network, step_s=1.0) if i else None,
+                              measure_errors=lambda i=i: asked.append(i) or errors)
+        levels.append(policy.end_window(report)["only"])
+        if i == 3:
+            assert "its search kept Accordion's levels" in policy.last["verified"]
+    assert levels == [CRITICAL] + [NORMAL] * 7
+    assert asked == [2, 6]  # searched once Accordion's levels were measured, and again when that expired
+    again = NetworkAware(memory=3)
+    again.load_state_dict(policy.state_dict())
+    assert again.state_dict() == policy.state_dict() and again.state_dict()["kept"]
+
+
 def test_a_trial_slower_than_predicted_teaches_the_host_cost_of_a_byte(caplog):
     # The search's choice of the first test sends "early" whole for free by the link alone.
     # Measured 0.1 s per step slower than Accordion's levels (as a transfer's CPU slows backward
