@@ -314,7 +314,8 @@ class NetworkAware(Policy):
         if chosen > reference * (1 - self.min_gain):  # a gain within the model's error: not worth a trade
             levels, chosen = free, self.predict(free, network, self._host)
         self.last = {"predicted_s": chosen, "accordion_s": reference, "error": error(levels), "budget": error(budget),
-                     "changed": sum(levels[n] != budget[n] for n in layers), "host_s_per_byte": self._host}
+                     "changed": sum(levels[n] != budget[n] for n in layers), "host_s_per_byte": self._host,
+                     "moved": {n: str(levels[n]) for n in layers if levels[n] != budget[n]}}
         log.info("NetworkAware: predicted step %.4f s (Accordion's levels: %.4f s), error %.4g of a budget of %.4g, "
                  "%d of %d layers away from Accordion's level", chosen, reference, self.last["error"],
                  self.last["budget"], self.last["changed"], len(layers))
