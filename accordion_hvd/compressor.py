@@ -134,9 +134,11 @@ class AccordionCompressor(HorovodCompressor):
             gradients, Horovod's collectives for GPU ones; see ``channel``); tests pass a
             simulated one.
         control: the control plane for the controller's reductions (default: MPI when its
-            world is Horovod's, else Horovod; see accordion_hvd/comm/control.py).
+            world is Horovod's, else the data plane's own Gloo group, else Horovod; see
+            accordion_hvd/comm/control.py).
         bucket_cap_mb: megabytes of gradient per bucket of the first round (DDP's default,
-            25; the first bucket closes at 1 MB or this, whichever is smaller). A bucket's
+            25; the first bucket closes at 1 MB or this, whichever is smaller, and the last
+            layers up to that size form a bucket of their own: exchange/buckets.py). A bucket's
             collective starts as soon as all its layers are encoded (accordion_hvd/exchange/).
         named_parameters: the model's ``named_parameters()``, as given to
             ``hvd.DistributedOptimizer``: each gradient's name is then that of the parameter

@@ -32,6 +32,12 @@ def test_plan_buckets_cuts_like_ddp():
     nbytes = {"a": 600, "b": 600, "c": 300, "d": 900, "e": 100}
     assert plan_buckets(list(nbytes), nbytes, first_cap=500, cap=1000) == [("a",), ("b", "c", "d"), ("e",)]
     assert plan_buckets(["a"], {"a": 1}, first_cap=500, cap=1000) == [("a",)]
+    # the last bucket's last layers, up to first_cap bytes of them, go in a bucket of their own
+    nbytes = {"a": 600, "b": 800, "c": 300, "d": 200, "e": 100}
+    assert plan_buckets(list(nbytes), nbytes, first_cap=500, cap=2000) == [("a",), ("b", "c"), ("d", "e")]
+    nbytes["e"] = 501  # the very last layer alone is more than that: nothing to split off
+    assert plan_buckets(list(nbytes), nbytes, first_cap=500, cap=2000) == [("a",), ("b", "c", "d", "e")]
+    assert plan_buckets(["a", "b"], {"a": 10, "b": 10}, first_cap=500, cap=2000) == [("a", "b")]  # one small bucket
     assert plan_buckets([], {}) == []
 
 

@@ -14,7 +14,8 @@ order (Gloo) and hooks fire in a different order on different ranks:
 * at the end of the first step every rank allgathers its compressed layers (names, shapes)
   and the order in which they became ready; if the sets differ, **every rank** raises the
   same ``ValueError`` naming the layers that differ; otherwise rank 0's order is the order
-  of the buckets (cut like DDP's: the first at 1 MiB of gradient, the others at 25 MiB);
+  of the buckets (cut like DDP's: the first at 1 MiB of gradient, the others at 25 MiB, and
+  the last 1 MiB of layers in a bucket of their own: ``plan_buckets``);
 * a bucket is launched only when it is complete **and** every bucket before it has been
   launched, so every rank issues the same collectives in the same order whatever its hook
   order; a layer whose gradient comes late (Horovod fills in missing gradients in
@@ -45,7 +46,16 @@ BUCKET_BYTES = 25 << 20        # then 25 MiB of gradient per bucket
 def plan_buckets(order: list[str], nbytes: dict[str, int], first_cap: int = FIRST_BUCKET_BYTES,
                  cap: int = BUCKET_BYTES) -> list[tuple[str, ...]]:
     """Consecutive runs of ``order``, each closed once it holds ``cap`` bytes of gradient
-    (``first_cap`` for the first)."""
+    (``first_cap`` for the first), and the last layers, up to ``first_cap`` bytes of them, in
+    a bucket of their own.
+
+    Why a small last bucket too: what a step waits for after backward is the exchange of the
+    last bucket (PowerSGD: its P round, then its Q round; TopK: its allgather), and that
+    bucket's layers were ready over the last stretch of backward, which a 25 MiB bucket makes
+    long (ResNet-18: its layer2 and layer3, 14 layers and 0.2 MB of rank-4 Q, sent after
+    backward). Cut at its last ``first_cap`` bytes, the larger part goes out while the last
+    layers' gradients are still being computed (the early layers of a CNN: few bytes, much
+    compute), and what is left after backward is small: DDP's small first bucket, mirrored."""
     buckets, current, size = [], [], 0
     for name in order:
         current.append(name)
@@ -55,6 +65,13 @@ def plan_buckets(order: list[str], nbytes: dict[str, int], first_cap: int = FIRS
             current, size = [], 0
     if current:
         buckets.append(tuple(current))
+    if len(buckets) > 1:
+        last, tail, size = buckets[-1], 0, 0
+        while tail < len(last) and size + nbytes[last[-1 - tail]] <= first_cap:
+            size += nbytes[last[-1 - tail]]
+            tail += 1
+        if 0 < tail < len(last):
+            buckets[-1:] = [last[:-tail], last[-tail:]]
     return buckets
 
 
