@@ -405,14 +405,20 @@ def test_without_a_usable_report_every_layer_is_gentle_and_ranks_still_agree(why
     assert policy.regimes.state_dict() == regimes.state_dict()  # regime detection went on underneath
 
 
+def early_and_late():
+    """The first search test's setting, whose search sends "early" whole (free by the link)
+    and keeps "late" at 1%: its network, norms, errors, Accordion's levels and its own."""
+    sizes = {"early": 1 << 16, "late": 1 << 22}
+    network = topk_network(SLOW, {"early": 0.0, "late": 0.5}, 0.5, sizes, (("early",), ("late",)))
+    return (network, {"early": 1.0, "late": 1.0}, errors_for(sizes), {"early": NORMAL, "late": NORMAL},
+            {"early": DENSE, "late": NORMAL})
+
+
 def test_its_own_levels_only_after_accordions_were_measured_and_only_while_they_measure_no_slower(caplog):
     # The search's choice of the first test (early dense, late normal), under the check against
     # the clock: each window reports the step measured at the levels the policy gave it.
     caplog.set_level(logging.INFO, "accordion_hvd.policies")
-    sizes = {"early": 1 << 16, "late": 1 << 22}
-    network = topk_network(SLOW, {"early": 0.0, "late": 0.5}, 0.5, sizes, (("early",), ("late",)))
-    norms, errors = {"early": 1.0, "late": 1.0}, errors_for(sizes)
-    accordion, own = {"early": NORMAL, "late": NORMAL}, {"early": DENSE, "late": NORMAL}
+    network, norms, errors, accordion, own = early_and_late()
 
     def run(policy, step_of, measured=None):
         """Windows in which a step takes ``step_of(levels)`` seconds; the levels of each. The
@@ -485,10 +491,7 @@ def test_a_trial_slower_than_predicted_teaches_the_host_cost_of_a_byte(caplog):
     # on shared cores), the trial sets the cost of a byte so that the model would have said so,
     # and the next search no longer sends it whole; a trial measured faster lowers it again.
     caplog.set_level(logging.INFO, "accordion_hvd.policies")
-    sizes = {"early": 1 << 16, "late": 1 << 22}
-    network = topk_network(SLOW, {"early": 0.0, "late": 0.5}, 0.5, sizes, (("early",), ("late",)))
-    norms, errors = {"early": 1.0, "late": 1.0}, errors_for(sizes)
-    accordion, own = {"early": NORMAL, "late": NORMAL}, {"early": DENSE, "late": NORMAL}
+    network, norms, errors, accordion, own = early_and_late()
     extra = sum(b for _, b in network.wire["early"][DENSE]) - sum(b for _, b in network.wire["early"][NORMAL])
     policy = NetworkAware()
     steps = {str(accordion): 1.0, str(own): 1.1}
