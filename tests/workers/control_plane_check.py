@@ -67,7 +67,8 @@ def same_bits_everywhere(p, array, name):
     return p.allreduce([d, -d], name, op="max").tolist() == [d, -d]  # max == min == mine
 
 
-channel_plane = GlooChannel().control_plane()
+channel = GlooChannel()  # kept: its store and heartbeat live as long as the channel
+channel_plane = channel.control_plane()
 check(channel_plane.kind == {"mpi": "mpi", "gloo": "torch.distributed"}[backend],
       f"the Gloo channel's control plane is {channel_plane.kind} under --{backend}")
 everyone = np.stack([vector(r) for r in range(size)])
