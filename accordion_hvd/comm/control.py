@@ -14,7 +14,8 @@ MPI where MPI's world is Horovod's, else the caller's ``fallback``, else Horovod
 
 Why a fallback before Horovod's collectives: each of them waits for Horovod's background
 cycle and its negotiation, about 20 ms at the cycle this package sets (comm/horovod.py), where
-MPI's or a Gloo group's allreduce of a few floats takes 1-5 ms. A window's end issues up to
+MPI's or a Gloo group's allreduce of a few floats takes under 5 ms
+(benchmarks/results/control-latency.md). A window's end issues up to
 five of them (the norms; the network-aware policy's ready times, link and level errors), and
 a per-step policy one every step: at 20 ms each that was a visible share of a step on
 ResNet-18 (benchmarks/results/network-aware-steps-v5.md: window ends 60-140 ms slower than

@@ -237,7 +237,7 @@ class NetworkAware(Policy):
             return
         predicted_budget, predicted_own, bytes_budget, bytes_own = self._trial_model
         extra = bytes_own - bytes_budget
-        if extra <= _MIN_EXTRA_BYTES * bytes_budget or extra <= 0:
+        if extra <= _MIN_EXTRA_BYTES * bytes_budget:  # (bytes are never negative: covers extra <= 0)
             return  # too few bytes more to tell a cost per byte from the noise of a measured step
         error = measured - (predicted_own - predicted_budget)
         before, self._host = self._host, max(0.0, self._host + error / extra)
