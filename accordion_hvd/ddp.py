@@ -6,10 +6,16 @@
 
 The same compressor object as under Horovod, with the same codecs, exchange, policies,
 controller, non-finite skip, ``stats()`` and ``state_dict()``; only the front end differs.
-DDP calls the hook once per bucket of its own, in bucket order, as the bucket's gradients
-are ready; the hook hands each parameter's gradient (a view into DDP's bucket) to
-``compress_named`` under the parameter's name, so the codec's exchange starts its rounds
-during backward exactly as under Horovod. The layers the compressor does not compress (or
+Each gradient reaches the compressor as soon as autograd has accumulated it, from a hook on
+the parameter (``register_post_accumulate_grad_hook``), under the parameter's name, so the
+codec's exchange cuts its own buckets and starts their rounds during backward exactly as
+under Horovod. DDP's buckets are too coarse for that: with its defaults the last one holds
+the first 40% of ResNet-18's gradient and reaches the hook only when backward is over. DDP
+still calls the hook once per bucket of its own, in bucket order; a parameter that has not
+reached the compressor by then (one without a gradient this step, one not known at
+registration) is handed over there, from DDP's bucket. The early hooks act only after a
+forward of the DDP model that will synchronize gradients (not under ``no_sync``, not
+without grad mode), so DDP's comm hook always ends the step they start. The layers the compressor does not compress (or
 sends whole this step) go in one averaging collective per DDP bucket and dtype (a DENSE16
 layer's float16 apart, so that it is not promoted to float32). DDP waits for the hooks' futures only at the end of
 backward, so the last bucket's hook finishes the step: it waits for the exchange, runs
@@ -78,6 +84,7 @@ def register_ddp_hook(ddp_model, compressor: AccordionCompressor, *, optimizer=N
                     optimizer=optimizer)
     hook = DDPHook(compressor, channel, {p: n for n, p in ddp_model.module.named_parameters()})
     ddp_model.register_comm_hook(None, hook)
+    hook.attach(ddp_model)
     return hook
 
 
@@ -91,6 +98,31 @@ class DDPHook:
         self._names = {id(p): (weakref.ref(p), n) for p, n in names.items()}  # no reference kept to the model
         self._unknown_warned: set[tuple] = set()
         self._buckets: list = []  # this step: (future, buffer, entries, dense handles by dtype)
+        self._early: dict[int, tuple] = {}  # this step: id(param) -> compress_named's (out, ctx)
+        self._armed = False  # a forward that synchronizes ran: DDP will call the hook this backward
+        self._handles: list = []
+
+    def attach(self, ddp_model) -> None:
+        """Hand each gradient to the compressor as soon as it is accumulated (module doc)."""
+        def arm(module, args):
+            self._armed = torch.is_grad_enabled() and module.require_backward_grad_sync
+
+        self._handles.append(ddp_model.register_forward_pre_hook(arm))
+        for param in ddp_model.module.parameters():
+            if param.requires_grad:
+                self._handles.append(param.register_post_accumulate_grad_hook(self._accumulated))
+
+    def remove(self) -> None:
+        """Remove the early hooks (DDP's comm hook itself cannot be unregistered)."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+    def _accumulated(self, param: torch.Tensor) -> None:
+        ref, name = self._names.get(id(param), (None, None))
+        if not self._armed or ref is None or ref() is not param or id(param) in self._early:
+            return  # DDP's bucket brings it to the comm hook
+        self._early[id(param)] = self.compressor.compress_named(name, param.grad)
 
     def __call__(self, state, bucket):  # no annotations: DDP compares them to its own types
         future: torch.futures.Future = torch.futures.Future()
@@ -107,8 +139,11 @@ class DDPHook:
                 self._warn_unknown(bucket.index(), param)
                 entries.append((grad, None, average(grad)))
                 continue
-            out, ctx = self.compressor.compress_named(name, grad)
-            # a layer sent whole (float16 at DENSE16: its own collective, not promoted to float32)
+            if id(param) not in self._early:  # no accumulated gradient this step, or not armed
+                self._early[id(param)] = self.compressor.compress_named(name, grad)
+            out, ctx = self._early[id(param)]
+            # a layer sent whole (float16 at DENSE16: its own collective, not promoted to float32);
+            # the result of one handed over early is written into DDP's bucket in _finish_step
             entries.append((grad, ctx, average(out) if ctx[0] == "dense" else None))
         # every rank has the same dtypes here (levels agree): issued in the same order everywhere
         handles = {dtype: self.channel.allreduce_mean_async(
@@ -123,6 +158,7 @@ class DDPHook:
         """Every bucket is in: wait for the averages, decompress every layer (the last call
         ends the compressor's step), then write the results into DDP's buckets."""
         buckets, self._buckets = self._buckets, []
+        self._early, self._armed = {}, False
         results = []
         for future, buffer, entries, handles in buckets:
             averages = {dtype: self.channel.wait(handle) for dtype, handle in handles.items()}

@@ -110,3 +110,9 @@ def test_different_settings_fail_with_the_same_message_on_every_rank_under_ddp(m
 def test_a_process_group_of_other_ranks_is_refused_at_registration():
     out = run_ddp_worker("ddp_registration_check.py", np=2)
     assert out.count(": OK") == 2, out
+
+
+@pytest.mark.torchrun
+def test_gradients_reach_the_compressor_as_autograd_accumulates_them_with_the_same_result():
+    out = run_ddp_worker("ddp_early_check.py", np=2)
+    assert out.count(": OK early hand-over") == 2, out

@@ -1,0 +1,71 @@
+"""Worker run by tests/test_ddp_hook.py under torchrun: the DDP hook hands each gradient to
+the compressor as soon as autograd accumulates it (not when DDP's bucket is ready), and that
+changes nothing but the time: two copies of a model, one with the early hooks and one with
+them removed (every gradient then comes from DDP's bucket), stay bit for bit equal through
+steps that include gradients accumulated under ``no_sync`` and a forward without grad between
+the training forward and its backward (which leaves the step to DDP's buckets)."""
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+import accordion_hvd as acc
+from worker_util import checker, leave_torch_distributed, say
+
+dist.init_process_group("gloo")
+rank, size = dist.get_rank(), dist.get_world_size()
+check = checker(rank)
+
+
+def build():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 48), torch.nn.ReLU(),
+                                torch.nn.Linear(48, 4))
+    ddp = DistributedDataParallel(model)
+    compression = acc.AccordionCompressor(acc.PowerSGD(2), policy="static")
+    hook = acc.register_ddp_hook(ddp, compression)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    handed = []  # (name, whether the compressor got the accumulated param.grad itself)
+    grads = {name: p for name, p in model.named_parameters()}
+    original = compression.compress_named
+
+    def spy(name, tensor):
+        handed.append((name, grads[name].grad is not None and tensor.data_ptr() == grads[name].grad.data_ptr()))
+        return original(name, tensor)
+
+    compression.compress_named = spy
+    return model, ddp, hook, opt, handed
+
+
+early, late = build(), build()
+late[2].remove()
+names = [n for n, _ in early[0].named_parameters()]
+for step in range(5):
+    x = torch.randn(16, 32, generator=torch.Generator().manual_seed(100 * step + rank))
+    for model, ddp, hook, opt, handed in (early, late):
+        del handed[:]
+        if step == 1:  # gradients accumulated locally first: nothing reaches the compressor
+            with ddp.no_sync():
+                ddp(x * 0.5).square().sum().backward()
+            check(not handed, f"step {step}: layers reached the compressor under no_sync: {handed}")
+        loss = ddp(x).square().sum()
+        if step == 3:  # a forward without grad in between: DDP still synchronizes this backward
+            with torch.no_grad():
+                ddp(x)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    got = sorted(n for n, _ in early[4])
+    check(got == sorted(names), f"step {step}: the compressor got {got}, expected every layer once")
+    wanted = step != 3  # early unless a forward without grad disarmed the hooks
+    check(all(from_param == wanted for _, from_param in early[4]),
+          f"step {step}: handed over from param.grad: {early[4]}, expected {wanted} for every layer")
+    check(not any(from_param for _, from_param in late[4]), f"step {step}: the copy without early hooks: {late[4]}")
+    for (name, a), b in zip(early[0].named_parameters(), late[0].parameters()):
+        check(torch.equal(a, b), f"step {step}: {name} differs between early and late hand-over "
+                                 f"(max {(a - b).abs().max().item():.3g})")
+everyone = [None] * size
+dist.all_gather_object(everyone, [p.sum().item() for p in early[0].parameters()])
+check(all(e == everyone[0] for e in everyone), f"ranks hold different parameters: {everyone}")
+say(f"rank {rank}: OK early hand-over ({len(names)} layers, 5 steps)")
+leave_torch_distributed(dist)
