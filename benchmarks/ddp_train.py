@@ -91,6 +91,31 @@ def gloo_options():
     return options
 
 
+def group_per_bucket(hook, model, bucket_cap_mb: float = 25.0):
+    """``hook`` (PyTorch's ``powerSGD_hook``) with each DDP bucket's collectives on a Gloo
+    group of their own: the fix of the race in ``gloo_options``'s docstring.
+
+    Within one bucket the hook issues its collectives one after the other (the uncompressed
+    tensors, then P, then Q, each from the callback of the one before), so every rank issues
+    them in the same order; only two buckets' chains interleave differently on different ranks.
+    On a group per bucket they cannot: Gloo pairs each group's collectives by their order in
+    that group. The hook's math, its state (one ``PowerSGDState``, keyed by bucket index as
+    before) and DDP's default buckets are PyTorch's; only the group a bucket talks in differs.
+    Every rank makes the groups here, before training, in the same order (a collective)."""
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    # DDP closes a bucket once it holds its cap (1 MiB for the first): at most this many
+    count = 2 + math.ceil(total / (bucket_cap_mb * 2**20))
+    groups = [dist.new_group(backend="gloo", pg_options=gloo_options()) for _ in range(count)]
+
+    def hook_in_bucket_group(state, bucket):
+        if bucket.index() >= count:
+            raise RuntimeError(f"DDP made bucket {bucket.index()}, but group_per_bucket made {count} groups")
+        state.process_group = groups[bucket.index()]
+        return hook(state, bucket)
+
+    return hook_in_bucket_group
+
+
 def loss_of(logits: torch.Tensor, y: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
     """Cross-entropy of class logits (N, C) or next-token logits (N, T, V), as our CLI."""
     return F.cross_entropy(logits.flatten(0, -2), y.flatten(), reduction=reduction)

@@ -52,7 +52,11 @@ DEFAULT_METHODS = ("floor", "hvd-fp16", "ddp-fp16", "ddp-r1", "ours-r1", "ddp-r4
 # (ours, the peer it is held against): Accordion against DDP at its gentle rank.
 PAIRS = [("ours-r1", "ddp-r1"), ("ours-r4", "ddp-r4"), ("ours-accordion", "ddp-r4"), ("ours-topk1", "plain-topk1"),
          ("hvd-fp16", "ddp-fp16"), ("ddp-ours-r1", "ddp-r1"), ("ddp-ours-r4", "ddp-r4"),
-         ("ddp-ours-accordion", "ddp-r4")]
+         ("ddp-ours-accordion", "ddp-r4"),
+         # the same, against DDP's hook on a Gloo group per bucket (step_worker: ddp-pg-*)
+         ("ours-r1", "ddp-pg-r1"), ("ours-r4", "ddp-pg-r4"), ("ours-accordion", "ddp-pg-r4"),
+         ("ddp-ours-r1", "ddp-pg-r1"), ("ddp-ours-r4", "ddp-pg-r4"), ("ddp-ours-accordion", "ddp-pg-r4"),
+         ("ddp-pg-r1", "ddp-r1"), ("ddp-pg-r4", "ddp-r4")]
 
 
 # Horovod's own methods run at Horovod's default cycle (1 ms): importing accordion_hvd would

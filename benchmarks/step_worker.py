@@ -25,6 +25,9 @@ Only the communication differs between methods:
   (and 8 Gloo threads, without which its PowerSGD hook can deadlock: ddp_train.gloo_options),
   plain, with ``fp16_compress_hook``, or with ``powerSGD_hook`` (rank 1 / 4,
   ``start_powerSGD_iter=2``, error feedback and warm start, as its docs recommend);
+* ``ddp-pg-r1``, ``ddp-pg-r4``: the same hook with each DDP bucket's collectives on a Gloo
+  group of their own (``ddp_train.group_per_bucket``), the fix of the race through which the
+  hook aborts with several buckets (most 4-node runs of ``ddp-r1``, ``ddp-r4``);
 * ``ddp-ours-r1``, ``ddp-ours-r4``, ``ddp-ours-accordion``: the same DDP with our compressor
   as its comm hook (``acc.register_ddp_hook``), configured as ``ours-*``.
 
@@ -54,7 +57,7 @@ from accordion_hvd.cli import models  # noqa: E402
 
 HVD = ("hvd-idle", "hvd-fp32", "hvd-fp16", "ours-r1", "ours-r4", "ours-accordion", "ours-network-aware",
        "ours-network-aware-fp16", "ours-topk1", "ours-topk10", "plain-topk1")
-DDP = ("ddp-fp32", "ddp-fp16", "ddp-r1", "ddp-r4", "ddp-ours-r1", "ddp-ours-r4", "ddp-ours-accordion")
+DDP = ("ddp-fp32", "ddp-fp16", "ddp-r1", "ddp-r4", "ddp-pg-r1", "ddp-pg-r4", "ddp-ours-r1", "ddp-ours-r4", "ddp-ours-accordion")
 METHODS = ("floor", *HVD, *DDP)
 FIRST, LAST = 3, 12  # the median is over steps FIRST+1..LAST (the first steps warm up), or to --steps - 2
 
@@ -168,7 +171,7 @@ def setup(method: str, model, lr: float):
         import torch.distributed as dist
         from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook as powersgd
         from torch.nn.parallel import DistributedDataParallel
-        from ddp_train import gloo_options  # 8 Gloo threads: the hook blocks inside callbacks (why: there)
+        from ddp_train import gloo_options, group_per_bucket  # 8 Gloo threads: the hook blocks inside callbacks
         cuda = next(model.parameters()).is_cuda
         # NCCL needs a GPU per rank; with fewer GPUs than ranks DDP runs on Gloo (CUDA tensors)
         nccl = cuda and torch.cuda.device_count() >= int(os.environ.get("WORLD_SIZE", "1"))
@@ -176,11 +179,12 @@ def setup(method: str, model, lr: float):
         ddp = DistributedDataParallel(model, device_ids=[torch.cuda.current_device()] if cuda else None)  # default buckets
         if method == "ddp-fp16":
             ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
-        elif method in ("ddp-r1", "ddp-r4"):
+        elif method in ("ddp-r1", "ddp-r4", "ddp-pg-r1", "ddp-pg-r4"):
             state = powersgd.PowerSGDState(process_group=None, matrix_approximation_rank=int(method[-1]),
                                            start_powerSGD_iter=2, min_compression_rate=2,
                                            use_error_feedback=True, warm_start=True, random_seed=0)
-            ddp.register_comm_hook(state, powersgd.powerSGD_hook)
+            hook = powersgd.powerSGD_hook
+            ddp.register_comm_hook(state, group_per_bucket(hook, model) if "-pg-" in method else hook)
         elif method.startswith("ddp-ours-"):
             import accordion_hvd as acc
             compression = our_compressor(method[len("ddp-ours-"):])
