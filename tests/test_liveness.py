@@ -79,3 +79,25 @@ def test_the_timeout_error_carries_the_diagnosis_and_is_horovods_kind():
         rank0.close()
         rank1.close()
     assert liveness.diagnose() == ""  # no live heartbeat: nothing to add
+
+
+def test_closing_the_live_heartbeat_makes_the_one_before_it_live_again():
+    """A channel built after another (a check, a re-formed world) and then closed or dropped
+    leaves the earlier one's heartbeat as the one waits outside a channel diagnose with
+    (GlooChannel closes its heartbeat when it is collected)."""
+    first_master, second_master = store(), store()
+    first = pair(first_master)
+    second = pair(second_master)
+    try:  # (a pair's two heartbeats are made on two threads: either may be the newer)
+        assert liveness._current in second
+        for heartbeat in second:
+            heartbeat.close()
+        live = liveness._current
+        assert live in first
+        live.close()
+        assert liveness._current in first and liveness._current is not live
+        liveness._current.close()
+        assert liveness._current is None
+    finally:
+        for heartbeat in (*first, *second):
+            heartbeat.close()

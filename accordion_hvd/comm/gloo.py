@@ -45,6 +45,7 @@ import logging
 import os
 import socket
 import struct
+import weakref
 
 import torch.distributed as dist
 
@@ -99,6 +100,9 @@ class GlooChannel(ProcessGroupChannel):
         self._store = store  # kept alive with the groups
         store_host, port = address.rsplit(":", 1)
         self._heartbeat = Heartbeat(store_host, int(port), rank, size, setup_timeout=timeout)
+        # A channel dropped without close() must not leave its heartbeat the live one: a later
+        # diagnosis would read counters nobody updates and blame the ranks of a live channel.
+        weakref.finalize(self, self._heartbeat.close)
         log.info("rank %d: compressed gradients travel on a Gloo group of %d ranks (%s)", rank, size,
                  f"interface {iface}" if iface else f"host {host}")
 

@@ -36,7 +36,7 @@ log = logging.getLogger("accordion_hvd.comm")
 PERIOD_S = 1.0       # seconds between a rank's heartbeats
 STORE_TIMEOUT_S = 5  # how long one store message may take before the store counts as unreachable
 _current: "Heartbeat | None" = None  # the live channel's heartbeat, for waits outside the channel
-_running: "set[Heartbeat]" = set()  # every heartbeat not closed yet, for the exit
+_running: "dict[Heartbeat, None]" = {}  # every heartbeat not closed yet, oldest first (for the exit)
 _store_threads: "set[threading.Thread]" = set()  # every thread that may be inside a store call, for the exit
 
 
@@ -66,7 +66,7 @@ class Heartbeat:
         self._thread = threading.Thread(target=self._beat, name=f"accordion-heartbeat-{rank}", daemon=True)
         _track(self._thread)
         _current = self
-        _running.add(self)
+        _running[self] = None
 
     def _beat(self) -> None:
         while not self._stop.wait(self.period):
@@ -79,9 +79,9 @@ class Heartbeat:
         """Stop beating; ``wait``: seconds to wait for the beating thread to end."""
         global _current
         self._stop.set()
-        _running.discard(self)
-        if _current is self:
-            _current = None
+        _running.pop(self, None)
+        if _current is self:  # the newest heartbeat still beating is the live one again
+            _current = next(reversed(_running), None)
         if wait:
             self._thread.join(wait)
 

@@ -14,6 +14,7 @@ Prints "rank R: mismatch: <ExceptionType>: <message>" and "rank R: OK (KIND, siz
 Usage: control_plane_check.py BACKEND   (gloo or mpi; run with ACCORDION_COLLECTIVE_TIMEOUT=10)
 """
 
+import gc
 import hashlib
 import logging
 import math
@@ -24,6 +25,7 @@ import numpy as np
 import torch
 
 from accordion_hvd.comm.control import HorovodControlPlane, control_plane
+from accordion_hvd.comm import liveness
 from accordion_hvd.comm.gloo import GlooChannel
 from worker_util import checker, say
 
@@ -68,6 +70,10 @@ def same_bits_everywhere(p, array, name):
 
 
 channel = GlooChannel()  # kept: its store and heartbeat live as long as the channel
+dropped = GlooChannel()  # dropped: its heartbeat stops, and the kept channel's is the live one again
+del dropped
+gc.collect()
+check(liveness._current is channel._heartbeat, "a dropped Gloo channel's heartbeat is still the live one")
 channel_plane = channel.control_plane()
 check(channel_plane.kind == {"mpi": "mpi", "gloo": "torch.distributed"}[backend],
       f"the Gloo channel's control plane is {channel_plane.kind} under --{backend}")
