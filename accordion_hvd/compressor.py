@@ -361,6 +361,16 @@ class AccordionCompressor(HorovodCompressor):
         uncompressed layer is returned as it is, for the caller to average."""
         return self._compress(name, tensor, bypass=False)
 
+    def write_result_into(self, name: str, target: torch.Tensor) -> bool:
+        """Ask that ``name``'s result this step be written into ``target`` (same shape and
+        dtype as the gradient given to ``compress_named``, and holding the same values): a
+        front end whose framework wants the result in another buffer saves the copy. Returns
+        whether the codec's exchange can (PowerSGD's can; else copy the result yourself)."""
+        write = getattr(self._exchange, "write_into", None)
+        if write is None or name not in self._in_step:
+            return False
+        return write(name, target)
+
     @torch.no_grad()
     def _compress(self, name: str, tensor: torch.Tensor, bypass: bool):
         """``compress_named``; with ``bypass``, uncompressed floating-point layers go into

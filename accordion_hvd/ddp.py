@@ -141,6 +141,10 @@ class DDPHook:
                 continue
             if id(param) not in self._early:  # no accumulated gradient this step, or not armed
                 self._early[id(param)] = self.compressor.compress_named(name, grad)
+            elif param.grad.data_ptr() != grad.data_ptr():
+                # came early: its result straight into DDP's bucket if the codec can (DDP has
+                # copied param.grad there, the same values), instead of a copy in _finish_step
+                self.compressor.write_result_into(name, grad)
             out, ctx = self._early[id(param)]
             # a layer sent whole (float16 at DENSE16: its own collective, not promoted to float32);
             # the result of one handed over early is written into DDP's bucket in _finish_step

@@ -182,3 +182,34 @@ def test_powersgd_starts_q_rounds_during_backward_and_gets_the_same_results():
     q_before_last = [e for e in step2[:last_added] if e[0] == "issue" and e[1].startswith("acc.Q.")]
     assert len(q_before_last) == len(SHAPES) - 1, step2
     assert sum(1 for e in step2 if e[0] == "issue") == 2 * len(SHAPES), step2
+
+
+def test_powersgd_writes_a_result_into_another_buffer_when_asked_and_refuses_a_wrong_one():
+    """``write_into`` (the DDP front end's bucket view): the result lands in the new buffer,
+    equal to what the gradient's own buffer would have got; a buffer of another shape is
+    refused naming the layer; a layer the exchange does not hold is reported, not changed."""
+    import accordion_hvd as acc
+    from accordion_hvd.exchange import PowerSGDExchange
+
+    def worker(rank, channel):
+        codec = acc.PowerSGD(rank=2)
+        exchange = PowerSGDExchange(codec, channel, first_cap=1, cap=1)
+        g = grads(rank, 0)
+        states = {n: codec.init_state(n, g[n]) for n in SHAPES}
+        targets = {}
+        for name in SHAPES:
+            exchange.add(name, states[name], g[name].clone(), torch.tensor(True))
+            if name == "l1":
+                with pytest.raises(ValueError, match="'l1' has a gradient of"):
+                    exchange.write_into(name, torch.empty(3))
+                targets[name] = g[name].clone()
+                assert exchange.write_into(name, targets[name])
+        assert not exchange.write_into("not-a-layer", torch.empty(3))
+        out = exchange.results()
+        return out["l1"].data_ptr() == targets["l1"].data_ptr(), out["l1"].clone()
+
+    moved = SimulatedWorld(2).run(worker)
+    plain = SimulatedWorld(2).run(lambda rank, channel: run_powersgd_steps(rank, channel, steps=1))
+    for (same_buffer, result), reference in zip(moved, plain):
+        assert same_buffer
+        assert torch.equal(result, reference[0]["l1"])

@@ -120,6 +120,22 @@ class PowerSGDExchange:
             self._start_q_rounds(wait=False)
         return None
 
+    def write_into(self, name: str, target: torch.Tensor) -> bool:
+        """Write layer ``name``'s M_hat into ``target`` instead of the gradient ``add`` was
+        given: a tensor of the same shape and dtype that holds the same values until the layer
+        is encoded (the DDP front end's bucket view of the gradient, so that no copy into DDP's
+        bucket is needed). Returns False for a layer not compressed this step (nothing changed)."""
+        for table in (self._deferred, self._layers):
+            if name in table:
+                entry = table[name]
+                grad = entry[1]
+                if target.shape != grad.shape or target.dtype != grad.dtype:
+                    raise ValueError(f"write_into: {name!r} has a gradient of {tuple(grad.shape)} {grad.dtype}, "
+                                     f"got a target of {tuple(target.shape)} {target.dtype}")
+                table[name] = (entry[0], target, *entry[2:])
+                return True
+        return False
+
     def _encode_bucket(self, names: list[str]) -> tuple[torch.Tensor, list[tuple[int, int]]]:
         """Round 1's ``encode``: M and P of a complete bucket's deferred layers in one call;
         returns the P payload and each layer's P shape (n, r)."""

@@ -34,6 +34,14 @@ def build():
         return original(name, tensor)
 
     compression.compress_named = spy
+    writes = compression.write_result_into
+
+    def spy_writes(name, target):
+        done = writes(name, target)
+        handed.append((f"wrote {name}", done))
+        return done
+
+    compression.write_result_into = spy_writes
     return model, ddp, hook, opt, handed
 
 
@@ -55,11 +63,16 @@ for step in range(5):
         loss.backward()
         opt.step()
         opt.zero_grad()
-    got = sorted(n for n, _ in early[4])
+    got = sorted(n for n, _ in early[4] if not n.startswith("wrote "))
     check(got == sorted(names), f"step {step}: the compressor got {got}, expected every layer once")
     wanted = step != 3  # early unless a forward without grad disarmed the hooks
-    check(all(from_param == wanted for _, from_param in early[4]),
+    check(all(from_param == wanted for n, from_param in early[4] if not n.startswith("wrote ")),
           f"step {step}: handed over from param.grad: {early[4]}, expected {wanted} for every layer")
+    # an early PowerSGD layer's result is written straight into DDP's bucket (no copy)
+    written = sorted(n.removeprefix("wrote ") for n, done in early[4] if n.startswith("wrote ") and done)
+    codec = acc.PowerSGD(2)
+    matrices = sorted(n for n, p in early[0].named_parameters() if codec.compressible(p.shape)) if wanted else []
+    check(written == matrices, f"step {step}: results written into DDP's bucket: {written}, expected {matrices}")
     check(not any(from_param for _, from_param in late[4]), f"step {step}: the copy without early hooks: {late[4]}")
     for (name, a), b in zip(early[0].named_parameters(), late[0].parameters()):
         check(torch.equal(a, b), f"step {step}: {name} differs between early and late hand-over "
