@@ -15,12 +15,16 @@ still calls the hook once per bucket of its own, in bucket order; a parameter th
 reached the compressor by then (one without a gradient this step, one not known at
 registration) is handed over there, from DDP's bucket. The early hooks act only after a
 forward of the DDP model that will synchronize gradients (not under ``no_sync``, not
-without grad mode), so DDP's comm hook always ends the step they start. The layers the compressor does not compress (or
-sends whole this step) go in one averaging collective per DDP bucket and dtype (a DENSE16
-layer's float16 apart, so that it is not promoted to float32). DDP waits for the hooks' futures only at the end of
-backward, so the last bucket's hook finishes the step: it waits for the exchange, runs
-``decompress`` for every layer (the compressor's end of step: skip or settle, the levels of
-the next step), writes the results into DDP's buckets and completes every future.
+without grad mode), so DDP's comm hook always ends the step they start.
+
+The layers the compressor does not compress (or sends whole this step) go in one averaging
+collective per DDP bucket and dtype (a DENSE16 layer's float16 apart, so that it is not
+promoted to float32). DDP waits for the hooks' futures only at the end of backward, so the
+last bucket's hook finishes the step: it waits for the exchange, runs ``decompress`` for
+every layer (the compressor's end of step: skip or settle, the levels of the next step),
+writes the results into DDP's buckets and completes every future. A PowerSGD layer that came
+early has its result written straight into DDP's bucket (``write_result_into``: DDP has
+copied the gradient there by the time it calls the hook), which saves a pass over it.
 
 Communication: new process groups of the model's ranks, made at registration (every rank
 registers): one with the model group's backend for the compressed data and one for PowerSGD's
@@ -146,8 +150,7 @@ class DDPHook:
                 # copied param.grad there, the same values), instead of a copy in _finish_step
                 self.compressor.write_result_into(name, grad)
             out, ctx = self._early[id(param)]
-            # a layer sent whole (float16 at DENSE16: its own collective, not promoted to float32);
-            # the result of one handed over early is written into DDP's bucket in _finish_step
+            # a layer sent whole (float16 at DENSE16: its own collective, not promoted to float32)
             entries.append((grad, ctx, average(out) if ctx[0] == "dense" else None))
         # every rank has the same dtypes here (levels agree): issued in the same order everywhere
         handles = {dtype: self.channel.allreduce_mean_async(
