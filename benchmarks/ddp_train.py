@@ -84,7 +84,9 @@ def gloo_options():
     threads, Gloo numbers collectives in the order they are issued, and the ranks can pair
     different tensors. On the LSTM (2 buckets) it fails every time ("collective mismatch",
     benchmarks/ddp_hook_gloo.py, results/ddp-hook-gloo.md); there the evidence runs give DDP
-    one bucket (``--bucket-cap-mb 1000``, protocol evidence-v1, amendment 1).
+    one bucket (``--bucket-cap-mb 1000``, protocol evidence-v1, amendment 1). The fix that
+    keeps DDP's buckets, a Gloo group per bucket (``group_per_bucket``), came later; the
+    step-time benchmark's ``ddp-pg-*`` methods use it.
     """
     options = dist.ProcessGroupGloo._Options()
     options._threads = 8
