@@ -365,7 +365,9 @@ class AccordionCompressor(HorovodCompressor):
         """Ask that ``name``'s result this step be written into ``target`` (same shape and
         dtype as the gradient given to ``compress_named``, and holding the same values): a
         front end whose framework wants the result in another buffer saves the copy. Returns
-        whether the codec's exchange can (PowerSGD's can; else copy the result yourself)."""
+        whether the codec's exchange took it (PowerSGD's does, for a layer it compresses this
+        step). The result may still come in another tensor where the codec does not write it
+        into the gradient's memory: copy it unless it is ``target``."""
         write = getattr(self._exchange, "write_into", None)
         if write is None or name not in self._in_step:
             return False
