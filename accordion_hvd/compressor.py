@@ -354,15 +354,12 @@ class AccordionCompressor(HorovodCompressor):
         return results
 
     # --- the same, with the parameter named explicitly (tests, other front ends) -------------
-    def compress_named(self, name: str, tensor: torch.Tensor, *, dense_round: bool = False):
+    def compress_named(self, name: str, tensor: torch.Tensor):
         """``compress`` for the parameter ``name``. The gradient is consumed: it is folded into
         the error feedback, and a PowerSGD layer's result is written into its memory (what
         Horovod does with the result anyway). Pass a copy to keep the gradient. An
-        uncompressed layer is returned as it is, for the caller to average; with
-        ``dense_round``, a floating-point one is averaged by the compressor instead, in
-        buckets in ready order on the data plane's "dense" lane (``dense_round``, as under
-        Horovod), and an empty placeholder is returned."""
-        return self._compress(name, tensor, bypass=dense_round)
+        uncompressed layer is returned as it is, for the caller to average."""
+        return self._compress(name, tensor, bypass=False)
 
     def write_result_into(self, name: str, target: torch.Tensor) -> bool:
         """Ask that ``name``'s result this step be written into ``target`` (same shape and

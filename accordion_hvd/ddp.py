@@ -17,11 +17,9 @@ registration) is handed over there, from DDP's bucket. The early hooks act only 
 forward of the DDP model that will synchronize gradients (not under ``no_sync``, not
 without grad mode), so DDP's comm hook always ends the step they start.
 
-The floating-point layers the compressor does not compress (biases, norms) are averaged by
-its dense round, in buckets in ready order as under Horovod (``compress_named(...,
-dense_round=True)``); the rest (a layer it sends whole this step, a parameter not known at
-registration) go in one averaging collective per DDP bucket and dtype (a DENSE16 layer's
-float16 apart, so that it is not promoted to float32). DDP waits for the hooks' futures only at the end of backward, so the
+The layers the compressor does not compress (or sends whole this step) go in one averaging
+collective per DDP bucket and dtype (a DENSE16 layer's float16 apart, so that it is not
+promoted to float32). DDP waits for the hooks' futures only at the end of backward, so the
 last bucket's hook finishes the step: it waits for the exchange, runs ``decompress`` for
 every layer (the compressor's end of step: skip or settle, the levels of the next step),
 writes the results into DDP's buckets and completes every future. A PowerSGD layer that came
@@ -29,8 +27,8 @@ early has its result written straight into DDP's bucket (``write_result_into``: 
 copied the gradient there by the time it calls the hook), which saves a pass over it.
 
 Communication: new process groups of the model's ranks, made at registration (every rank
-registers): with the model group's backend one for the compressed data, one for PowerSGD's
-Q rounds and one for the uncompressed layers (comm/process_group.py), and a Gloo one for the controller's reductions
+registers): one with the model group's backend for the compressed data and one for PowerSGD's
+Q rounds (comm/process_group.py), and a Gloo one for the controller's reductions
 (comm/control.py). They carry nothing of DDP's own traffic, so the order in which ranks pair
 collectives never mixes ours with DDP's.
 """
@@ -82,10 +80,10 @@ def register_ddp_hook(ddp_model, compressor: AccordionCompressor, *, optimizer=N
     backend = dist.get_backend(group)
     # New groups are collective calls: every rank makes them here, in the same order.
     data = dist.new_group(ranks, timeout=delta, backend=backend)
-    lanes = {name: dist.new_group(ranks, timeout=delta, backend=backend) for name in ("q", "dense")}
+    q_lane = dist.new_group(ranks, timeout=delta, backend=backend)
     control = dist.new_group(ranks, timeout=delta, backend="gloo")
     rank, size = group.rank(), group.size()
-    channel = ProcessGroupChannel(data, rank, size, timeout, lanes=lanes)
+    channel = ProcessGroupChannel(data, rank, size, timeout, lanes={"q": q_lane})
     compressor.bind(ddp_model, channel=channel, control=ProcessGroupControlPlane(control, rank, size, timeout),
                     optimizer=optimizer)
     hook = DDPHook(compressor, channel, {p: n for n, p in ddp_model.module.named_parameters()})
@@ -128,7 +126,7 @@ class DDPHook:
         ref, name = self._names.get(id(param), (None, None))
         if not self._armed or ref is None or ref() is not param or id(param) in self._early:
             return  # DDP's bucket brings it to the comm hook
-        self._early[id(param)] = self.compressor.compress_named(name, param.grad, dense_round=True)
+        self._early[id(param)] = self.compressor.compress_named(name, param.grad)
 
     def __call__(self, state, bucket):  # no annotations: DDP compares them to its own types
         future: torch.futures.Future = torch.futures.Future()
@@ -146,7 +144,7 @@ class DDPHook:
                 entries.append((grad, None, average(grad)))
                 continue
             if id(param) not in self._early:  # no accumulated gradient this step, or not armed
-                self._early[id(param)] = self.compressor.compress_named(name, grad, dense_round=True)
+                self._early[id(param)] = self.compressor.compress_named(name, grad)
             elif param.grad.data_ptr() != grad.data_ptr():
                 # came early: its result straight into DDP's bucket if the codec can (DDP has
                 # copied param.grad there, the same values), instead of a copy in _finish_step
