@@ -3,7 +3,8 @@ the compressor as soon as autograd accumulates it (not when DDP's bucket is read
 changes nothing but the time: two copies of a model, one with the early hooks and one with
 them removed (every gradient then comes from DDP's bucket), stay bit for bit equal through
 steps that include gradients accumulated under ``no_sync`` and a forward without grad between
-the training forward and its backward (which leaves the step to DDP's buckets)."""
+the training forward and its backward (which leaves the step to DDP's buckets), and with
+``find_unused_parameters`` a layer used only in every other step."""
 
 import torch
 import torch.distributed as dist
@@ -77,8 +78,42 @@ for step in range(5):
     for (name, a), b in zip(early[0].named_parameters(), late[0].parameters()):
         check(torch.equal(a, b), f"step {step}: {name} differs between early and late hand-over "
                                  f"(max {(a - b).abs().max().item():.3g})")
+
+
+class Branchy(torch.nn.Module):
+    """A layer ("side") used only in every other step: DDP (find_unused_parameters) marks it
+    ready without a gradient, so it reaches the compressor from DDP's bucket, never early."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.side = torch.nn.Linear(32, 64), torch.nn.Linear(64, 4), torch.nn.Linear(64, 4)
+
+    def forward(self, x, use_side):
+        h = torch.relu(self.a(x))
+        return self.b(h) + (self.side(h) if use_side else 0)
+
+
+def build_branchy():
+    torch.manual_seed(0)
+    model = Branchy()
+    ddp = DistributedDataParallel(model, find_unused_parameters=True)
+    hook = acc.register_ddp_hook(ddp, acc.AccordionCompressor(acc.PowerSGD(2), policy="static"))
+    return model, ddp, hook, torch.optim.SGD(model.parameters(), lr=0.01)
+
+
+branchy_early, branchy_late = build_branchy(), build_branchy()
+branchy_late[2].remove()
+for step in range(4):
+    x = torch.randn(16, 32, generator=torch.Generator().manual_seed(100 * step + rank))
+    for model, ddp, hook, opt in (branchy_early, branchy_late):
+        ddp(x, use_side=step % 2 == 0).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    for (name, a), b in zip(branchy_early[0].named_parameters(), branchy_late[0].parameters()):
+        check(torch.equal(a, b) and torch.isfinite(a).all(), f"find_unused_parameters, step {step}: {name} differs "
+                                                              f"between early and late hand-over, or is not finite")
 everyone = [None] * size
 dist.all_gather_object(everyone, [p.sum().item() for p in early[0].parameters()])
 check(all(e == everyone[0] for e in everyone), f"ranks hold different parameters: {everyone}")
-say(f"rank {rank}: OK early hand-over ({len(names)} layers, 5 steps)")
+say(f"rank {rank}: OK early hand-over ({len(names)} layers, 5 steps; a layer unused in every other step)")
 leave_torch_distributed(dist)
