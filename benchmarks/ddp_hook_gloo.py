@@ -16,7 +16,9 @@ allreduces from inside future callbacks, which Gloo runs on its worker threads; 
 callbacks then race to issue their allreduces, Gloo numbers collectives in the order they are
 issued, and the two ranks pair different tensors ("Received data size doesn't match expected
 size ... collective mismatch"), or, with Gloo's 2 threads, every thread blocks in a callback
-and the job hangs. One bucket has one callback chain at a time: deterministic.
+and the job hangs. One bucket has one callback chain at a time: deterministic. So does a
+Gloo group per bucket (``ddp_train.group_per_bucket``, ``--group-per-bucket``), which keeps
+DDP's default buckets: each group's collectives come from one chain, in one order.
 """
 
 from __future__ import annotations
@@ -30,7 +32,10 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 OUT = REPO / "benchmarks" / "results" / "ddp-hook-gloo"
-CONFIGS = {"default buckets (2)": [], "one bucket (--bucket-cap-mb 1000)": ["--bucket-cap-mb", "1000"]}
+CONFIGS = {"default buckets (2)": [], "one bucket (--bucket-cap-mb 1000)": ["--bucket-cap-mb", "1000"],
+           "default buckets (2), a Gloo group per bucket (--group-per-bucket)": ["--group-per-bucket"]}
+LOG_NAMES = {"default buckets (2)": "default", "one bucket (--bucket-cap-mb 1000)": "one-bucket",
+             "default buckets (2), a Gloo group per bucket (--group-per-bucket)": "group-per-bucket"}
 
 
 def classify(code: int, output: str) -> str:
@@ -65,12 +70,12 @@ def main() -> None:
             port += 1
             code, output = one_try(extra, port, args.limit)
             outcome = classify(code, output)
-            log = OUT / f"{'default' if not extra else 'one-bucket'}-try{i + 1}.txt"
+            log = OUT / f"{LOG_NAMES[name]}-try{i + 1}.txt"
             ranks_output = [line for line in output.splitlines() if line.startswith("[default")]
             log.write_text("\n".join(ranks_output)[-6000:] + "\n")
             rows.append((name, i + 1, outcome, log.name))
             print(f"{name} try {i + 1}: {outcome}", flush=True)
-    lines = ["# DDP's powerSGD_hook on Gloo: default buckets against one bucket (LM task)", "",
+    lines = ["# DDP's powerSGD_hook on Gloo: default buckets, one bucket, a group per bucket (LM task)", "",
              f"Command: `.venv/bin/python benchmarks/ddp_hook_gloo.py --tries {args.tries}` "
              f"(torch {torch.__version__}, Python {platform.python_version()}, {platform.node()}). "
              "Each try: 2 ranks on loopback, `ddp_train.py --model lstm --rank 1 --max-steps 20`, "

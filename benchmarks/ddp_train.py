@@ -52,6 +52,9 @@ def parse_args():
     p.add_argument("--fold", type=int, default=0, help="the fold that is the test set (as our CLI)")
     p.add_argument("--bucket-cap-mb", type=float, default=None,
                    help="DDP's bucket size; default: DDP's own (25 MB, the first bucket 1 MB)")
+    p.add_argument("--group-per-bucket", action="store_true",
+                   help="each DDP bucket's collectives on a Gloo group of their own (group_per_bucket: the fix "
+                        "of the hook's race with several buckets)")
     p.add_argument("--max-steps", type=int, default=None, help="stop after N optimizer steps (smoke runs)")
     p.add_argument("--logdir", type=Path, default=None)
     return p.parse_args()
@@ -158,7 +161,10 @@ def main() -> None:
         state = powersgd.PowerSGDState(process_group=None, matrix_approximation_rank=args.rank,
                                        start_powerSGD_iter=START_ITER, min_compression_rate=MIN_RATE,
                                        use_error_feedback=True, warm_start=True, random_seed=args.seed)
-        ddp.register_comm_hook(state, powersgd.powerSGD_hook)
+        hook = powersgd.powerSGD_hook
+        if args.group_per_bucket:
+            hook = group_per_bucket(hook, model, args.bucket_cap_mb or 25.0)
+        ddp.register_comm_hook(state, hook)
     opt = torch.optim.SGD(ddp.parameters(), lr=args.lr * size, momentum=0.9)
     names = [n for n, _ in model.named_parameters()]
     metrics = MetricsLogger(args.logdir, layers=names, overwrite=True) if rank == 0 and args.logdir else None
