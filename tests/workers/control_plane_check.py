@@ -24,8 +24,8 @@ import horovod.torch as hvd
 import numpy as np
 import torch
 
-from accordion_hvd.comm.control import HorovodControlPlane, control_plane
 from accordion_hvd.comm import liveness
+from accordion_hvd.comm.control import HorovodControlPlane, control_plane
 from accordion_hvd.comm.gloo import GlooChannel
 from worker_util import checker, say
 
