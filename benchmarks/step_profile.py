@@ -3,12 +3,20 @@ thing at a time (Horovod's cycle, our data plane), on the emulated cluster.
 
     .venv/bin/python benchmarks/step_profile.py                    # 2 nodes, 100 Mbit/s, 2 rounds
     .venv/bin/python benchmarks/step_profile.py --rounds 1 --out /tmp/profile.md
+    .venv/bin/python benchmarks/step_profile.py --set threads --rounds 3 \
+        --out benchmarks/results/step-profile-threads.md   # what each thread of a worker costs
 
 Every variant runs benchmarks/step_worker.py (ResNet-18, batch 32, one thread per worker).
 Per step the worker times forward, backward (which includes Horovod's hooks and our
 ``compress``) and the optimizer step (Horovod's ``synchronize``: the waits on its handles,
 our ``decompress``, then SGD); the compressor adds its own seconds in compression math and in
 waiting on its collectives. Medians of steps 4-12 of each run, then the median over rounds.
+
+``--set threads`` adds where each worker's CPU went over the same steps (per step, mean of
+the ranks): its main thread's CPU, its other threads' (Horovod's background loop, the Gloo
+transports, our heartbeat), and the main thread's time off the CPU (waiting, or runnable
+while another thread had its core). On this emulated cluster the workers share the VM's
+cores, so a background thread's CPU comes out of some worker's compute.
 
 Writes the .md given by --out (default benchmarks/results/step-profile-runs.md) with the
 per-run JSON beside it; benchmarks/results/step-profile.md is the hand-written reading.
@@ -30,7 +38,7 @@ from machine import cpu_model  # noqa: E402
 from step_time import run  # noqa: E402
 
 CYCLE = "HOROVOD_CYCLE_TIME"
-VARIANTS = [  # label, method, environment of the horovodrun job (None: not a Horovod job)
+CYCLE_VARIANTS = [  # label, method, environment of the horovodrun job (None: not a Horovod job)
     ("compute floor (no communication)", "floor", None),
     ("Horovod initialized, never called, 1 ms cycle (Horovod's default)", "hvd-idle", {CYCLE: "1"}),
     ("Horovod initialized, never called, 20 ms cycle", "hvd-idle", {CYCLE: "20"}),
@@ -42,6 +50,35 @@ VARIANTS = [  # label, method, environment of the horovodrun job (None: not a Ho
     ("ours rank 1, our Gloo group, 20 ms cycle (the default now)", "ours-r1", {}),
     ("ours rank 4, our Gloo group, 20 ms cycle (the default now)", "ours-r4", {}),
 ]
+THREAD_VARIANTS = [
+    ("compute floor (no communication)", "floor", None),
+    ("Horovod initialized, never called, 20 ms cycle (ours)", "hvd-idle", {CYCLE: "20"}),
+    ("Horovod initialized, never called, 100 ms cycle", "hvd-idle", {CYCLE: "100"}),
+    ("ours rank 1 (20 ms cycle, the default)", "ours-r1", {}),
+    ("ours rank 1, 100 ms cycle", "ours-r1", {CYCLE: "100"}),
+    ("ours rank 4", "ours-r4", {}),
+    ("DDP powerSGD_hook rank 1, a Gloo group per bucket", "ddp-pg-r1", None),
+    ("DDP, our hook, rank 1", "ddp-ours-r1", None),
+]
+VARIANT_SETS = {"cycle": CYCLE_VARIANTS, "threads": THREAD_VARIANTS}
+
+
+def cpu_cells(runs: list[dict]) -> list[str]:
+    """Main thread CPU, other threads' CPU, main thread off the CPU, and the other threads by
+    name: per step, mean of the ranks, median over the runs."""
+    def per_rank(r: dict) -> list[dict]:
+        return [x["cpu"] for x in (r.get("ranks") or [r]) if x.get("cpu")]
+
+    def med(fn) -> float:
+        return statistics.median(statistics.fmean(fn(c) for c in per_rank(r)) for r in runs)
+    if not all(per_rank(r) for r in runs):
+        return ["-"] * 4
+    names = sorted({n for r in runs for c in per_rank(r) for n in c["others_by_name"]})
+    by_name = {n: med(lambda c, n=n: c["others_by_name"].get(n, 0.0)) for n in names}
+    return [f"{med(lambda c: c['main']):.3f}", f"{med(lambda c: c['others']):.3f}",
+            f"{med(lambda c: c['wall'] - c['main']):.3f}",
+            ", ".join(f"{n} {v * 1e3:.0f} ms" for n, v in sorted(by_name.items(), key=lambda kv: -kv[1])
+                      if v >= 5e-4) or "-"]
 
 
 def main() -> None:
@@ -49,16 +86,20 @@ def main() -> None:
     p.add_argument("--rate", default="100mbit")
     p.add_argument("--nodes", type=int, default=2)
     p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--set", choices=sorted(VARIANT_SETS), default="cycle",
+                   help="cycle: Horovod's cycle and our data plane, one at a time; threads: the same phases "
+                        "with each worker's CPU by thread")
     p.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "step-profile-runs.md")
     args = p.parse_args()
+    variants, threads = VARIANT_SETS[args.set], args.set == "threads"
     from cluster import Cluster
 
     raw = args.out.with_suffix("")
     raw.mkdir(parents=True, exist_ok=True)
-    results: dict[int, list[dict]] = {i: [] for i in range(len(VARIANTS))}
+    results: dict[int, list[dict]] = {i: [] for i in range(len(variants))}
     with Cluster(args.nodes, rate=args.rate, prefix="accprof-") as cluster:
         for round_ in range(args.rounds):
-            for i, (label, method, env) in enumerate(VARIANTS):
+            for i, (label, method, env) in enumerate(variants):
                 out = raw / f"v{i}-{method}-r{round_}.json"
                 try:
                     results[i].append(run(cluster, method, "resnet18", out, 600, env=env))
@@ -66,12 +107,14 @@ def main() -> None:
                     print(f"{label}: FAILED {exc}", flush=True)
                     continue
                 print(f"round {round_ + 1}: {label}: {results[i][-1]['step_s']:.3f} s/step", flush=True)
-    rows = ["| variant | step | forward | backward | optimizer step | our math | our waits |",
-            "|---|---:|---:|---:|---:|---:|---:|"]
-    for i, (label, _, _) in enumerate(VARIANTS):
+    header = ["variant", "step", "forward", "backward", "optimizer step", "our math", "our waits"]
+    if threads:
+        header += ["main thread CPU", "other threads' CPU", "main thread off the CPU", "other threads by name"]
+    rows = ["| " + " | ".join(header) + " |", "|---|" + "---:|" * (len(header) - 2) + "---|"]
+    for i, (label, _, _) in enumerate(variants):
         runs = results[i]
         if not runs:
-            rows.append(f"| {label} | failed | | | | | |")
+            rows.append(f"| {label} | failed |" + " |" * (len(header) - 2))
             continue
 
         def med(fn):
@@ -81,9 +124,10 @@ def main() -> None:
         ours = ([med(lambda r, k, key=key: r["ours"][k][key]) for key in ("compress", "comm")]
                 if runs[0]["ours"] else None)
         rows.append(f"| {label} | {step:.3f} | " + " | ".join(f"{c:.3f}" for c in cells) + " | "
-                    + (" | ".join(f"{c:.3f}" for c in ours) if ours else "- | -") + " |")
-    command = (f".venv/bin/python benchmarks/step_profile.py --rate {args.rate} --nodes {args.nodes} "
-               f"--rounds {args.rounds} --out {os.path.relpath(args.out, REPO)}")
+                    + (" | ".join(f"{c:.3f}" for c in ours) if ours else "- | -")
+                    + ("".join(f" | {c}" for c in cpu_cells(runs)) if threads else "") + " |")
+    command = (f".venv/bin/python benchmarks/step_profile.py {'--set threads ' if threads else ''}--rate {args.rate} "
+               f"--nodes {args.nodes} --rounds {args.rounds} --out {os.path.relpath(args.out, REPO)}")
     text = ["# Step profile, measured", "",
             f"Machine: {platform.node()}, {cpu_model()}, {os.cpu_count()} cores shared by {args.nodes} emulated "
             f"nodes at {args.rate}; ResNet-18, batch 32 per worker, 1 thread per worker. Seconds per step, "

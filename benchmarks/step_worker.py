@@ -35,8 +35,9 @@ Rank 0 writes a JSON file: per-step wall times (and, for ours, the compressor's 
 compression and in waiting on its collectives, in all and during backward, each
 collective's issue and completion times, and the link fitted to them:
 ``AccordionCompressor.measure_link``; how many layers were at each level after every step,
-and NetworkAware's last decision), every rank's per-step times, and the median of steps
-4..12.
+and NetworkAware's last decision), every rank's per-step times and CPU use (its main
+thread's and its other threads', by thread name, over the same steps), and the median of
+steps 4..12.
 """
 
 from __future__ import annotations
@@ -205,6 +206,33 @@ def setup(method: str, model, lr: float):
     return model, opt, None, hvd.rank(), hvd.size(), compression if ours else None
 
 
+def thread_cpu() -> dict[str, list]:
+    """CPU seconds each thread of this process has used so far: {tid: [name, seconds]} (Linux)."""
+    tick, out = os.sysconf("SC_CLK_TCK"), {}
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            stat = Path(f"/proc/self/task/{tid}/stat").read_text()
+        except OSError:  # the thread ended meanwhile
+            continue
+        fields = stat[stat.rindex(")") + 2:].split()  # after the name: state is field 3, utime 14, stime 15
+        out[tid] = [stat[stat.index("(") + 1:stat.rindex(")")], (int(fields[11]) + int(fields[12])) / tick]
+    return out
+
+
+def cpu_use(first: tuple, last: tuple, steps: int) -> dict:
+    """Per step between two ``(process_time, thread_time, thread_cpu(), perf_counter)``
+    samples: the wall time, the main thread's CPU, every other thread's (what a background
+    thread costs where the workers share cores), and the other threads by name (clock-tick
+    resolution; threads that never named themselves go by their process's name)."""
+    by_name: dict[str, float] = {}
+    for tid, (name, seconds) in last[2].items():
+        if int(tid) != os.getpid():
+            by_name[name] = by_name.get(name, 0.0) + (seconds - first[2].get(tid, [name, 0.0])[1]) / steps
+    return {"wall": (last[3] - first[3]) / steps, "main": (last[1] - first[1]) / steps,
+            "others": (last[0] - first[0] - last[1] + first[1]) / steps,
+            "others_by_name": {k: round(v, 4) for k, v in sorted(by_name.items()) if v > 0}}
+
+
 def gather(method: str, mine: dict) -> list[dict] | None:
     """Every rank's ``mine``, on rank 0 (None for the floor, whose copies do not talk)."""
     if method == "floor":
@@ -236,12 +264,15 @@ def main() -> None:
     model, shape = build_model(args.model)
     net, opt, after_backward, rank, size, compression = setup(args.method, model.to(device), args.lr)
     data = [(x.to(device), y.to(device)) for x, y in batches(shape, args.batch_size)]
-    walls, phases, ours_s, starts, levels, decisions = [], [], [], [], [], []
+    walls, phases, ours_s, starts, levels, decisions, cpu_marks = [], [], [], [], [], [], []
     before = dict(compression.seconds) if compression is not None else None
     start = time.perf_counter()
+    window_end = max(LAST, args.steps - 2)
     for step in range(args.steps):
         x, y = data[step % len(data)]
         sync()
+        if step in (FIRST, window_end):  # what each thread of this process used in the median's window
+            cpu_marks.append((time.process_time(), time.thread_time(), thread_cpu(), time.perf_counter()))
         t0 = time.perf_counter()
         starts.append(t0)
         opt.zero_grad()
@@ -278,13 +309,14 @@ def main() -> None:
         timed = [[t.lane, t.seq, t.name, t.kind, t.nbytes, t.issued, t.done]
                  for t in getattr(compression.channel, "timings", list)()]
         link = compression.measure_link()  # every rank: a control-plane collective
-    ranks = gather(args.method, {"walls": walls, "phases": phases, "ours": ours_s})
+    cpu = cpu_use(*cpu_marks, window_end - FIRST) if len(cpu_marks) == 2 else None
+    ranks = gather(args.method, {"walls": walls, "phases": phases, "ours": ours_s, "cpu": cpu})
     if rank == 0:
-        window = walls[FIRST:max(LAST, args.steps - 2)]  # the last steps wind down
+        window = walls[FIRST:window_end]  # the last steps wind down
         result = {"method": args.method, "model": args.model, "size": size, "batch_size": args.batch_size,
                   "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
                   "step_s": statistics.median(window), "walls": walls, "phases": phases, "ours": ours_s,
-                  "total_s": total, "loss": loss.item(), "ranks": ranks}
+                  "total_s": total, "loss": loss.item(), "ranks": ranks, "cpu": cpu}
         if compression is not None:
             result["floats_sent"] = compression.stats()["floats_sent"]
             result["step_starts"], result["collectives"] = starts, timed
