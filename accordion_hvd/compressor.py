@@ -363,7 +363,7 @@ class AccordionCompressor(HorovodCompressor):
 
     def write_result_into(self, name: str, target: torch.Tensor) -> bool:
         """Ask that ``name``'s result this step be written into ``target`` (same shape and
-        dtype as the gradient given to ``compress_named``, and holding the same values): a
+        dtype as the gradient given to ``compress_named``; its values are not read): a
         front end whose framework wants the result in another buffer saves the copy. Returns
         whether the codec's exchange took it (PowerSGD's does, for a layer it compresses this
         step). The result may still come in another tensor where the codec does not write it

@@ -23,8 +23,10 @@ promoted to float32). DDP waits for the hooks' futures only at the end of backwa
 last bucket's hook finishes the step: it waits for the exchange, runs ``decompress`` for
 every layer (the compressor's end of step: skip or settle, the levels of the next step),
 writes the results into DDP's buckets and completes every future. A PowerSGD layer that came
-early has its result written straight into DDP's bucket (``write_result_into``: DDP has
-copied the gradient there by the time it calls the hook), which saves a pass over it.
+early has its result written straight into DDP's bucket (``write_result_into``), which saves
+a pass over it. (DDP still copies each gradient into its bucket and, unless the model was
+built with ``gradient_as_bucket_view=True``, the bucket back into ``.grad``: a hook cannot
+spare it those copies, DDP asserts that a ``.grad`` it did not make is no view of its bucket.)
 
 Communication: new process groups of the model's ranks, made at registration (every rank
 registers): one with the model group's backend for the compressed data and one for PowerSGD's
@@ -145,10 +147,8 @@ class DDPHook:
                 continue
             if id(param) not in self._early:  # no accumulated gradient this step, or not armed
                 self._early[id(param)] = self.compressor.compress_named(name, grad)
-            elif param.grad.data_ptr() != grad.data_ptr():
-                # came early: its result straight into DDP's bucket if the codec can (DDP has
-                # copied param.grad there, the same values), instead of a copy in _finish_step
-                self.compressor.write_result_into(name, grad)
+            else:  # came early: its result straight into DDP's bucket if the codec can, not copied there
+                self.compressor.write_result_into(name, grad)  # in _finish_step (the values there are not read)
             out, ctx = self._early[id(param)]
             # a layer sent whole (float16 at DENSE16: its own collective, not promoted to float32)
             entries.append((grad, ctx, average(out) if ctx[0] == "dense" else None))

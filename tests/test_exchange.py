@@ -184,16 +184,18 @@ def test_powersgd_starts_q_rounds_during_backward_and_gets_the_same_results():
     assert sum(1 for e in step2 if e[0] == "issue") == 2 * len(SHAPES), step2
 
 
-def test_powersgd_writes_a_result_into_another_buffer_when_asked_and_refuses_a_wrong_one():
+@pytest.mark.parametrize("cap", [1, 1 << 30], ids=["a-bucket-per-layer", "one-bucket"])
+def test_powersgd_writes_a_result_into_another_buffer_when_asked_and_refuses_a_wrong_one(cap):
     """``write_into`` (the DDP front end's bucket view): the result lands in the new buffer,
-    equal to what the gradient's own buffer would have got; a buffer of another shape is
-    refused naming the layer; a layer the exchange does not hold is reported, not changed."""
+    equal to what the gradient's own buffer would have got, whatever the buffer held (NaN
+    here: it is never read) and whatever the buckets; a buffer of another shape is refused
+    naming the layer; a layer the exchange does not hold is reported, not changed."""
     import accordion_hvd as acc
     from accordion_hvd.exchange import PowerSGDExchange
 
     def worker(rank, channel):
         codec = acc.PowerSGD(rank=2)
-        exchange = PowerSGDExchange(codec, channel, first_cap=1, cap=1)
+        exchange = PowerSGDExchange(codec, channel, first_cap=cap, cap=cap)
         g = grads(rank, 0)
         states = {n: codec.init_state(n, g[n]) for n in SHAPES}
         targets = {}
@@ -202,7 +204,7 @@ def test_powersgd_writes_a_result_into_another_buffer_when_asked_and_refuses_a_w
             if name == "l1":
                 with pytest.raises(ValueError, match="'l1' has a gradient of"):
                     exchange.write_into(name, torch.empty(3))
-                targets[name] = g[name].clone()
+                targets[name] = torch.full_like(g[name], float("nan"))  # never read
                 assert exchange.write_into(name, targets[name])
         assert not exchange.write_into("not-a-layer", torch.empty(3))
         out = exchange.results()

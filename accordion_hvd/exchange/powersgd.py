@@ -81,8 +81,10 @@ class PowerSGDExchange:
         self._begin()
 
     def _begin(self) -> None:
-        self._layers: dict[str, tuple[Any, torch.Tensor]] = {}  # this step: name -> (state, grad)
+        self._layers: dict[str, tuple[Any, torch.Tensor]] = {}  # this step: name -> (state, where its result
+                                                                 # goes: its gradient, or write_into's target)
         self._deferred: dict[str, tuple[Any, torch.Tensor, torch.Tensor]] = {}  # name -> (state, grad, finite)
+        self._targets: dict[str, torch.Tensor] = {}  # deferred layers' results go here, not into grad
         self._many: set[str] = set()  # this step's layers that go through the bucket ops
         self._q: list[tuple[int, list[str], list[str], Any]] = []  # Q rounds issued: (bucket, bucket-op
                                                                     # layers, per-layer ones, handle)
@@ -122,19 +124,22 @@ class PowerSGDExchange:
 
     def write_into(self, name: str, target: torch.Tensor) -> bool:
         """Write layer ``name``'s M_hat into ``target`` instead of the gradient ``add`` was
-        given: a tensor of the same shape and dtype that holds the same values until the layer
-        is encoded (the DDP front end's bucket view of the gradient, so that no copy into DDP's
-        bucket is needed). Returns False for a layer not compressed this step (nothing changed)."""
-        for table in (self._deferred, self._layers):
-            if name in table:
-                entry = table[name]
-                grad = entry[1]
-                if target.shape != grad.shape or target.dtype != grad.dtype:
-                    raise ValueError(f"write_into: {name!r} has a gradient of {tuple(grad.shape)} {grad.dtype}, "
-                                     f"got a target of {tuple(target.shape)} {target.dtype}")
-                table[name] = (entry[0], target, *entry[2:])
-                return True
-        return False
+        given: a tensor of the same shape and dtype, whose values are never read (the DDP
+        front end's view of the layer in DDP's bucket: the result needs no copy into it). The
+        gradient is still what the layer is encoded from. Returns False for a layer not
+        compressed this step (nothing changed)."""
+        entry = self._deferred.get(name) or self._layers.get(name)
+        if entry is None:
+            return False
+        grad = entry[1]
+        if target.shape != grad.shape or target.dtype != grad.dtype:
+            raise ValueError(f"write_into: {name!r} has a gradient of {tuple(grad.shape)} {grad.dtype}, "
+                             f"got a target of {tuple(target.shape)} {target.dtype}")
+        if name in self._deferred:  # not encoded yet: it still reads the gradient
+            self._targets[name] = target
+        else:
+            self._layers[name] = (entry[0], target)
+        return True
 
     def _encode_bucket(self, names: list[str]) -> tuple[torch.Tensor, list[tuple[int, int]]]:
         """Round 1's ``encode``: M and P of a complete bucket's deferred layers in one call;
@@ -143,7 +148,7 @@ class PowerSGDExchange:
         states, grads, finites = zip(*(self._deferred.pop(n) for n in names))
         payload = self.codec.start_many(states, grads, torch.stack(finites))
         for n, state, grad in zip(names, states, grads):
-            self._layers[n] = (state, grad)
+            self._layers[n] = (state, self._targets.pop(n, grad))  # where its result goes
             self._many.add(n)
         self.seconds["compress"] += time.perf_counter() - started
         return payload, [(s.residual.shape[0], s.q.shape[1]) for s in states]
@@ -221,7 +226,7 @@ class PowerSGDExchange:
             self._settle.append(state)
         self.round1.begin_step()
         self._layers, self._q, self._dense, self._next_q, self._closed = {}, [], {}, 0, False  # ``fault`` stays
-        self._deferred, self._many = {}, set()
+        self._deferred, self._targets, self._many = {}, {}, set()
         return out
 
     @torch.no_grad()

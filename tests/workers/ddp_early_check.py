@@ -4,7 +4,8 @@ changes nothing but the time: two copies of a model, one with the early hooks an
 them removed (every gradient then comes from DDP's bucket), stay bit for bit equal through
 steps that include gradients accumulated under ``no_sync`` and a forward without grad between
 the training forward and its backward (which leaves the step to DDP's buckets), and with
-``find_unused_parameters`` a layer used only in every other step."""
+``find_unused_parameters`` a layer used only in every other step; and the same with
+``gradient_as_bucket_view=True`` (the gradients DDP's bucket itself)."""
 
 import torch
 import torch.distributed as dist
@@ -18,11 +19,11 @@ rank, size = dist.get_rank(), dist.get_world_size()
 check = checker(rank)
 
 
-def build():
+def build(as_view=False):
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 48), torch.nn.ReLU(),
                                 torch.nn.Linear(48, 4))
-    ddp = DistributedDataParallel(model)
+    ddp = DistributedDataParallel(model, gradient_as_bucket_view=as_view)
     compression = acc.AccordionCompressor(acc.PowerSGD(2), policy="static")
     hook = acc.register_ddp_hook(ddp, compression)
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
@@ -46,12 +47,12 @@ def build():
     return model, ddp, hook, opt, handed
 
 
-early, late = build(), build()
+early, late, as_view = build(), build(), build(as_view=True)  # as_view: .grad is DDP's bucket itself
 late[2].remove()
 names = [n for n, _ in early[0].named_parameters()]
 for step in range(5):
     x = torch.randn(16, 32, generator=torch.Generator().manual_seed(100 * step + rank))
-    for model, ddp, hook, opt, handed in (early, late):
+    for model, ddp, hook, opt, handed in (early, late, as_view):
         del handed[:]
         if step == 1:  # gradients accumulated locally first: nothing reaches the compressor
             with ddp.no_sync():
@@ -75,9 +76,11 @@ for step in range(5):
     matrices = sorted(n for n, p in early[0].named_parameters() if codec.compressible(p.shape)) if wanted else []
     check(written == matrices, f"step {step}: results written into DDP's bucket: {written}, expected {matrices}")
     check(not any(from_param for _, from_param in late[4]), f"step {step}: the copy without early hooks: {late[4]}")
-    for (name, a), b in zip(early[0].named_parameters(), late[0].parameters()):
+    for (name, a), b, c in zip(early[0].named_parameters(), late[0].parameters(), as_view[0].parameters()):
         check(torch.equal(a, b), f"step {step}: {name} differs between early and late hand-over "
                                  f"(max {(a - b).abs().max().item():.3g})")
+        check(torch.equal(a, c), f"step {step}: {name} differs with gradient_as_bucket_view "
+                                 f"(max {(a - c).abs().max().item():.3g})")
 
 
 class Branchy(torch.nn.Module):
