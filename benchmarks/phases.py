@@ -6,7 +6,8 @@
 Per run: the median over steps 4-12 of forward, backward (Horovod's hooks and our
 ``compress`` included), optimizer step (Horovod's waits, our ``decompress``, SGD) and, for
 ours, the compressor's own seconds of compression math and of waiting on its collectives;
-then the median over the rounds. ``--rev`` reads the JSON as committed at that git revision
+then the median over the rounds; and, for runs that recorded it (from commit bc14dd6), where
+each worker's CPU went (``cpu_cells``). ``--rev`` reads the JSON as committed at that git revision
 (to compare with an earlier engine measured the same way).
 """
 
@@ -53,6 +54,24 @@ def medians(runs: list[dict]) -> dict[str, float | None]:
     return out
 
 
+def cpu_cells(runs: list[dict]) -> list[str]:
+    """Training (main) thread CPU, other threads' CPU, training thread off the CPU, and the other threads by
+    name: per step, mean of the ranks, median over the runs."""
+    def per_rank(r: dict) -> list[dict]:
+        return [x["cpu"] for x in (r.get("ranks") or [r]) if x.get("cpu")]
+
+    def med(fn) -> float:
+        return statistics.median(statistics.fmean(fn(c) for c in per_rank(r)) for r in runs)
+    if not all(per_rank(r) for r in runs):
+        return ["-"] * 4
+    names = sorted({n for r in runs for c in per_rank(r) for n in c["others_by_name"]})
+    by_name = {n: med(lambda c, n=n: c["others_by_name"].get(n, 0.0)) for n in names}
+    return [f"{med(lambda c: c['main']):.3f}", f"{med(lambda c: c['others']):.3f}",
+            f"{med(lambda c: c['wall'] - c['main']):.3f}",
+            ", ".join(f"{n} {v * 1e3:.0f} ms" for n, v in sorted(by_name.items(), key=lambda kv: -kv[1])
+                      if v >= 5e-4) or "-"]
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("folder", type=Path)
@@ -62,12 +81,13 @@ def main() -> None:
     runs = load(args.folder, args.setting, args.rev)
     if not runs:
         raise SystemExit(f"no runs of {args.setting} in {args.folder}" + (f" at {args.rev}" if args.rev else ""))
-    print("| method | runs | step | forward | backward | optimizer step | our math | our waits |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    print("| method | runs | step | forward | backward | optimizer step | our math | our waits | training thread CPU "
+          "| other threads' CPU | training thread off the CPU | other threads by name |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|")
     for method, method_runs in runs.items():
         m = medians(method_runs)
         cells = [f"{m[c]:.3f}" if m[c] is not None else "-" for c in ("step_s", *COLUMNS)]
-        print(f"| {method} | {len(method_runs)} | " + " | ".join(cells) + " |")
+        print(f"| {method} | {len(method_runs)} | " + " | ".join(cells + cpu_cells(method_runs)) + " |")
 
 
 if __name__ == "__main__":

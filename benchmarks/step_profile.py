@@ -35,6 +35,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "benchmarks"))
 sys.path.insert(0, str(REPO / "benchmarks" / "cluster"))
 from machine import cpu_model  # noqa: E402
+from phases import cpu_cells  # noqa: E402
 from step_time import run  # noqa: E402
 
 CYCLE = "HOROVOD_CYCLE_TIME"
@@ -62,23 +63,6 @@ THREAD_VARIANTS = [
 ]
 VARIANT_SETS = {"cycle": CYCLE_VARIANTS, "threads": THREAD_VARIANTS}
 
-
-def cpu_cells(runs: list[dict]) -> list[str]:
-    """Main thread CPU, other threads' CPU, main thread off the CPU, and the other threads by
-    name: per step, mean of the ranks, median over the runs."""
-    def per_rank(r: dict) -> list[dict]:
-        return [x["cpu"] for x in (r.get("ranks") or [r]) if x.get("cpu")]
-
-    def med(fn) -> float:
-        return statistics.median(statistics.fmean(fn(c) for c in per_rank(r)) for r in runs)
-    if not all(per_rank(r) for r in runs):
-        return ["-"] * 4
-    names = sorted({n for r in runs for c in per_rank(r) for n in c["others_by_name"]})
-    by_name = {n: med(lambda c, n=n: c["others_by_name"].get(n, 0.0)) for n in names}
-    return [f"{med(lambda c: c['main']):.3f}", f"{med(lambda c: c['others']):.3f}",
-            f"{med(lambda c: c['wall'] - c['main']):.3f}",
-            ", ".join(f"{n} {v * 1e3:.0f} ms" for n, v in sorted(by_name.items(), key=lambda kv: -kv[1])
-                      if v >= 5e-4) or "-"]
 
 
 def main() -> None:
