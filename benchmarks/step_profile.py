@@ -13,9 +13,9 @@ our ``decompress``, then SGD); the compressor adds its own seconds in compressio
 waiting on its collectives. Medians of steps 4-12 of each run, then the median over rounds.
 
 ``--set threads`` adds where each worker's CPU went over the same steps (per step, mean of
-the ranks): its main thread's CPU, its other threads' (Horovod's background loop, the Gloo
-transports, our heartbeat), and the main thread's time off the CPU (waiting, or runnable
-while another thread had its core). On this emulated cluster the workers share the VM's
+the ranks): its training (main) thread's CPU, its other threads' (Horovod's background loop,
+the Gloo transports, our heartbeat), and the training thread's time off the CPU (waiting, or
+runnable while another thread had its core). On this emulated cluster the workers share the VM's
 cores, so a background thread's CPU comes out of some worker's compute.
 
 Writes the .md given by --out (default benchmarks/results/step-profile-runs.md) with the
@@ -64,7 +64,6 @@ THREAD_VARIANTS = [
 VARIANT_SETS = {"cycle": CYCLE_VARIANTS, "threads": THREAD_VARIANTS}
 
 
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rate", default="100mbit")
@@ -93,7 +92,7 @@ def main() -> None:
                 print(f"round {round_ + 1}: {label}: {results[i][-1]['step_s']:.3f} s/step", flush=True)
     header = ["variant", "step", "forward", "backward", "optimizer step", "our math", "our waits"]
     if threads:
-        header += ["main thread CPU", "other threads' CPU", "main thread off the CPU", "other threads by name"]
+        header += ["training thread CPU", "other threads' CPU", "training thread off the CPU", "other threads by name"]
     rows = ["| " + " | ".join(header) + " |", "|---|" + "---:|" * (len(header) - 2) + "---|"]
     for i, (label, _, _) in enumerate(variants):
         runs = results[i]
