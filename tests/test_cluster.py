@@ -84,6 +84,17 @@ def pids_in(node: str) -> list[int]:
     return [int(p) for p in result.stdout.split()]
 
 
+def running_in(node: str, cmdline: bytes) -> bool:
+    """Whether a process with exactly this command line (NUL-separated) is in the node."""
+    for pid in pids_in(node):
+        try:
+            if Path(f"/proc/{pid}/cmdline").read_bytes() == cmdline:
+                return True
+        except OSError:  # it ended meanwhile
+            continue
+    return False
+
+
 @pytest.fixture(autouse=True)
 def always_torn_down():
     """Whatever a test does, leave no namespace behind for the next one (or the machine)."""
@@ -348,8 +359,9 @@ def test_interrupted_run_leaves_nothing(sig, tmp_path):
                                stdout=log_file, stderr=subprocess.STDOUT, env=ENV, start_new_session=True,
                                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
+        # Wait for the job itself: while `up` configures node1 its own commands run in there too.
         deadline = time.monotonic() + 20
-        while not (Path(f"/run/netns/{PREFIX}node1").exists() and pids_in("node1")):
+        while not (Path(f"/run/netns/{PREFIX}node1").exists() and running_in("node1", b"sleep\x0045\x00")):
             assert run.poll() is None and time.monotonic() < deadline, log.read_text()
             time.sleep(0.05)
         job = pids_in("node1")
