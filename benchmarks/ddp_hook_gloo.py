@@ -32,10 +32,11 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 OUT = REPO / "benchmarks" / "results" / "ddp-hook-gloo"
-CONFIGS = {"default buckets (2)": [], "one bucket (--bucket-cap-mb 1000)": ["--bucket-cap-mb", "1000"],
-           "default buckets (2), a Gloo group per bucket (--group-per-bucket)": ["--group-per-bucket"]}
-LOG_NAMES = {"default buckets (2)": "default", "one bucket (--bucket-cap-mb 1000)": "one-bucket",
-             "default buckets (2), a Gloo group per bucket (--group-per-bucket)": "group-per-bucket"}
+CONFIGS = {  # name: (ddp_train.py's extra arguments, the logs' file prefix)
+    "default buckets (2)": ([], "default"),
+    "one bucket (--bucket-cap-mb 1000)": (["--bucket-cap-mb", "1000"], "one-bucket"),
+    "default buckets (2), a Gloo group per bucket (--group-per-bucket)": (["--group-per-bucket"], "group-per-bucket"),
+}
 
 
 def classify(code: int, output: str) -> str:
@@ -66,11 +67,11 @@ def main() -> None:
     OUT.mkdir(parents=True, exist_ok=True)
     rows, port = [], 29700
     for i in range(args.tries):  # interleaved, so that a noisy moment hits both configurations
-        for name, extra in CONFIGS.items():
+        for name, (extra, prefix) in CONFIGS.items():
             port += 1
             code, output = one_try(extra, port, args.limit)
             outcome = classify(code, output)
-            log = OUT / f"{LOG_NAMES[name]}-try{i + 1}.txt"
+            log = OUT / f"{prefix}-try{i + 1}.txt"
             ranks_output = [line for line in output.splitlines() if line.startswith("[default")]
             log.write_text("\n".join(ranks_output)[-6000:] + "\n")
             rows.append((name, i + 1, outcome, log.name))
