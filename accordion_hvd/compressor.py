@@ -70,7 +70,8 @@ from .controller import RegimeController
 from .comm.horovod import check_wait, install_polite_wait
 from .comm.link import LinkMeasurement, describe, measure_link
 from .exchange import BUCKET_BYTES, FIRST_BUCKET_BYTES, Round1, lane, make_exchange
-from .horovod_seam import GradientNames, bypass_allowed, find_optimizer, horovod_parameter, install_bypass, placeholder
+from .horovod_seam import (GradientNames, bypass_allowed, find_optimizer, horovod_op_name, horovod_parameter,
+                           install_bypass, placeholder, reduction_scale)
 from .levels import DENSE, Level, check_level, positive_number
 from .network_probe import NetworkProbe
 from .policies import make_policy
@@ -180,6 +181,7 @@ class AccordionCompressor(HorovodCompressor):
         self._names = None if named_parameters is None else GradientNames(named_parameters)
         self.wait = check_wait(wait)
         self._met_horovod = False                    # compress() was called by Horovod: wait installed
+        self._result_scale = 1.0                     # our averages times this: Horovod's op (size for Sum)
         self._bypass = False                         # uncompressed layers travel on our data plane too
         self._channel = channel
         self._channel_given = channel is not None
@@ -295,19 +297,16 @@ class AccordionCompressor(HorovodCompressor):
     @_DefaultInstanceMethod
     def compress(self, tensor: torch.Tensor):
         """Called by Horovod for each gradient; returns (tensor to allreduce, context)."""
+        optimizer = None
+        if not self._met_horovod:  # first: an op we cannot honour is refused before anything else
+            optimizer = find_optimizer()
+            if isinstance(tensor, torch.Tensor) and not self._config_checked:
+                self._device_type = tensor.device.type  # picks the data plane the check runs on
+            self._meet_horovod(optimizer)
         if self._names is not None:
             name = self._names.name_of(tensor)
-            optimizer = find_optimizer() if not self._met_horovod else None
         else:
             name, optimizer = horovod_parameter()
-        if not self._met_horovod:
-            self._met_horovod = True
-            install_polite_wait(self.wait)  # first: it also makes Horovod's optimizer read bypass handles
-            install_bypass()
-            why_not = bypass_allowed(optimizer)
-            self._bypass = why_not is None
-            if why_not:
-                log.info("AccordionCompressor: uncompressed gradients go through Horovod's allreduce: %s", why_not)
         if self._optimizer is None and optimizer is not None:
             self._optimizer = weakref.ref(optimizer)
         elif self._optimizer is None and self.policy.reacts_to_lr and self._reported_lrs is None and self.steps == 0 \
@@ -315,6 +314,21 @@ class AccordionCompressor(HorovodCompressor):
             log.warning("AccordionCompressor: Horovod's optimizer was not found in the calling frames, so the policy "
                         "does not see learning-rate decreases; call compression.report_lr(lr) after each change")
         return self._compress(name, tensor, bypass=self._bypass)
+
+    def _meet_horovod(self, optimizer) -> None:
+        """The first ``compress`` from Horovod's optimizer: honour its ``op`` or refuse it
+        (horovod_seam.reduction_scale: before any collective, so a refusal never leaves a
+        rank waiting), agree on the settings, Horovod's op among them, with every rank, and
+        take the uncompressed gradients off Horovod."""
+        self._result_scale = reduction_scale(optimizer)
+        self._check_config_once(front_end={"horovod_op": None if optimizer is None else horovod_op_name(optimizer)})
+        install_polite_wait(self.wait)  # first: it also makes Horovod's optimizer read bypass handles
+        install_bypass()
+        why_not = bypass_allowed(optimizer)
+        self._bypass = why_not is None
+        if why_not:
+            log.info("AccordionCompressor: uncompressed gradients go through Horovod's allreduce: %s", why_not)
+        self._met_horovod = True
 
     @_DefaultInstanceMethod
     def decompress(self, tensor: torch.Tensor, ctx):
@@ -329,6 +343,10 @@ class AccordionCompressor(HorovodCompressor):
             tensor = self._results.pop(name)
         elif name in self._dtypes:  # a layer sent whole in 16 bits
             tensor = tensor.to(self._dtypes[name])
+        if kind != _DENSE and self._result_scale != 1.0 and tensor.is_floating_point():
+            # op=hvd.Sum: our rounds average. A new tensor: PowerSGD's settling reads the
+            # average it wrote (the error feedback is M - M_hat, whatever the op).
+            tensor = tensor * self._result_scale
         if kind != _COMPRESSED and tensor.is_floating_point():
             self._faults.seen(~finite_flag(tensor))  # an average: the same on every rank
         self._outputs.append(tensor)
@@ -428,15 +446,16 @@ class AccordionCompressor(HorovodCompressor):
         return {**self.codec.config(), "eta": self.eta, **self.controller.config(),
                 "bucket_cap_mb": self.bucket_cap / 2**20}  # every rank must cut the same buckets
 
-    def _check_config_once(self) -> None:
-        """At the first compress, compare every rank's settings (one blocking allgather).
+    def _check_config_once(self, front_end: dict | None = None) -> None:
+        """At the first compress, compare every rank's settings (one blocking allgather), with
+        the front end's own (``front_end``: Horovod's ``op``), which must agree too.
 
         Ranks started with different settings would issue collectives that never pair (a
         hang) or pair wrong tensors; instead every rank raises the same ValueError naming the
         settings that differ and which ranks have which value."""
         if self._config_checked:
             return
-        mine = json.dumps(self.config(), sort_keys=True, default=repr).encode()
+        mine = json.dumps({**self.config(), **(front_end or {})}, sort_keys=True, default=repr).encode()
         if len(mine) > _CONFIG_BYTES:  # never in practice; still compared exactly
             mine = json.dumps({"config_sha256": hashlib.sha256(mine).hexdigest()}).encode()
         buffer = torch.zeros(_CONFIG_BYTES, dtype=torch.uint8)

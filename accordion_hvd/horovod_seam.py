@@ -142,19 +142,58 @@ def is_placeholder(tensor: Any) -> bool:
     return getattr(tensor, _PLACEHOLDER, False) is True
 
 
-def bypass_allowed(optimizer: Any) -> str | None:
-    """Why Horovod's optimizer must still carry the uncompressed gradients (None: it need
-    not). The compressor's data plane averages over all of Horovod's ranks, so the
-    optimizer must average (``op=hvd.Average``, the default) over the global process set."""
-    if optimizer is None:
-        return "Horovod's optimizer was not found in the calling frames"
+# Horovod's reduction ops that the compressor can honour, and how: it always computes the
+# average over all ranks, and a sum is that average times the number of ranks.
+_OP_NAMES = ("Average", "Sum", "Adasum", "Min", "Max", "Product")
+
+
+def horovod_op_name(optimizer: Any) -> str:
+    """The ``op`` Horovod's optimizer reduces with, by name ("Average", "Sum", "Adasum", ...).
+
+    Horovod builds its Adasum optimizer (``op=hvd.Adasum`` on more than one rank) as another
+    class, with no ``op`` attribute, which compresses each parameter's *delta* after a local
+    step, not its gradient: it is recognised by the starting models it keeps."""
     import horovod.torch as hvd
 
-    if getattr(optimizer, "op", None) != hvd.Average:
-        return "the optimizer's op is not hvd.Average"
-    process_set = getattr(optimizer, "process_set", None)
-    if process_set is not None and getattr(process_set, "process_set_id", 0) != 0:
-        return "the optimizer reduces over a process set other than the global one"
+    if hasattr(optimizer, "_starting_models"):
+        return "Adasum"
+    op = getattr(optimizer, "op", hvd.Average)
+    return next((name for name in _OP_NAMES if getattr(hvd, name, None) == op), repr(op))
+
+
+def reduction_scale(optimizer: Any) -> float:
+    """What the compressor's averages are multiplied by to give what Horovod's optimizer
+    asked for: 1 for ``op=hvd.Average`` (also with ``gradient_predivide_factor``, which only
+    splits the same average into a pre- and a post-scale), ``hvd.size()`` for ``op=hvd.Sum``.
+    Any other op, and a process set smaller than the world, is refused with a ValueError
+    naming the argument (the same on every rank that runs the optimizer), before any
+    collective (ranks outside a process set never call the compressor): a compressed
+    gradient cannot be reduced with Adasum, Min, Max or Product, and the compressor's data
+    plane reduces over all of Horovod's ranks."""
+    if optimizer is None:  # compress() called outside Horovod's optimizer: the average, as documented
+        return 1.0
+    import horovod.torch as hvd
+
+    op = horovod_op_name(optimizer)
+    if op not in ("Average", "Sum"):
+        raise ValueError(f"AccordionCompressor cannot honour op=hvd.{op} of hvd.DistributedOptimizer: compressed "
+                         f"gradients can only be averaged (op=hvd.Average, the default) or summed (op=hvd.Sum); "
+                         f"pass one of those, or use compression=hvd.Compression.none with op=hvd.{op}")
+    ranks = getattr(getattr(optimizer, "process_set", None), "ranks", None)  # None or []: the global set
+    if ranks and sorted(ranks) != list(range(hvd.size())):
+        raise ValueError(f"AccordionCompressor cannot honour process_set= of hvd.DistributedOptimizer (ranks "
+                         f"{sorted(ranks)} of {hvd.size()}): its data plane reduces over all of Horovod's ranks; "
+                         f"use the global process set (the default)")
+    return float(hvd.size()) if op == "Sum" else 1.0
+
+
+def bypass_allowed(optimizer: Any) -> str | None:
+    """Why Horovod's optimizer must still carry the uncompressed gradients (None: it need
+    not). Once ``reduction_scale`` has accepted the optimizer's op and process set, our
+    data plane can carry them too (a sum is the average scaled); only an optimizer that
+    was not found keeps them on Horovod."""
+    if optimizer is None:
+        return "Horovod's optimizer was not found in the calling frames"
     return None
 
 

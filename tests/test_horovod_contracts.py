@@ -1,0 +1,34 @@
+"""Horovod's contracts that a compressor could break silently, in real horovodrun jobs:
+``op=`` honoured or refused by name (tests/workers/horovod_op_check.py)."""
+
+import pytest
+
+from launch import run_worker
+
+pytestmark = pytest.mark.horovod
+
+
+@pytest.mark.parametrize("backend,np", [("gloo", 2), ("mpi", 2), ("gloo", 3), ("mpi", 3)])
+@pytest.mark.parametrize("codec", ["powersgd", "topk"])
+def test_op_sum_gives_size_times_the_average_on_every_layer(codec, backend, np):
+    out = run_worker("horovod_op_check.py", codec, "sum", np=np, backend=backend)
+    assert out.count(f": OK sum {codec}") == np, out
+
+
+@pytest.mark.parametrize("codec", ["powersgd", "topk"])
+def test_gradient_predivide_factor_still_averages(codec):
+    out = run_worker("horovod_op_check.py", codec, "predivide", np=2, backend="gloo")
+    assert out.count(": OK predivide") == 2, out
+
+
+@pytest.mark.parametrize("backend", ["gloo", "mpi"])
+@pytest.mark.parametrize("mode,named", [("refuse-adasum", "op=hvd.Adasum"), ("refuse-min", "op=hvd.Min")])
+def test_an_op_the_codecs_cannot_honour_is_refused_on_every_rank(mode, named, backend):
+    out = run_worker("horovod_op_check.py", "powersgd", mode, np=2, backend=backend)
+    assert out.count(f"OK refused: ValueError: AccordionCompressor cannot honour {named}") == 2, out
+
+
+def test_a_process_set_smaller_than_the_world_is_refused():
+    out = run_worker("horovod_op_check.py", "topk", "process-set", np=3, backend="gloo")
+    assert out.count("OK refused: ValueError: AccordionCompressor cannot honour process_set=") == 2, out
+    assert "OK (not in the process set)" in out, out

@@ -1,0 +1,104 @@
+"""Worker run by tests/test_horovod_contracts.py under horovodrun, on every rank: Horovod's
+``op=`` (and ``process_set=``) honoured by the compressor, or refused by name.
+
+Usage: horovod_op_check.py CODEC MODE   (CODEC: powersgd | topk)
+
+MODE "sum": three copies of one model see the same data on each rank: A with our compressor
+and op=hvd.Average, B with our compressor and op=hvd.Sum, C with Horovod's own uncompressed
+allreduce and op=hvd.Sum. Over three steps (lr 0, so the copies stay equal and each
+compressor's error feedback evolves alike) every layer's reduced gradient of B must be
+``size`` times A's (compressed layers included), and B's uncompressed layers must equal
+Horovod's own sum (C).
+MODE "predivide": B uses op=hvd.Average with gradient_predivide_factor=4: still the average.
+MODE "refuse-adasum", "refuse-min": the first step raises a ValueError naming the op, on
+every rank, before any collective (then the worker prints OK and exits).
+MODE "process-set": (3 ranks) the optimizer of ranks 0 and 1 reduces over the process set
+{0, 1}: they raise a ValueError naming process_set; rank 2 is not in it and does nothing.
+"""
+
+import sys
+
+import horovod.torch as hvd
+import torch
+import torch.nn.functional as F
+
+import accordion_hvd as acc
+from worker_util import checker, say
+
+codec_name, mode = sys.argv[1], sys.argv[2]
+pair = hvd.ProcessSet([0, 1]) if mode == "process-set" else None
+hvd.init(process_sets=[pair] if pair is not None else None)
+rank, size = hvd.rank(), hvd.size()
+check = checker(rank)
+
+
+def make_model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 64), torch.nn.ReLU(),
+                               torch.nn.Linear(64, 4))
+
+
+def make_codec():
+    return acc.PowerSGD(rank=2) if codec_name == "powersgd" else acc.TopK(ratio=0.25)
+
+
+def make_optimizer(model, compressed: bool, **horovod_args):
+    compression = (acc.AccordionCompressor(make_codec(), named_parameters=model.named_parameters())
+                   if compressed else hvd.Compression.none)
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.0),
+                                   named_parameters=model.named_parameters(), compression=compression, **horovod_args)
+    return opt, compression
+
+
+gen = torch.Generator().manual_seed(rank)
+x, y = torch.randn(16, 32, generator=gen), torch.randint(0, 4, (16,), generator=gen)
+
+
+def reduced_gradients(model, opt) -> dict:
+    opt.zero_grad()
+    F.cross_entropy(model(x), y).backward()
+    opt.synchronize()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    with opt.skip_synchronize():
+        opt.step()
+    return grads
+
+
+if mode.startswith("refuse-") or mode == "process-set":
+    op = {"refuse-adasum": hvd.Adasum, "refuse-min": hvd.Min}.get(mode, hvd.Average)
+    expected = {"refuse-adasum": "op=hvd.Adasum", "refuse-min": "op=hvd.Min"}.get(mode, "process_set=")
+    if mode == "process-set" and rank not in (0, 1):
+        say(f"rank {rank}: OK (not in the process set)")
+        sys.exit(0)
+    model = make_model()
+    opt, _ = make_optimizer(model, True, op=op, **({"process_set": pair} if pair is not None else {}))
+    try:
+        opt.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+    except Exception as exc:  # noqa: BLE001 - what a user would see, whatever wraps it
+        text = f"{type(exc).__name__}: {exc}"
+        check(expected in text and "ValueError" in text, f"expected a ValueError naming {expected}, got {text}")
+        say(f"rank {rank}: OK refused: {text[:160]}")
+        sys.exit(0)
+    check(False, f"{mode}: the step ran; expected a ValueError naming {expected}")
+
+a, b, c = make_model(), make_model(), make_model()
+opt_a, comp_a = make_optimizer(a, True)
+b_args = {"op": hvd.Sum} if mode == "sum" else {"gradient_predivide_factor": 4.0}
+opt_b, comp_b = make_optimizer(b, True, **b_args)
+opt_c, _ = make_optimizer(c, False, **b_args)
+factor = size if mode == "sum" else 1
+for step in range(3):
+    ga, gb, gc = reduced_gradients(a, opt_a), reduced_gradients(b, opt_b), reduced_gradients(c, opt_c)
+    for name in ga:
+        check(torch.allclose(gb[name], factor * ga[name], rtol=1e-5, atol=1e-6),
+              f"step {step}: {name}: {mode} gave {gb[name].norm():.6g}, expected {factor} x average "
+              f"{ga[name].norm():.6g} (ratio {gb[name].norm() / ga[name].norm():.4f})")
+        if gb[name].dim() < 2:  # not compressed: Horovod's own reduction is the reference
+            check(torch.allclose(gb[name], gc[name], rtol=1e-5, atol=1e-6),
+                  f"step {step}: {name}: {gb[name].norm():.6g}, Horovod's own {gc[name].norm():.6g}")
+layers = comp_b.stats()["layers"]
+compressed = [n for n, s in layers.items() if s["floats_sent"] < s["floats_dense"]]
+check(len(compressed) >= 2, f"expected the weights to be compressed, stats: {layers}")
+say(f"rank {rank}: OK {mode} {codec_name}: {len(ga)} layers ({len(compressed)} compressed) x{factor}")
