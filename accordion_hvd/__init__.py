@@ -3,18 +3,19 @@
 Gradient compression (PowerSGD, TopK, with error feedback) whose level adapts per layer to
 the phase of training (the Accordion rule). Importing the package loads the compiled
 kernels and refuses a missing or stale build with an ImportError that says how to build.
+
+Importing it has no side effect on Horovod or the environment: Horovod's background-loop
+cycle is the user's choice (``quiet_horovod_cycle()``, before ``hvd.init()``).
 """
 
 from ._extension import load as _load_extension
-from .comm.horovod import quiet_horovod_cycle as _quiet_horovod_cycle
-
-_quiet_horovod_cycle()  # before the user's hvd.init(): see accordion_hvd/comm/horovod.py
 
 _C = _load_extension()  # registers torch.ops.accordion.*; raises ImportError if unusable
 
 from . import levels, ops, policies  # noqa: E402
 from .batch_size import AccordionBatchSize  # noqa: E402
 from .codecs import PowerSGD, TopK  # noqa: E402
+from .comm.horovod import quiet_horovod_cycle  # noqa: E402
 from .compressor import AccordionCompressor  # noqa: E402
 from .ddp import register_ddp_hook  # noqa: E402
 
@@ -22,4 +23,4 @@ __version__ = "0.1.0"
 with_cuda: bool = bool(_C.with_cuda)
 
 __all__ = ["AccordionBatchSize", "AccordionCompressor", "PowerSGD", "TopK", "levels", "ops", "policies",
-           "register_ddp_hook", "with_cuda", "__version__"]
+           "quiet_horovod_cycle", "register_ddp_hook", "with_cuda", "__version__"]

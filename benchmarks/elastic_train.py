@@ -69,6 +69,7 @@ def parse_args():
 def main() -> None:
     args = parse_args()
     milestones = [int(m) for m in args.lr_milestones.split(",") if m]
+    acc.quiet_horovod_cycle()
     hvd.init()
     torch.manual_seed(args.seed)
     train_split, test_split = data.load_digits(seed=args.seed)

@@ -206,6 +206,9 @@ def setup(method: str, model, lr: float):
             return ddp, opt, None, dist.get_rank(), dist.get_world_size(), compression
         return ddp, opt, None, dist.get_rank(), dist.get_world_size(), None
     import horovod.torch as hvd
+    if method.startswith("ours-"):  # our jobs run at our cycle; Horovod's own methods at its default
+        from accordion_hvd import quiet_horovod_cycle
+        quiet_horovod_cycle()
     hvd.init()
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     if method == "hvd-idle":

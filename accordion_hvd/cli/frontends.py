@@ -20,10 +20,14 @@ class HorovodFrontEnd:
 
     name = "horovod"
 
-    def __init__(self) -> None:
+    def __init__(self, quiet_cycle: bool = False) -> None:
         import horovod.torch as hvd
 
+        from ..comm.horovod import quiet_horovod_cycle
+
         self.hvd = hvd
+        if quiet_cycle:  # only for our compressor: a Horovod baseline runs at Horovod's own default
+            quiet_horovod_cycle()
         hvd.init()
         self.rank, self.size, self.local_rank = hvd.rank(), hvd.size(), hvd.local_rank()
 
@@ -93,5 +97,7 @@ class DDPFrontEnd:
         self.dist.destroy_process_group()
 
 
-def make_front_end(launcher: str, device_type: str):
-    return HorovodFrontEnd() if launcher == "horovod" else DDPFrontEnd(device_type)
+def make_front_end(launcher: str, device_type: str, ours: bool = False):
+    """``ours``: the job compresses with AccordionCompressor (no gradient through Horovod's
+    loop, so Horovod's cycle is made long: comm/horovod.py ``quiet_horovod_cycle``)."""
+    return HorovodFrontEnd(quiet_cycle=ours) if launcher == "horovod" else DDPFrontEnd(device_type)

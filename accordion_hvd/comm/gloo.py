@@ -50,7 +50,6 @@ import weakref
 import torch.distributed as dist
 
 from .channel import HorovodInternalError, collective_timeout
-from .horovod import check_horovod_cycle
 from .liveness import Heartbeat
 from .process_group import ProcessGroupChannel, timeout_delta
 
@@ -71,7 +70,6 @@ class GlooChannel(ProcessGroupChannel):
     def __init__(self, timeout: float | None = None) -> None:
         import horovod.torch as hvd
 
-        check_horovod_cycle()
         timeout = collective_timeout(timeout)
         rank, size = hvd.rank(), hvd.size()
         delta = timeout_delta(timeout)

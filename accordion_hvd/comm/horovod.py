@@ -35,11 +35,12 @@ CYCLE_ENV = "HOROVOD_CYCLE_TIME"     # Horovod's own setting, read once by hvd.i
 # rank, work or not: at Horovod's default of 1 ms that cost 15-25% of a core per worker on
 # the emulated cluster (benchmarks/results/step-profile.md). Our gradients, compressed or
 # not, travel on our own Gloo group (comm/gloo.py) and none reaches Horovod's loop in a
-# step (accordion_hvd/horovod_seam.py), so a cycle of 20 ms costs nothing per step; it only
-# delays what still goes through Horovod (broadcasts, a job's own collectives, and the
-# gradients of an optimizer whose op is not Average).
+# step (accordion_hvd/horovod_seam.py), so a cycle of 20 ms costs our steps nothing; it only
+# delays what still goes through Horovod (broadcasts, a job's own collectives). It is the
+# user's choice, made explicitly with ``quiet_horovod_cycle()`` before ``hvd.init()``:
+# importing the package changes nothing, so a plain Horovod baseline in the same script
+# runs at Horovod's own default.
 QUIET_CYCLE_MS = 20
-_cycle_note: str | None = None  # why Horovod runs at its default cycle, when we could not set ours
 
 log = logging.getLogger("accordion_hvd.comm")
 
@@ -106,32 +107,34 @@ def _with_diagnosis(text: str) -> str:
     return f"{text} Diagnosis: {why}." if why else text
 
 
-def quiet_horovod_cycle() -> None:
-    """Called at ``import accordion_hvd``: unless the user set $HOROVOD_CYCLE_TIME, set it to
-    ``QUIET_CYCLE_MS`` for the ``hvd.init()`` to come. If Horovod is initialized already,
-    nothing changes and ``check_horovod_cycle`` says so once, at the first step."""
-    global _cycle_note
-    if os.environ.get(CYCLE_ENV):
-        return
+def quiet_horovod_cycle(ms: float = QUIET_CYCLE_MS) -> bool:
+    """Make Horovod's background loop wake every ``ms`` milliseconds instead of every 1 ms
+    (its default), for a job whose gradients all go through ``AccordionCompressor``: call it
+    before ``hvd.init()``, which reads ``$HOROVOD_CYCLE_TIME`` once. It saves the CPU that the
+    idle loop burns (docs/horovod-cycle.md: what it costs and saves, measured) and delays
+    whatever still goes through Horovod by up to ``ms`` (broadcasts, your own
+    ``hvd.allreduce`` calls, gradients of an optimizer without our compressor).
+
+    A value already in the environment (the user's, or the launcher's) is kept. Returns
+    whether the cycle is now ``ms``. Raises ``RuntimeError`` after ``hvd.init()``: the
+    setting would silently do nothing."""
+    positive = ms if isinstance(ms, (int, float)) and not isinstance(ms, bool) and ms > 0 else None
+    if positive is None:
+        raise ValueError(f"ms must be a positive number of milliseconds, got {ms!r}")
     hvd = sys.modules.get("horovod.torch")
     try:
         initialized = hvd is not None and hvd.is_initialized()
     except Exception:  # noqa: BLE001 - a half-imported Horovod: treat as not initialized
         initialized = False
     if initialized:
-        _cycle_note = ("Horovod was initialized before accordion_hvd was imported, so its background loop runs "
-                       f"at its default 1 ms cycle, which costs CPU on every step; import accordion_hvd before "
-                       f"hvd.init(), or set {CYCLE_ENV}={QUIET_CYCLE_MS} (milliseconds) in the job's environment")
-        return
-    os.environ[CYCLE_ENV] = str(QUIET_CYCLE_MS)
-
-
-def check_horovod_cycle() -> None:
-    """Warn once if Horovod runs at the cycle ``quiet_horovod_cycle`` could not set."""
-    global _cycle_note
-    if _cycle_note is not None:
-        log.warning(_cycle_note)
-        _cycle_note = None
+        raise RuntimeError("quiet_horovod_cycle() must be called before hvd.init(): Horovod reads "
+                           f"${CYCLE_ENV} once, when it starts")
+    current = os.environ.get(CYCLE_ENV)
+    if current:
+        log.info("%s=%s kept (set in the environment)", CYCLE_ENV, current)
+        return current == f"{ms:g}"
+    os.environ[CYCLE_ENV] = f"{ms:g}"
+    return True
 
 
 def check_wait(wait: str) -> str:
