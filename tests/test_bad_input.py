@@ -93,6 +93,30 @@ def powersgd_critical_rank_negative():
 
 
 @case
+def powersgd_levels_inverted():
+    return refused(ValueError, "critical_rank must be >= rank", "PowerSGD(rank=1, critical_rank=4)",
+                   action=lambda: acc.PowerSGD(rank=4, critical_rank=1))
+
+
+@case
+def topk_levels_inverted():
+    return refused(ValueError, "critical_ratio must be >= ratio", "TopK(ratio=0.01, critical_ratio=0.1)",
+                   action=lambda: acc.TopK(ratio=0.1, critical_ratio=0.01))
+
+
+@case
+def accordion_policy_with_a_one_level_codec():
+    return refused(ValueError, "policy", "has one", "policy='static'",
+                   action=lambda: acc.AccordionCompressor(acc.PowerSGD(rank=4), policy="accordion"))
+
+
+@case
+def accordion_policy_instance_with_a_one_level_codec():
+    return refused(ValueError, "policy", "has one",
+                   action=lambda: acc.AccordionCompressor(acc.TopK(ratio=0.1), policy=Accordion(0.5)))
+
+
+@case
 def powersgd_seed_string():
     return refused(TypeError, "seed", action=lambda: acc.PowerSGD(seed="0"))
 

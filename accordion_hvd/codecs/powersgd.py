@@ -59,6 +59,10 @@ class PowerSGD:
                  min_compression_rate: float = 2.0, seed: int = 0, eps: float = 1e-8) -> None:
         self.rank = positive_number("rank", rank, integer=True)
         self.critical_rank = rank if critical_rank is None else positive_number("critical_rank", critical_rank, integer=True)
+        if self.critical_rank < self.rank:  # critical regimes get the gentle level: it sends more
+            raise ValueError(f"critical_rank must be >= rank (critical regimes get the gentler, higher rank), got "
+                             f"rank={rank!r}, critical_rank={critical_rank!r}; did you mean "
+                             f"PowerSGD(rank={critical_rank!r}, critical_rank={rank!r})?")
         self.min_compression_rate = positive_number("min_compression_rate", min_compression_rate)
         if not isinstance(seed, int) or isinstance(seed, bool):
             raise TypeError(f"seed must be an int, got {type(seed).__name__}")

@@ -46,6 +46,10 @@ class TopK:
         self.ratio = float(positive_number("ratio", ratio, upper=1.0))
         self.critical_ratio = self.ratio if critical_ratio is None else float(
             positive_number("critical_ratio", critical_ratio, upper=1.0))
+        if self.critical_ratio < self.ratio:  # critical regimes get the gentle level: it keeps more
+            raise ValueError(f"critical_ratio must be >= ratio (critical regimes get the gentler level, which keeps "
+                             f"more entries), got ratio={ratio!r}, critical_ratio={critical_ratio!r}; did you mean "
+                             f"TopK(ratio={critical_ratio!r}, critical_ratio={ratio!r})?")
         self.min_compression_rate = positive_number("min_compression_rate", min_compression_rate)
 
     def __repr__(self) -> str:
