@@ -63,7 +63,8 @@ from typing import Any
 
 import torch
 
-from . import ops
+from . import checkpoint, ops
+from .checkpoint import current_world
 from .codecs import PowerSGD, TopK
 from .codecs._common import finite_flag, residual_dtype
 from .controller import RegimeController
@@ -206,6 +207,7 @@ class AccordionCompressor(HorovodCompressor):
         self.steps = 0
         self._faults = StepFaults()                  # non-finite gradients, on the device
         self._config_checked = False
+        self._loaded_owner = None                    # (rank, world size) of a state loaded before both were known
         self._new_step()
 
     def _new_step(self) -> None:
@@ -302,15 +304,16 @@ class AccordionCompressor(HorovodCompressor):
     def compress(self, tensor: torch.Tensor):
         """Called by Horovod for each gradient; returns (tensor to allreduce, context)."""
         optimizer = None
-        if not self._met_horovod:  # first: an op we cannot honour is refused before anything else
-            optimizer = find_optimizer()
+        if self._names is None:  # from Horovod's frames; raises when not called by Horovod's optimizer
+            name, optimizer = horovod_parameter()
+        if not self._met_horovod:  # an op we cannot honour is refused before the gradient is looked at
+            if self._names is not None:
+                optimizer = find_optimizer()
             if isinstance(tensor, torch.Tensor) and not self._config_checked:
                 self._device_type = tensor.device.type  # picks the data plane the check runs on
             self._meet_horovod(optimizer)
         if self._names is not None:
             name = self._names.name_of(tensor)
-        else:
-            name, optimizer = horovod_parameter()
         if self._optimizer is None and optimizer is not None:
             self._optimizer = weakref.ref(optimizer)
         elif self._optimizer is None and self.policy.reacts_to_lr and self._reported_lrs is None and self.steps == 0 \
@@ -459,6 +462,7 @@ class AccordionCompressor(HorovodCompressor):
         settings that differ and which ranks have which value."""
         if self._config_checked:
             return
+        self._check_loaded_owner()
         mine = json.dumps({**self.config(), **(front_end or {})}, sort_keys=True, default=repr).encode()
         if len(mine) > _CONFIG_BYTES:  # never in practice; still compared exactly
             mine = json.dumps({"config_sha256": hashlib.sha256(mine).hexdigest()}).encode()
@@ -469,6 +473,18 @@ class AccordionCompressor(HorovodCompressor):
         if any(c != configs[0] for c in configs):
             raise ValueError(_config_mismatch_message(configs))
         self._config_checked = True
+
+    def _check_loaded_owner(self) -> None:
+        """A state loaded before this process knew its rank: whose it is, now that it does."""
+        owner, self._loaded_owner = self._loaded_owner, None
+        if owner is None or owner[0] is None or owner[1] is None:
+            return
+        if owner[1] != self.channel.size:
+            checkpoint.warn_other_world(owner[1], self.channel.size)
+            for layer in self._layers.values():
+                layer.residual.zero_()
+        elif owner[0] != self.channel.rank:
+            raise ValueError(checkpoint.mismatch_message(owner[0], self.channel.rank))
 
     def _wait(self, handle):
         started = time.perf_counter()
@@ -660,7 +676,9 @@ class AccordionCompressor(HorovodCompressor):
         warm-start Q, level), the controller's and policy's state, the counters. Plain Python
         values and tensors (picklable, ``torch.save``-able). Call it between steps."""
         self._between_steps("state_dict")
+        world = current_world(self._channel)
         return {"format": _STATE_FORMAT, "config": self.config(), "steps": self.steps,
+                "rank": None if world is None else world[0], "world_size": None if world is None else world[1],
                 "skipped_steps": self.skipped_steps,
                 "sent": dict(self._sent), "dense": dict(self._dense), "seconds": dict(self.seconds),
                 "reported_lrs": self._reported_lrs,
@@ -668,12 +686,27 @@ class AccordionCompressor(HorovodCompressor):
                 "controller": self.controller.state_dict()}
 
     @_DefaultInstanceMethod
+    def gather_state_dict(self) -> dict | None:
+        """Every rank's ``state_dict()`` at rank 0, as one *world state* for one checkpoint
+        file (None on the other ranks). Collective: call it on every rank, between steps.
+        Every rank then loads the saved file with ``load_state_dict`` and takes its own part
+        (accordion_hvd/checkpoint.py)."""
+        return checkpoint.gather(self.channel, self.state_dict())
+
+    @_DefaultInstanceMethod
     def load_state_dict(self, state: dict, error_feedback: bool = True) -> None:
         """Restore a ``state_dict()`` taken from a compressor with the same settings (else a
-        ValueError naming the settings that differ; nothing is changed then). With
-        ``error_feedback=False`` every layer's error feedback starts from zero instead (a
-        checkpoint of another rank, as when resuming with another number of ranks)."""
+        ValueError naming the settings that differ; nothing is changed then), or this rank's
+        part of a ``gather_state_dict()``.
+
+        A state records whose it is: another rank's state (same number of ranks) is refused
+        with a ValueError naming both ranks, since its error feedback is that rank's own
+        unsent gradient; a state of a job with another number of ranks loads with the error
+        feedback from zero, and a warning. With ``error_feedback=False`` every layer's error
+        feedback starts from zero, whoever saved it."""
         self._between_steps("load_state_dict")
+        world = current_world(self._channel)
+        state, error_feedback = checkpoint.own_part(state, world, error_feedback)
         if not isinstance(state, dict) or state.get("format") != _STATE_FORMAT:
             found = state.get("format") if isinstance(state, dict) else None
             raise ValueError(f"AccordionCompressor.load_state_dict: not an AccordionCompressor state_dict of this "
@@ -712,6 +745,9 @@ class AccordionCompressor(HorovodCompressor):
         self._layers = layers
         self.steps, self.skipped_steps, self._sent, self._dense, self.seconds = counters
         self._reported_lrs = reported
+        # Whose error feedback this is, checked against the data plane's rank at the first
+        # step when no world was known at load time (loaded before hvd.init()).
+        self._loaded_owner = (state.get("rank"), state.get("world_size")) if error_feedback and world is None else None
 
 
 def _check_same_layer(name: str, state, tensor: torch.Tensor) -> None:

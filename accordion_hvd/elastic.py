@@ -75,7 +75,9 @@ def merge(shared: dict, own: dict) -> dict:
     controller["sums"] = {n: mine_or_zeros(spec, own["controller"]["sums"].get(n))
                           for n, spec in controller["sums"].items()}
     controller["sq"] = {n: v for n, v in own["controller"]["sq"].items() if n in controller["weight"]}
-    return {**shared, "layers": layers, "controller": controller}
+    # Whose the result is: this rank's (its own error feedback, in the world it is in now).
+    return {**shared, "rank": own.get("rank"), "world_size": own.get("world_size"), "layers": layers,
+            "controller": controller}
 
 
 def _shape_of(t: torch.Tensor) -> tuple[list[int], str]:

@@ -59,3 +59,66 @@ def test_quiet_horovod_cycle_is_explicit_keeps_the_users_value_and_refuses_after
         print("explicit")
     """)
     assert result.returncode == 0 and "explicit" in result.stdout, result.stderr
+
+
+# --- checkpoints know whose they are -------------------------------------------------------
+import torch  # noqa: E402
+
+import accordion_hvd as acc  # noqa: E402
+from accordion_hvd.comm import SimulatedWorld  # noqa: E402
+
+
+def _trained(world_size: int, make_codec, steps: int = 3, then=None):
+    """Every simulated rank trains ``steps`` steps; returns each rank's (compressor, then(comp))."""
+    def worker(rank, channel):
+        comp = acc.AccordionCompressor(make_codec(), channel=channel, policy="static")
+        for step in range(steps):
+            gen = torch.Generator().manual_seed(100 * step + rank)
+            sent = {n: comp.compress_named(n, torch.randn(s, generator=gen))
+                    for n, s in (("w", (48, 32)), ("b", (48,)))}
+            reduced = {n: channel.wait(channel.allreduce_mean_async([out], f"hvd.{n}"))[0] for n, (out, _) in sent.items()}
+            for n in sent:
+                comp.decompress(reduced[n], sent[n][1])
+        return comp, (then(comp) if then else None)
+    return SimulatedWorld(world_size).run(worker)
+
+
+CODECS = {"powersgd": lambda: acc.PowerSGD(rank=2), "topk": lambda: acc.TopK(ratio=0.1)}
+
+
+@pytest.mark.parametrize("codec", sorted(CODECS))
+def test_a_state_records_its_rank_and_another_ranks_state_is_refused_naming_both(codec):
+    (c0, _), (c1, _) = _trained(2, CODECS[codec])
+    s0, s1 = c0.state_dict(), c1.state_dict()
+    assert (s0["rank"], s0["world_size"], s1["rank"]) == (0, 2, 1)
+    mine = c1._layers["w"].residual.clone()
+    with pytest.raises(ValueError, match="rank 0's, loaded on rank 1") as info:
+        c1.load_state_dict(s0)
+    assert "gather_state_dict()" in str(info.value) and "error_feedback=False" in str(info.value)
+    assert torch.equal(c1._layers["w"].residual, mine)  # nothing changed
+    c1.load_state_dict(s1)  # its own: fine
+    assert torch.equal(c1._layers["w"].residual, mine)
+    c1.load_state_dict(s0, error_feedback=False)  # asked for: rank 0's shared state, zero error feedback
+    assert not c1._layers["w"].residual.any()
+
+
+@pytest.mark.parametrize("codec", sorted(CODECS))
+def test_one_file_for_the_job_gathered_at_rank_0_gives_each_rank_its_own_error_feedback(codec):
+    results = _trained(3, CODECS[codec], then=lambda comp: comp.gather_state_dict())
+    world = results[0][1]
+    assert world is not None and all(r[1] is None for r in results[1:])
+    residuals = [comp._layers["w"].residual.clone() for comp, _ in results]
+    assert not torch.equal(residuals[0], residuals[1])
+    for rank, (comp, _) in enumerate(results):
+        comp._layers["w"].residual.zero_()
+        comp.load_state_dict(world)  # every rank loads the same file
+        assert torch.equal(comp._layers["w"].residual, residuals[rank]), rank
+
+
+def test_a_state_of_another_world_size_loads_with_zero_error_feedback_and_a_warning(caplog):
+    (c0, _), _ = _trained(2, CODECS["topk"])
+    (d0, _), _, _ = _trained(3, CODECS["topk"])
+    with caplog.at_level("WARNING", logger="accordion_hvd"):
+        d0.load_state_dict(c0.state_dict())
+    assert "saved by 2 ranks, this job has 3" in caplog.text
+    assert not d0._layers["w"].residual.any() and d0.steps == c0.steps

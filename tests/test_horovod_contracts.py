@@ -32,3 +32,10 @@ def test_a_process_set_smaller_than_the_world_is_refused():
     out = run_worker("horovod_op_check.py", "topk", "process-set", np=3, backend="gloo")
     assert out.count("OK refused: ValueError: AccordionCompressor cannot honour process_set=") == 2, out
     assert "OK (not in the process set)" in out, out
+
+
+@pytest.mark.parametrize("backend", ["gloo", "mpi"])
+@pytest.mark.parametrize("codec", ["powersgd", "topk"])
+def test_a_rank_0_checkpoint_loaded_everywhere_is_refused_and_a_gathered_one_works(codec, backend, tmp_path):
+    out = run_worker("checkpoint_owner_check.py", codec, str(tmp_path), np=3, backend=backend)
+    assert out.count(f": OK checkpoint owner {codec}") == 3, out
