@@ -512,6 +512,9 @@ class AccordionCompressor(HorovodCompressor):
         if self._names is not None:
             self._names.end_step()
         self.steps += 1
+        note_step = getattr(self._channel, "note_step", None)  # where this rank is, for a failure's diagnosis
+        if note_step is not None:
+            note_step(self.steps)
         if self._probe is not None:
             self._probe.end_step()
         lrs = self._learning_rates()

@@ -3,7 +3,7 @@
 
 import pytest
 
-from launch import run_worker
+from launch import WORKERS, horovodrun, run_worker
 
 pytestmark = pytest.mark.horovod
 
@@ -39,3 +39,19 @@ def test_a_process_set_smaller_than_the_world_is_refused():
 def test_a_rank_0_checkpoint_loaded_everywhere_is_refused_and_a_gathered_one_works(codec, backend, tmp_path):
     out = run_worker("checkpoint_owner_check.py", codec, str(tmp_path), np=3, backend=backend)
     assert out.count(f": OK checkpoint owner {codec}") == 3, out
+
+
+@pytest.mark.parametrize("short,expected", [
+    (1, "Diagnosis: rank 1 ("),  # a rank that exited left its exit record
+    (0, "Diagnosis: unreachable from rank 1: rank 0 ("),  # rank 0 took the store with it
+])
+def test_a_rank_that_ran_fewer_steps_is_named_as_exited_not_as_frozen(short, expected):
+    result = horovodrun([str(WORKERS / "uneven_steps_check.py"), str(short)], np=2, backend="gloo",
+                        env={"ACCORDION_COLLECTIVE_TIMEOUT": "60"})
+    out = result.stdout
+    assert f"rank {short}: finished 3 steps" in out, out
+    failed = [line for line in out.splitlines() if "FAILED AS EXPECTED" in line]
+    assert len(failed) == 1 and expected in failed[0] and "has exited" in failed[0], out
+    assert "frozen" not in failed[0] and "link is down" not in failed[0], failed[0]
+    if short == 1:
+        assert "after 3 optimizer steps, while rank 0 waits in its step 4" in failed[0], failed[0]

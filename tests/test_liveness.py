@@ -50,6 +50,34 @@ def test_a_rank_that_stops_beating_is_named():
         rank1.close()
 
 
+def test_a_rank_that_exited_is_named_as_exited_with_its_steps_not_as_frozen():
+    """Ranks that ran different numbers of steps: the one that finished first exited normally."""
+    master = store()
+    rank0, rank1 = pair(master)
+    try:
+        rank0.step, rank1.step = 3, 3
+        rank1.close()
+        rank1.announce_exit()  # what its interpreter exit does
+        time.sleep(0.3)
+        why = rank0.diagnose()
+        assert why.startswith("rank 1 (") and "has exited after 3 optimizer steps, while rank 0 waits in its step 4" \
+            in why and "ranks ran different numbers of steps" in why, why
+        assert "frozen" not in why
+    finally:
+        rank0.close()
+        rank1.close()
+
+
+def test_rank_0_gone_with_its_store_is_named_as_exited():
+    master = store()
+    rank0, rank1 = pair(master)
+    rank0.close()
+    del master  # rank 0's process, which holds the store, exited: the connection is refused at once
+    why = rank1.diagnose()
+    assert why.startswith("unreachable from rank 1: rank 0 (") and "has exited" in why, why
+    rank1.close()
+
+
 def test_a_lost_store_names_rank_0_within_the_store_timeout():
     master = store()
     rank0, rank1 = pair(master)

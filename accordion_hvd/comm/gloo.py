@@ -127,6 +127,11 @@ class GlooChannel(ProcessGroupChannel):
         why = self._heartbeat.diagnose()
         return HorovodInternalError(f"{error} Diagnosis: {why}." if why else str(error))
 
+    def note_step(self, step: int) -> None:
+        """The optimizer step this rank is in now: published with its heartbeats, so that a
+        diagnosis can say where a rank that left was (comm/liveness.py)."""
+        self._heartbeat.step = step
+
     def close(self) -> None:
         """Stop the heartbeat (the world was re-formed; a new channel replaces this one)."""
         self._heartbeat.close()
