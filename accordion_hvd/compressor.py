@@ -74,6 +74,7 @@ from .exchange import BUCKET_BYTES, FIRST_BUCKET_BYTES, Round1, lane, make_excha
 from .horovod_seam import (GradientNames, bypass_allowed, find_optimizer, horovod_op_name, horovod_parameter,
                            install_bypass, placeholder, reduction_scale)
 from .levels import DENSE, Level, check_level, positive_number
+from .log import announce, levels_log
 from .network_probe import NetworkProbe
 from .policies import Accordion, make_policy
 from .step_faults import StepFaults
@@ -208,6 +209,7 @@ class AccordionCompressor(HorovodCompressor):
         self._faults = StepFaults()                  # non-finite gradients, on the device
         self._config_checked = False
         self._loaded_owner = None                    # (rank, world size) of a state loaded before both were known
+        self._said_unused: frozenset[str] = frozenset()  # the unused layers last logged
         self._new_step()
 
     def _new_step(self) -> None:
@@ -543,9 +545,31 @@ class AccordionCompressor(HorovodCompressor):
         return None if optimizer is None else [float(g["lr"]) for g in optimizer.param_groups]
 
     def _apply_levels(self, changed: dict[str, Level] | None) -> None:
+        applied: dict[str, list[str]] = {}
         for name, level in (changed or {}).items():
             if name in self._layers:
                 self.codec.set_level(self._layers[name], level)
+                applied.setdefault(str(level), []).append(name)
+        if applied and self.channel.rank == 0:  # every rank switches alike: one line for the job
+            unused = self.controller.unused()
+            parts = []
+            for level, names in sorted(applied.items()):
+                names = [n for n in names if n not in unused]  # a layer with no gradient: said once, below
+                if names:
+                    shown = ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
+                    parts.append(f"{len(names)} layer{'s' if len(names) > 1 else ''} to {level} ({shown})")
+            if parts:
+                announce(levels_log, "after step %d: %s", self.steps, "; ".join(parts))
+        self._say_unused()
+
+    def _say_unused(self) -> None:
+        """Once per new set: the layers that have had no gradient on any rank in any window."""
+        unused = self.controller.unused()
+        if unused and unused != self._said_unused and self.channel.rank == 0:
+            announce(levels_log, "after step %d: %d layer%s had no gradient on any rank in any detection window so far "
+                     "(%s); stats() marks them unused", self.steps, len(unused), "s" if len(unused) > 1 else "",
+                     ", ".join(sorted(unused)[:4]) + (" ..." if len(unused) > 4 else ""))
+        self._said_unused = unused
 
     # --- what users call between steps ---------------------------------------------------------
     @_DefaultInstanceMethod
@@ -658,14 +682,19 @@ class AccordionCompressor(HorovodCompressor):
     @_DefaultInstanceMethod
     def stats(self) -> dict:
         """Cumulative floats sent by this rank and what dense would have sent, with each
-        compressed layer's current level, and the last link ``measure_link`` measured."""
+        layer's current level ("dense" for a layer never compressed) and whether it is
+        ``unused`` (no gradient on any rank in any detection window so far: known to the
+        policies that measure norms, Accordion's and the network-aware one), and the last
+        link ``measure_link`` measured."""
+        unused = self.controller.unused()
         return {
             "floats_sent": sum(self._sent.values()),
             "floats_dense": sum(self._dense.values()),
             "steps": self.steps,
             "skipped_steps": self.skipped_steps,
             "layers": {n: {"floats_sent": self._sent[n], "floats_dense": self._dense[n],
-                           "level": str(self._layers[n].level if n in self._layers else DENSE)}
+                           "level": str(self._layers[n].level if n in self._layers else DENSE),
+                           "unused": n in unused}
                        for n in sorted(self._dense)},
             "link": None if self._link is None else {
                 "latency_s": self._link.link.alpha, "bytes_per_s": 1.0 / self._link.link.beta,

@@ -63,6 +63,8 @@ class RegimeController:
         self._window_steps = 0
         self._lrs: list[float] | None = None       # learning rates agreed at the last step
         self.windows = 0                           # detection points so far
+        self._seen: set[str] = set()               # layers with a nonzero window norm (on some rank) so far
+        self._known: set[str] = set()              # layers of the last window whose norms were measured
         self._warned_epoch_end = False
         self._last_step: float | None = None       # per-step policies: when the last step chose
         self.probe = None  # a network-aware policy's measurements, set by the adapter (network_probe.py)
@@ -129,6 +131,11 @@ class RegimeController:
             return None
         return self._apply(self._end_window(control, layers)) if self._window_steps else None
 
+    def unused(self) -> frozenset[str]:
+        """Layers that had no gradient on any rank in any window so far (the window norms
+        say; empty for policies that measure no norms)."""
+        return frozenset(self._known - self._seen)
+
     # --- per-step policies --------------------------------------------------------------------
     def step_levels(self) -> tuple[Level, ...]:
         """The levels whose gains a per-step policy needs this step."""
@@ -191,6 +198,8 @@ class RegimeController:
             local = np.asarray(self._local_norms(layers), dtype=np.float64)
             total = control.allreduce(local, name=f"acc.window.{len(layers)}.{digest:08x}", op="sum") / control.size
             norms = {layer: float(v) for layer, v in zip(layers, total)}
+            self._seen.update(layer for layer, v in norms.items() if v != 0)
+            self._known = set(layers)
             probe = self.probe if self.policy.uses_network else None
             network = measure = None
             if probe is not None and probe.levels:
@@ -241,6 +250,7 @@ class RegimeController:
                 "lrs": None if self._lrs is None else list(self._lrs),
                 "sums": {k: v.clone() for k, v in self._sums.items()}, "sq": {k: float(v) for k, v in self._sq.items()},
                 "weight": {k: float(v) for k, v in self._weight.items()},
+                "seen": sorted(self._seen), "known": sorted(self._known),
                 "policy": self.policy.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
@@ -251,6 +261,8 @@ class RegimeController:
         self._sums = {k: v.clone() for k, v in state["sums"].items()}
         self._sq = {k: float(v) for k, v in state["sq"].items()}
         self._weight = {k: float(v) for k, v in state["weight"].items()}
+        self._known = {str(k) for k in state.get("known", ())}
+        self._seen = {str(k) for k in state.get("seen", self._known)}  # older states: none reported unused
         self.policy.load_state_dict(state["policy"])
 
 

@@ -109,10 +109,11 @@ def test_small_and_1d_tensors_go_dense_and_floats_are_counted_exactly():
     results = run_steps(2, lambda: acc.PowerSGD(rank=2), steps)
     stats = results[0][1].stats()
     layers = stats["layers"]
-    assert layers["fc.bias"] == {"floats_sent": 40 * steps, "floats_dense": 40 * steps, "level": "dense"}
+    assert layers["fc.bias"] == {"floats_sent": 40 * steps, "floats_dense": 40 * steps, "level": "dense",
+                                 "unused": False}
     assert layers["tiny.weight"]["level"] == "dense"
     assert layers["fc.weight"] == {"floats_sent": (40 + 64) * 2 * steps, "floats_dense": 40 * 64 * steps,
-                                   "level": "normal"}
+                                   "level": "normal", "unused": False}
     assert layers["conv.weight"]["floats_sent"] == (16 + 72) * 2 * steps
     assert stats["floats_sent"] == sum(v["floats_sent"] for v in layers.values())
     assert stats["floats_dense"] == sum(v["floats_dense"] for v in layers.values())

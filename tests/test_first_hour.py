@@ -122,3 +122,47 @@ def test_a_state_of_another_world_size_loads_with_zero_error_feedback_and_a_warn
         d0.load_state_dict(c0.state_dict())
     assert "saved by 2 ranks, this job has 3" in caplog.text
     assert not d0._layers["w"].residual.any() and d0.steps == c0.steps
+
+
+# --- level switches are logged; unused layers are reported as such -------------------------
+_SWITCHING_JOB = """
+    import logging, sys, torch
+    import accordion_hvd as acc
+    from accordion_hvd.comm import SimulatedWorld
+    {configure}
+
+    def worker(rank, channel):
+        comp = acc.AccordionCompressor(acc.PowerSGD(rank=1, critical_rank=4), channel=channel, interval=2)
+        for step in range(8):
+            scale = 1.0 if step < 4 else 1.05  # norms settle: Accordion goes from critical to normal
+            gen = torch.Generator().manual_seed(rank)
+            grads = {{"used.weight": scale * torch.randn(64, 32, generator=gen), "unused.weight": torch.zeros(64, 32)}}
+            sent = {{n: comp.compress_named(n, g) for n, g in grads.items()}}
+            for n, (out, ctx) in sent.items():
+                comp.decompress(out, ctx)
+        return comp.stats()["layers"]
+
+    layers = SimulatedWorld(2).run(worker)
+    print("UNUSED", {{n: v["unused"] for n, v in layers[0].items()}})
+"""
+
+
+def test_level_switches_are_logged_once_on_rank_0_when_logging_is_not_configured():
+    result = _python(_SWITCHING_JOB.format(configure=""))
+    assert result.returncode == 0, result.stderr
+    switches = [line for line in result.stderr.splitlines() if line.startswith("accordion_hvd.levels: after step")]
+    to_normal = [line for line in switches if "to normal" in line]
+    assert len(to_normal) == 1 and "1 layer to normal (used.weight)" in to_normal[0], result.stderr
+    assert not any("unused.weight" in line and "to normal" in line for line in switches), switches
+    said = [line for line in switches if "had no gradient on any rank" in line]
+    assert len(said) == 1 and "(unused.weight)" in said[0], result.stderr
+    assert "UNUSED {'unused.weight': True, 'used.weight': False}" in result.stdout, result.stdout
+
+
+def test_level_switches_follow_the_applications_logging_configuration():
+    quiet = _python(_SWITCHING_JOB.format(configure="logging.basicConfig(level=logging.WARNING)"))
+    assert quiet.returncode == 0 and "accordion_hvd.levels" not in quiet.stderr, quiet.stderr
+    loud = _python(_SWITCHING_JOB.format(configure="logging.basicConfig(level=logging.INFO, format='%(name)s|%(message)s')"))
+    assert loud.returncode == 0 and loud.stderr.count("accordion_hvd.levels|after step") >= 2, loud.stderr
+    silenced = _python(_SWITCHING_JOB.format(configure="logging.getLogger('accordion_hvd.levels').setLevel(logging.WARNING)"))
+    assert silenced.returncode == 0 and "accordion_hvd.levels" not in silenced.stderr, silenced.stderr
