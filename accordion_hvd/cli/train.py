@@ -52,7 +52,7 @@ DATASETS = ("digits", "synthetic", "cifar10", "text")
 MODELS = ("cnn", "cnn-wide", "resnet18", "lstm")
 DEVICES = ("auto", "cpu", "cuda")
 
-__all__ = ["main", "make_compression", "parse_args", "read_checkpoint"]
+__all__ = ["main", "make_compression", "parse_args", "progress_total", "read_checkpoint"]
 
 
 def make_codec(args):
@@ -77,28 +77,46 @@ def make_compression(args):
     return AccordionCompressor(codec, policy=policy, eta=args.eta, interval=None if args.interval == 0 else args.interval)
 
 
+class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """The module docstring as written, and every option's default after its help, so that
+    ``--help`` alone says what a bare run does. As argparse.ArgumentDefaultsHelpFormatter,
+    except that a help which states its default itself (one that depends on other options,
+    like --policy's) is left alone, and an unset default reads "none" (a flag's: "off")
+    rather than Python's None, [] or False."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if not action.option_strings or action.default is argparse.SUPPRESS or "(default" in text:
+            return text
+        default = action.default
+        shown = ("off" if default is False else
+                 "none" if default is None or (isinstance(default, (str, list)) and not default) else "%(default)s")
+        return f"{text} (default: {shown})"
+
+
 def parse_args(argv=None) -> argparse.Namespace:
+    # Every option needs a help text: argparse prints no default for one without.
     p = argparse.ArgumentParser(prog="python -m accordion_hvd.train", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+                                formatter_class=_HelpFormatter)
     p.add_argument("--launcher", choices=LAUNCHERS, default="horovod",
-                   help="horovod (start with horovodrun, the default) or ddp (start with torchrun: "
+                   help="horovod (start with horovodrun) or ddp (start with torchrun: "
                         "DistributedDataParallel with our comm hook)")
     p.add_argument("--codec", choices=CODECS, default="powersgd",
-                   help="gradient compression: none, 16-bit (Horovod's fp16 or DDP's fp16 hook), or ours "
-                        "(default: powersgd)")
+                   help="gradient compression: none, 16-bit (Horovod's fp16 or DDP's fp16 hook), or ours")
     p.add_argument("--rank", type=int, default=1, help="PowerSGD rank in normal regimes")
-    p.add_argument("--critical-rank", type=int, default=None, help="PowerSGD rank in critical regimes")
+    p.add_argument("--critical-rank", type=int, default=None,
+                   help="PowerSGD rank in critical regimes (default: none: --rank in every regime)")
     p.add_argument("--ratio", type=float, default=0.05, help="TopK fraction kept in normal regimes")
-    p.add_argument("--critical-ratio", type=float, default=None, help="TopK fraction kept in critical regimes")
+    p.add_argument("--critical-ratio", type=float, default=None,
+                   help="TopK fraction kept in critical regimes (default: none: --ratio in every regime)")
     p.add_argument("--policy", choices=POLICIES, default=None,
                    help="level policy (default: accordion when a critical level is given, else static)")
     p.add_argument("--eta", type=float, default=0.5, help="Accordion threshold on the relative norm change")
     p.add_argument("--interval", type=int, default=0,
-                   help="detection window in optimizer steps; 0 (default): one window per epoch")
+                   help="detection window in optimizer steps; 0: one window per epoch")
     p.add_argument("--dense", choices=("fp32", "fp16"), default="fp32",
-                   help="network-aware: how a layer goes when it goes whole, in the gradient's dtype (fp32, the "
-                        "default) or in float16 through Horovod (half the bytes; the rounding error kept in "
-                        "error feedback)")
+                   help="network-aware: how a layer goes when it goes whole, in the gradient's dtype (fp32) or "
+                        "in float16 through Horovod (half the bytes; the rounding error kept in error feedback)")
     p.add_argument("--min-factor", type=float, default=10.0, help="GraVAC: smallest compression factor")
     p.add_argument("--max-factor", type=float, default=1000.0, help="GraVAC: largest compression factor")
     p.add_argument("--gravac-window", type=int, default=100, help="GraVAC: steps between candidate growths")
@@ -106,29 +124,33 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--batch-mode", action="store_true",
                    help="Accordion drives the batch size: --batch-size per step in critical regimes, "
                         "--large-passes times that (gradient accumulation, lr scaled alike) otherwise")
-    p.add_argument("--large-passes", type=int, default=8, help="micro-batches per step in normal regimes "
-                                                                "with --batch-mode (default 8: 32 -> 256)")
-    p.add_argument("--dataset", choices=DATASETS, default="digits")
+    p.add_argument("--large-passes", type=int, default=8,
+                   help="micro-batches per step in normal regimes with --batch-mode (8 at --batch-size 32: 256 "
+                        "samples a step)")
+    p.add_argument("--dataset", choices=DATASETS, default="digits",
+                   help="what to train on: digits, synthetic (generated), cifar10 (from --data-dir) or text "
+                        "(Python's standard library, for --model lstm)")
     p.add_argument("--data-dir", type=Path, default=None, help="where cifar10 is (never downloaded)")
     p.add_argument("--model", choices=MODELS, default=None,
-                   help="default: cnn, resnet18 for cifar10, lstm for text; cnn-wide: 2.2 M parameters, for "
-                        "bandwidth-bound runs")
+                   help="the network; cnn-wide: 2.2 M parameters, for bandwidth-bound runs (default: cnn, "
+                        "resnet18 for cifar10, lstm for text)")
     p.add_argument("--seq-len", type=int, default=35, help="--dataset text: tokens per training sequence")
-    p.add_argument("--folds", type=int, default=5, help="--dataset digits: cross-validation folds (default 5)")
+    p.add_argument("--folds", type=int, default=5, help="--dataset digits: cross-validation folds")
     p.add_argument("--fold", type=int, default=0, help="--dataset digits: the fold that is the test set")
     p.add_argument("--max-steps", type=int, default=0,
                    help="stop after this many optimizer steps (0: run every epoch), then evaluate; for smoke runs")
     p.add_argument("--device", choices=DEVICES, default="auto",
                    help="where to train: cuda if torch sees a GPU (auto), or the one named")
-    p.add_argument("--epochs", type=int, default=15)
+    p.add_argument("--epochs", type=int, default=15,
+                   help="epochs to train (in all: a resumed run's earlier epochs count)")
     p.add_argument("--batch-size", type=int, default=32, help="per-rank batch size")
     p.add_argument("--lr", type=float, default=0.02,
                    help="learning rate per rank (scaled by world size); 0.02 keeps the last epochs of a "
                         "compressed run on digits steady, higher rates make them swing by several points")
     p.add_argument("--lr-milestones", default="", help="epochs at which the lr is multiplied by --lr-gamma, "
                                                        "comma-separated (e.g. 10,15)")
-    p.add_argument("--lr-gamma", type=float, default=0.1)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--lr-gamma", type=float, default=0.1, help="the lr's factor at each of --lr-milestones")
+    p.add_argument("--seed", type=int, default=0, help="seed of the initial weights, the data's folds and shuffling")
     p.add_argument("--logdir", type=Path, default=None, help="write steps.csv, eval.csv, TensorBoard events, PNGs")
     p.add_argument("--checkpoint", type=Path, default=None, help="save here every epoch (PATH.rank<r> per rank)")
     p.add_argument("--resume", type=Path, default=None, help="continue from this --checkpoint PATH")
@@ -283,6 +305,7 @@ class Run:
     metrics: object = None       # MetricsLogger on rank 0 with --logdir
     started: float = 0.0
     seconds_before: dict | None = None
+    bar_counts_steps: bool = False  # the progress bar counts optimizer steps, else micro-batches
 
 
 def run_cli(argv=None) -> None:
@@ -313,8 +336,14 @@ def main(argv=None) -> float:
         install_polite_wait()  # every method alike, the uncompressed baselines included
     run = set_up(args, front)
     micro_per_epoch = (len(run.task.train.y) // front.size) // args.batch_size
-    bar = progress(micro_per_epoch * (args.epochs - run.epoch), enabled=rank0 and not args.no_progress,
-                   desc="training (micro-batches)" if run.batch else "training")
+    # The bar's total is what the run will do, --max-steps included, or its ETA is wrong
+    # (a 30-step smoke run showed hours to go). In batch mode a step takes 1 to
+    # --large-passes micro-batches, decided as it runs: with --max-steps the bar counts
+    # steps then (exact when --max-steps stops the run), without it micro-batches (exact).
+    run.bar_counts_steps = run.batch is not None and args.max_steps > 0
+    total = progress_total(micro_per_epoch, args.epochs, run.epoch, run.step, args.max_steps)
+    bar = progress(total, enabled=rank0 and not args.no_progress,
+                   desc="training (micro-batches)" if run.batch and not run.bar_counts_steps else "training")
     run.metrics = _metrics_logger(args, run.model) if rank0 and args.logdir else None
     run.started, run.seconds_before = time.perf_counter(), dict(run.compression.seconds)
     acc = float("nan")
@@ -330,6 +359,17 @@ def main(argv=None) -> float:
     finish(run, acc)
     front.close()
     return acc
+
+
+def progress_total(steps_per_epoch: int, epochs: int, start_epoch: int, start_step: int, max_steps: int) -> int:
+    """The optimizer steps a run takes when each is one micro-batch: the epochs left after
+    ``start_epoch``, cut at ``max_steps`` (0: no cut), which counts a resumed run's
+    ``start_step`` earlier steps too. The loop checks --max-steps after a step, so a run
+    resumed at or past it still takes one (if it has an epoch left)."""
+    steps = steps_per_epoch * max(epochs - start_epoch, 0)
+    if max_steps and steps:
+        steps = min(steps, max(max_steps - start_step, 1))
+    return steps
 
 
 def set_up(args, front) -> Run:
@@ -373,10 +413,13 @@ def train_epoch(run: Run, epoch: int, micro_per_epoch: int, bar) -> torch.Tensor
             loss = loss * float("nan")
         (loss if batch is None else loss / batch.passes).backward()  # batch mode: the mean over micro-batches
         micro += 1
-        bar.update()
+        if not run.bar_counts_steps:
+            bar.update()
         last = micro == micro_per_epoch  # every rank has the same count: a short last step is safe
         if batch is None or batch.micro_batch_done() or last:
             optimizer_step(run, epoch, loss)
+            if run.bar_counts_steps:
+                bar.update()
             if args.max_steps and run.step >= args.max_steps:
                 break
     return loss
@@ -400,9 +443,13 @@ def end_epoch(run: Run, epoch: int, loss: torch.Tensor, bar) -> float:
     """Detection point, the epoch's evaluation (validation split, else test), eval row,
     checkpoint; returns the score."""
     run.epoch = epoch + 1
-    run.compression.epoch_end()  # a detection point when --interval 0
-    if run.batch is not None:
-        run.batch.epoch_end()
+    # A detection point only with --interval 0 (windows are epochs): with a window of N steps
+    # the controller ignores epoch_end() and warns, on every rank, as it must for a user who
+    # calls it by mistake; the CLI chose the windows itself, so it has nothing to say.
+    if run.args.interval == 0:
+        run.compression.epoch_end()
+        if run.batch is not None:
+            run.batch.epoch_end()
     metric, split = run.task.metric, run.task.valid if run.task.valid is not None else run.task.test
     score = evaluate(run.front, run.model, split, metric)
     bar.set_postfix(loss=f"{loss.item():.3f}", **{metric[:3]: f"{score:.4f}"})
@@ -431,8 +478,7 @@ def finish(run: Run, acc: float) -> None:
     if run.metrics is not None:
         run.metrics.close()
         from .plots import plot_run
-        for png in plot_run(run.args.logdir):
-            log.info("wrote %s", png)
+        plot_run(run.args.logdir)  # logs "wrote PATH" for each figure itself
 
 
 def _metrics_logger(args, model):
