@@ -342,6 +342,8 @@ class AccordionCompressor(HorovodCompressor):
     @_DefaultInstanceMethod
     def decompress(self, tensor: torch.Tensor, ctx):
         """Called by Horovod with the allreduced tensor; returns the averaged gradient."""
+        if ctx is None:  # a sparse gradient that Horovod reduced itself (sparse_as_dense=False): never ours
+            return tensor
         kind, name = ctx
         if name not in self._in_step:
             raise RuntimeError(f"AccordionCompressor: no result for {name!r}: decompress called twice, "

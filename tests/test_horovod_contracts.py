@@ -21,6 +21,18 @@ def test_gradient_predivide_factor_still_averages(codec):
     assert out.count(": OK predivide") == 2, out
 
 
+@pytest.mark.parametrize("codec", ["powersgd", "topk"])
+def test_backward_passes_per_step_compresses_the_accumulated_gradient(codec):
+    out = run_worker("horovod_op_check.py", codec, "passes", np=2, backend="gloo")
+    assert out.count(": OK passes") == 2, out
+
+
+@pytest.mark.parametrize("codec", ["powersgd", "topk"])
+def test_a_sparse_gradient_is_left_to_horovod(codec):
+    out = run_worker("horovod_op_check.py", codec, "sparse", np=2, backend="gloo")
+    assert out.count(": OK sparse") == 2, out
+
+
 @pytest.mark.parametrize("backend", ["gloo", "mpi"])
 @pytest.mark.parametrize("mode,named", [("refuse-adasum", "op=hvd.Adasum"), ("refuse-min", "op=hvd.Min")])
 def test_an_op_the_codecs_cannot_honour_is_refused_on_every_rank(mode, named, backend):

@@ -14,6 +14,10 @@ MODE "refuse-adasum", "refuse-min": the first step raises a ValueError naming th
 every rank, before any collective (then the worker prints OK and exits).
 MODE "process-set": (3 ranks) the optimizer of ranks 0 and 1 reduces over the process set
 {0, 1}: they raise a ValueError naming process_set; rank 2 is not in it and does nothing.
+MODE "passes": B uses backward_passes_per_step=2, each pass on half the batch with half the
+loss: its reduced gradients equal A's, whose one pass takes the whole batch.
+MODE "sparse": a model with a sparse embedding (sparse_as_dense=False: Horovod reduces that
+gradient itself, the compressor never sees it) trains alike on every rank.
 """
 
 import sys
@@ -54,9 +58,11 @@ gen = torch.Generator().manual_seed(rank)
 x, y = torch.randn(16, 32, generator=gen), torch.randint(0, 4, (16,), generator=gen)
 
 
-def reduced_gradients(model, opt) -> dict:
+def reduced_gradients(model, opt, passes: int = 1) -> dict:
     opt.zero_grad()
-    F.cross_entropy(model(x), y).backward()
+    for part in range(passes):  # gradient accumulation: each pass on its share of the batch
+        rows = slice(part * len(x) // passes, (part + 1) * len(x) // passes)
+        (F.cross_entropy(model(x[rows]), y[rows]) / passes).backward()
     opt.synchronize()
     grads = {n: p.grad.clone() for n, p in model.named_parameters()}
     with opt.skip_synchronize():
@@ -83,14 +89,38 @@ if mode.startswith("refuse-") or mode == "process-set":
         sys.exit(0)
     check(False, f"{mode}: the step ran; expected a ValueError naming {expected}")
 
+if mode == "sparse":
+    torch.manual_seed(0)
+    embed, head = torch.nn.Embedding(100, 32, sparse=True), torch.nn.Linear(32, 64)
+    out = torch.nn.Linear(64, 4)
+    model = torch.nn.ModuleDict({"embed": embed, "head": head, "out": out})
+    compression = acc.AccordionCompressor(make_codec(), named_parameters=model.named_parameters())
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), named_parameters=model.named_parameters(),
+                                   compression=compression)
+    tokens = torch.randint(0, 100, (16,), generator=gen)
+    for step in range(3):
+        opt.zero_grad()
+        F.cross_entropy(out(torch.relu(head(embed(tokens)))), y).backward()
+        opt.step()
+    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    check(torch.equal(hvd.broadcast(flat, root_rank=0, name="sparse.final"), flat), "parameters differ between ranks")
+    layers = compression.stats()["layers"]
+    check("embed.weight" not in layers and layers["head.weight"]["floats_sent"] < layers["head.weight"]["floats_dense"],
+          f"expected the embedding left to Horovod and head.weight compressed: {layers}")
+    say(f"rank {rank}: OK sparse {codec_name}")
+    sys.exit(0)
+
 a, b, c = make_model(), make_model(), make_model()
 opt_a, comp_a = make_optimizer(a, True)
-b_args = {"op": hvd.Sum} if mode == "sum" else {"gradient_predivide_factor": 4.0}
+b_args = {"sum": {"op": hvd.Sum}, "predivide": {"gradient_predivide_factor": 4.0},
+          "passes": {"backward_passes_per_step": 2}}[mode]
 opt_b, comp_b = make_optimizer(b, True, **b_args)
 opt_c, _ = make_optimizer(c, False, **b_args)
 factor = size if mode == "sum" else 1
+passes = b_args.get("backward_passes_per_step", 1)
 for step in range(3):
-    ga, gb, gc = reduced_gradients(a, opt_a), reduced_gradients(b, opt_b), reduced_gradients(c, opt_c)
+    ga = reduced_gradients(a, opt_a)
+    gb, gc = reduced_gradients(b, opt_b, passes), reduced_gradients(c, opt_c, passes)
     for name in ga:
         check(torch.allclose(gb[name], factor * ga[name], rtol=1e-5, atol=1e-6),
               f"step {step}: {name}: {mode} gave {gb[name].norm():.6g}, expected {factor} x average "
