@@ -76,7 +76,7 @@ from .horovod_seam import (GradientNames, bypass_allowed, find_optimizer, horovo
 from .levels import DENSE, Level, check_level, positive_number
 from .log import announce, levels_log
 from .network_probe import NetworkProbe
-from .policies import Accordion, make_policy
+from .policies import make_policy
 from .step_faults import StepFaults
 
 
@@ -166,7 +166,7 @@ class AccordionCompressor(HorovodCompressor):
         self.eta = float(positive_number("eta", eta))
         self.interval = None if interval is None else positive_number("interval", interval, integer=True)
         self.policy = make_policy(policy, eta=self.eta, codec_adaptive=codec.adaptive)
-        if isinstance(self.policy, Accordion) and not codec.adaptive:
+        if self.policy.needs_two_levels and not codec.adaptive:
             raise ValueError(f"policy {self.policy!r} switches each layer between the codec's two levels, but {codec!r} "
                              f"has one; give the codec a gentler critical level (PowerSGD(rank=1, critical_rank=4), "
                              f"TopK(ratio=0.01, critical_ratio=0.1)) or pass policy='static'")

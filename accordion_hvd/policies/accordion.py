@@ -34,6 +34,7 @@ class Accordion(Policy):
     """
 
     name = "accordion"
+    needs_two_levels = True
 
     def __init__(self, eta: float = 0.5) -> None:
         self.eta = float(positive_number("eta", eta))

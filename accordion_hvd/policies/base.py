@@ -114,6 +114,7 @@ class Policy:
     reacts_to_lr = True  # False: no per-step learning-rate reduction either
     per_step = False     # True: step_levels() and choose_step() decide every step
     uses_network = False  # True: windows carry level errors and a NetworkReport
+    needs_two_levels = False  # True: only switches between the codec's NORMAL and CRITICAL (useless with one)
     dense_level = DENSE   # the level such a policy may send a layer whole at (DENSE, or DENSE16)
 
     def config(self) -> dict:
