@@ -188,6 +188,7 @@ class AccordionCompressor(HorovodCompressor):
         self.wait = check_wait(wait)
         self._met_horovod = False                    # compress() was called by Horovod: wait installed
         self._result_scale = 1.0                     # our averages times this: Horovod's op (size for Sum)
+        self._front_end: dict = {}                   # the front end's settings every rank must share (Horovod's op)
         self._bypass = False                         # uncompressed layers travel on our data plane too
         self._channel = channel
         self._channel_given = channel is not None
@@ -210,6 +211,7 @@ class AccordionCompressor(HorovodCompressor):
         self._config_checked = False
         self._loaded_owner = None                    # (rank, world size) of a state loaded before both were known
         self._said_unused: frozenset[str] = frozenset()  # the unused layers last logged
+        self._said_at_window = 0                     # the detection window they were looked at
         self._new_step()
 
     def _new_step(self) -> None:
@@ -330,7 +332,10 @@ class AccordionCompressor(HorovodCompressor):
         rank waiting), agree on the settings, Horovod's op among them, with every rank, and
         take the uncompressed gradients off Horovod."""
         self._result_scale = reduction_scale(optimizer)
-        self._check_config_once(front_end={"horovod_op": None if optimizer is None else horovod_op_name(optimizer)})
+        # Kept: every later check (a world re-formed by Elastic) compares it again, also with a
+        # worker that joined and meets Horovod for the first time.
+        self._front_end = {"horovod_op": None if optimizer is None else horovod_op_name(optimizer)}
+        self._check_config_once()
         install_polite_wait(self.wait)  # first: it also makes Horovod's optimizer read bypass handles
         install_bypass()
         why_not = bypass_allowed(optimizer)
@@ -457,9 +462,9 @@ class AccordionCompressor(HorovodCompressor):
         return {**self.codec.config(), "eta": self.eta, **self.controller.config(),
                 "bucket_cap_mb": self.bucket_cap / 2**20}  # every rank must cut the same buckets
 
-    def _check_config_once(self, front_end: dict | None = None) -> None:
+    def _check_config_once(self) -> None:
         """At the first compress, compare every rank's settings (one blocking allgather), with
-        the front end's own (``front_end``: Horovod's ``op``), which must agree too.
+        the front end's own (``_front_end``: Horovod's ``op``), which must agree too.
 
         Ranks started with different settings would issue collectives that never pair (a
         hang) or pair wrong tensors; instead every rank raises the same ValueError naming the
@@ -467,7 +472,7 @@ class AccordionCompressor(HorovodCompressor):
         if self._config_checked:
             return
         self._check_loaded_owner()
-        mine = json.dumps({**self.config(), **(front_end or {})}, sort_keys=True, default=repr).encode()
+        mine = json.dumps({**self.config(), **self._front_end}, sort_keys=True, default=repr).encode()
         if len(mine) > _CONFIG_BYTES:  # never in practice; still compared exactly
             mine = json.dumps({"config_sha256": hashlib.sha256(mine).hexdigest()}).encode()
         buffer = torch.zeros(_CONFIG_BYTES, dtype=torch.uint8)
@@ -565,7 +570,11 @@ class AccordionCompressor(HorovodCompressor):
         self._say_unused()
 
     def _say_unused(self) -> None:
-        """Once per new set: the layers that have had no gradient on any rank in any window."""
+        """Once per new set: the layers that have had no gradient on any rank in any window
+        (looked at once per detection window, when the window norms change)."""
+        if self.controller.windows == self._said_at_window:
+            return
+        self._said_at_window = self.controller.windows
         unused = self.controller.unused()
         if unused and unused != self._said_unused and self.channel.rank == 0:
             announce(levels_log, "after step %d: %d layer%s had no gradient on any rank in any detection window so far "
