@@ -190,3 +190,43 @@ def test_network_aware_policy_trains_checkpoints_and_resumes(tmp_path):
         rows = list(csv.DictReader(f))
     assert int(rows[-1]["floats_sent"]) < int(rows[-1]["floats_dense"]), rows[-1]
     assert float(out.split("final test accuracy: ")[1].split()[0]) > 0.9, out  # Accordion: 0.82 at 4 epochs
+
+
+def test_transformer_language_model_with_adamw_trains_on_the_standard_library(tmp_path):
+    """--model transformer --optimizer adamw: a few steps lower the perplexity far below a
+    uniform guess, and the compressor compresses the transformer's matrices."""
+    out = run_module("accordion_hvd.train", "--dataset", "text", "--model", "transformer", "--optimizer", "adamw",
+                     "--codec", "powersgd", "--rank", "1", "--critical-rank", "4", "--lr", "0.001",
+                     "--max-steps", "40", "--logdir", str(tmp_path), "--no-progress", np=2, backend="gloo",
+                     timeout=300)
+    vocabulary = int(out.split("vocabulary: ")[1].split()[0])
+    perplexity = float(out.split("final test perplexity: ")[1].split()[0])
+    assert "training transformer" in out and 1 < perplexity < vocabulary / 10, out
+    with open(tmp_path / "steps.csv") as f:
+        last = list(csv.DictReader(f))[-1]
+    assert int(last["floats_sent"]) < int(last["floats_dense"]) / 5, last
+
+
+def test_an_unreached_target_trains_on_at_the_final_rate_until_the_time_cap(tmp_path):
+    """--target not reached after --epochs: more epochs, until --time-cap (checked at each of
+    --evals-per-epoch evaluations); every evaluation is in eval.csv."""
+    out = run_module("accordion_hvd.train", "--codec", "topk", "--ratio", "0.1", "--epochs", "1",
+                     "--evals-per-epoch", "3", "--target", "0.9999", "--time-cap", "12", "--logdir", str(tmp_path),
+                     "--no-progress", np=2, backend="gloo", timeout=300)
+    assert "--target 0.9999 not reached after 1 epochs" in out and "--time-cap 12 s passed" in out, out
+    with open(tmp_path / "eval.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert len(rows) >= 4 and len({r["step"] for r in rows}) == len(rows), rows  # 3 per epoch, past epoch 1
+    assert float(rows[-1]["wall_s"]) > 12 and float(rows[-2]["wall_s"]) <= 12 + 5, rows[-2:]
+
+
+def test_a_reached_target_stops_at_the_standard_budget_and_a_diverged_run_is_said(tmp_path):
+    reached = run_module("accordion_hvd.train", "--codec", "topk", "--ratio", "0.1", "--epochs", "2",
+                         "--target", "0.05", "--time-cap", "600", "--no-progress", np=2, backend="gloo")
+    assert "not reached" not in reached and "(2 ranks, 2 epochs," in reached, reached
+    diverged = run_module("accordion_hvd.train", "--codec", "topk", "--ratio", "0.1", "--epochs", "3",
+                          "--lr", "1e6", "--no-progress", np=2, backend="gloo")
+    # The compressor skips every step with a non-finite gradient: parameters stay finite, and
+    # a run whose every step since the last evaluation was skipped has diverged.
+    assert "diverged" in diverged and "every step since the last evaluation skipped" in diverged, diverged
+    assert "(2 ranks, 3 epochs" not in diverged, diverged  # stopped before its 3 epochs

@@ -97,3 +97,70 @@ class LSTMLanguageModel(nn.Module):
         """(batch, time) token ids -> (batch, time, vocabulary) logits of the next token."""
         hidden, _ = self.lstm(self.drop(self.embedding(tokens)))
         return self.decoder(self.drop(hidden))
+
+
+class _DecoderBlock(nn.Module):
+    """Pre-norm transformer block: x + attention(norm(x)), then x + MLP(norm(x))."""
+
+    def __init__(self, dim: int, heads: int, dropout: float) -> None:
+        super().__init__()
+        self.heads = heads
+        self.norm1 = nn.LayerNorm(dim)
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.proj = nn.Linear(dim, dim)
+        self.norm2 = nn.LayerNorm(dim)
+        self.fc1 = nn.Linear(dim, 4 * dim)
+        self.fc2 = nn.Linear(4 * dim, dim)
+        self.drop = nn.Dropout(dropout)
+
+    def forward(self, x):
+        b, t, d = x.shape
+        q, k, v = self.qkv(self.norm1(x)).view(b, t, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        attended = nn.functional.scaled_dot_product_attention(
+            q, k, v, is_causal=True, dropout_p=self.drop.p if self.training else 0.0)
+        x = x + self.drop(self.proj(attended.transpose(1, 2).reshape(b, t, d)))
+        return x + self.drop(self.fc2(nn.functional.gelu(self.fc1(self.norm2(x)))))
+
+
+class TransformerLanguageModel(nn.Module):
+    """A small decoder-only transformer language model (GPT-2's layout, smaller for CPUs):
+    token embedding plus learned positions, ``layers`` pre-norm blocks (causal multi-head
+    attention, a 4x MLP), a final LayerNorm, and a decoder that shares the embedding's weight
+    (tied embeddings).
+
+    What it gives a compressor, unlike the LSTM: the (vocabulary x dim) embedding/decoder,
+    the positions (context x dim), and per block four matrices of three shapes (the fused
+    q/k/v projection 3 dim x dim, the output projection dim x dim, the MLP's 4 dim x dim and
+    dim x 4 dim); LayerNorm weights and all biases go dense. GPT-2's initialization: normal
+    with std 0.02, the residual projections scaled by 1/sqrt(2 layers).
+    """
+
+    def __init__(self, vocabulary: int, context: int, dim: int = 128, layers: int = 2, heads: int = 4,
+                 dropout: float = 0.1) -> None:
+        super().__init__()
+        if dim % heads:
+            raise ValueError(f"dim ({dim}) must be a multiple of heads ({heads})")
+        self.context = context
+        self.embedding = nn.Embedding(vocabulary, dim)
+        self.positions = nn.Embedding(context, dim)
+        self.drop = nn.Dropout(dropout)
+        self.blocks = nn.ModuleList(_DecoderBlock(dim, heads, dropout) for _ in range(layers))
+        self.norm = nn.LayerNorm(dim)
+        self.decoder = nn.Linear(dim, vocabulary)
+        self.decoder.weight = self.embedding.weight  # tied
+        for name, p in self.named_parameters():
+            if name.endswith("bias"):
+                nn.init.zeros_(p)
+            elif p.dim() >= 2:
+                scaled = name.endswith(("proj.weight", "fc2.weight"))
+                nn.init.normal_(p, std=0.02 / (2 * layers) ** 0.5 if scaled else 0.02)
+
+    def forward(self, tokens):
+        """(batch, time) token ids, time <= context -> (batch, time, vocabulary) logits of the next token."""
+        t = tokens.shape[1]
+        if t > self.context:
+            raise ValueError(f"sequences of {t} tokens, but the model's context is {self.context}")
+        x = self.drop(self.embedding(tokens) + self.positions.weight[:t])
+        for block in self.blocks:
+            x = block(x)
+        return self.decoder(self.norm(x))

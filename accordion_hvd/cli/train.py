@@ -49,7 +49,9 @@ log = logging.getLogger("accordion_hvd.train")
 CODECS = ("none", "fp16", "powersgd", "topk")
 POLICIES = ("accordion", "static", "gravac", "network-aware")
 DATASETS = ("digits", "synthetic", "cifar10", "text")
-MODELS = ("cnn", "cnn-wide", "resnet18", "lstm")
+MODELS = ("cnn", "cnn-wide", "resnet18", "lstm", "transformer")
+LANGUAGE_MODELS = ("lstm", "transformer")
+OPTIMIZERS = ("sgd", "adamw")
 DEVICES = ("auto", "cpu", "cuda")
 
 __all__ = ["main", "make_compression", "parse_args", "progress_total", "read_checkpoint"]
@@ -129,14 +131,26 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "samples a step)")
     p.add_argument("--dataset", choices=DATASETS, default="digits",
                    help="what to train on: digits, synthetic (generated), cifar10 (from --data-dir) or text "
-                        "(Python's standard library, for --model lstm)")
+                        "(Python's standard library, for --model lstm or transformer)")
     p.add_argument("--data-dir", type=Path, default=None, help="where cifar10 is (never downloaded)")
     p.add_argument("--model", choices=MODELS, default=None,
-                   help="the network; cnn-wide: 2.2 M parameters, for bandwidth-bound runs (default: cnn, "
-                        "resnet18 for cifar10, lstm for text)")
-    p.add_argument("--seq-len", type=int, default=35, help="--dataset text: tokens per training sequence")
+                   help="the network; cnn-wide: 2.2 M parameters, for bandwidth-bound runs; transformer: a small "
+                        "decoder-only language model (default: cnn, resnet18 for cifar10, lstm for text)")
+    p.add_argument("--seq-len", type=int, default=35,
+                   help="--dataset text: tokens per training sequence (the transformer's context)")
+    p.add_argument("--optimizer", choices=OPTIMIZERS, default="sgd",
+                   help="sgd (momentum 0.9) or adamw (weight decay 0.01 on matrices), at --lr")
     p.add_argument("--folds", type=int, default=5, help="--dataset digits: cross-validation folds")
     p.add_argument("--fold", type=int, default=0, help="--dataset digits: the fold that is the test set")
+    p.add_argument("--evals-per-epoch", type=int, default=1,
+                   help="score the validation split this many times per epoch, evenly spaced (the last at the "
+                        "epoch's end): finer time-to-quality curves")
+    p.add_argument("--target", type=float, default=None,
+                   help="a quality to reach (perplexity: at most; accuracy: at least): if the validation score "
+                        "has not reached it after --epochs, training goes on at the final learning rate, epoch "
+                        "after epoch, until it does or --time-cap (time-to-quality runs)")
+    p.add_argument("--time-cap", type=float, default=None,
+                   help="stop at the first evaluation after this many seconds of training (time-to-quality runs)")
     p.add_argument("--max-steps", type=int, default=0,
                    help="stop after this many optimizer steps (0: run every epoch), then evaluate; for smoke runs")
     p.add_argument("--device", choices=DEVICES, default="auto",
@@ -177,11 +191,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.dataset == "cifar10" and args.data_dir is None:
         p.error("--dataset cifar10 needs --data-dir (it is never downloaded)")
     args.model = args.model or {"cifar10": "resnet18", "text": "lstm"}.get(args.dataset, "cnn")
-    if (args.dataset == "text") != (args.model == "lstm"):
-        p.error(f"--model lstm goes with --dataset text and only with it, got --dataset {args.dataset} "
-                f"--model {args.model}")
+    if (args.dataset == "text") != (args.model in LANGUAGE_MODELS):
+        p.error(f"--model lstm and --model transformer go with --dataset text and only with it, got --dataset "
+                f"{args.dataset} --model {args.model}")
     if args.folds < 2 or not 0 <= args.fold < args.folds:
         p.error(f"--fold must be in [0, --folds) with --folds >= 2, got --fold {args.fold} --folds {args.folds}")
+    if args.evals_per_epoch < 1 or (args.time_cap is not None and not args.time_cap > 0):
+        p.error(f"--evals-per-epoch must be at least 1 and --time-cap positive, got {args.evals_per_epoch} and "
+                f"{args.time_cap}")
     if args.seq_len < 1 or args.max_steps < 0:
         p.error(f"--seq-len must be at least 1 and --max-steps at least 0, got {args.seq_len} and {args.max_steps}")
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -254,6 +271,8 @@ def load_data(args) -> Task:
 def make_model(args, task: Task) -> torch.nn.Module:
     if args.model == "lstm":
         return models.LSTMLanguageModel(task.classes)
+    if args.model == "transformer":
+        return models.TransformerLanguageModel(task.classes, context=args.seq_len)
     train = task.train
     channels = train.x.shape[1]
     if args.model in ("cnn", "cnn-wide"):
@@ -262,6 +281,17 @@ def make_model(args, task: Task) -> torch.nn.Module:
                              f"use --model resnet18")
         return (models.SmallCNN if args.model == "cnn" else models.WideCNN)(channels=channels)
     return models.ResNet18(channels=channels)
+
+
+def make_optimizer(name: str, model: torch.nn.Module, lr: float) -> torch.optim.Optimizer:
+    """SGD with momentum 0.9 (the papers' CNNs and LSTM), or AdamW (what transformers are
+    usually trained with: betas 0.9/0.999, weight decay 0.01 on matrices only)."""
+    if name == "sgd":
+        return torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
+    matrices = [p for p in model.parameters() if p.dim() >= 2]
+    others = [p for p in model.parameters() if p.dim() < 2]
+    return torch.optim.AdamW([{"params": matrices, "weight_decay": 0.01}, {"params": others, "weight_decay": 0.0}],
+                             lr=lr)
 
 
 def loss_of(logits: torch.Tensor, y: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
@@ -306,6 +336,10 @@ class Run:
     started: float = 0.0
     seconds_before: dict | None = None
     bar_counts_steps: bool = False  # the progress bar counts optimizer steps, else micro-batches
+    best: float | None = None    # the best validation score so far
+    last_score: float = math.nan  # the last one
+    scored: tuple[int, int] = (0, 0)  # (steps, skipped steps) at the last evaluation
+    stop: str | None = None      # why the run stops early (diverged, --time-cap), once it must
 
 
 def run_cli(argv=None) -> None:
@@ -347,11 +381,16 @@ def main(argv=None) -> float:
     run.metrics = _metrics_logger(args, run.model) if rank0 and args.logdir else None
     run.started, run.seconds_before = time.perf_counter(), dict(run.compression.seconds)
     acc = float("nan")
-    for epoch in range(run.epoch, args.epochs):
+    epoch = run.epoch
+    while epoch < args.epochs or go_on(run):
         loss = train_epoch(run, epoch, micro_per_epoch, bar)
         acc = end_epoch(run, epoch, loss, bar)
+        epoch += 1
         if args.max_steps and run.step >= args.max_steps:
             log.info("stopped after %d optimizer steps (--max-steps)", run.step)
+            break
+        if run.stop is not None:
+            log.info("stopped at epoch %d, step %d: %s", epoch, run.step, run.stop)
             break
     bar.close()
     if run.task.valid is not None:  # the epochs were scored on the validation split: now the test split
@@ -359,6 +398,22 @@ def main(argv=None) -> float:
     finish(run, acc)
     front.close()
     return acc
+
+
+def reached(run: "Run", score: float) -> bool:
+    """Whether ``score`` meets --target (perplexity: at most it; accuracy: at least it)."""
+    target = run.args.target
+    return target is not None and (score <= target if run.task.metric == "perplexity" else score >= target)
+
+
+def go_on(run: "Run") -> bool:
+    """After --epochs: whether to train another epoch at the final learning rate (--target not
+    reached yet, the run neither stopped nor out of --time-cap)."""
+    if run.args.target is None or run.stop is not None or run.best is None or reached(run, run.best):
+        return False
+    log.info("--target %g not reached after %d epochs (best %.4f): one more epoch at the final learning rate",
+             run.args.target, run.epoch, run.best)
+    return True
 
 
 def progress_total(steps_per_epoch: int, epochs: int, start_epoch: int, start_step: int, max_steps: int) -> int:
@@ -380,7 +435,7 @@ def set_up(args, front) -> Run:
     task = Task(*(None if s is None else data.Split(s.x.to(device), s.y.to(device)) for s in task[:3]), *task[3:])
     model = make_model(args, task).to(device)  # initialized on the CPU: the same weights on any device
     base_lr = args.lr * front.size
-    opt = torch.optim.SGD(model.parameters(), lr=base_lr, momentum=0.9)
+    opt = make_optimizer(args.optimizer, model, base_lr)
     compression = make_compression(args)
     net, opt = front.wrap(model, opt, compression, device)
     batch = (AccordionBatchSize(opt, small=1, large=args.large_passes, eta=args.eta,
@@ -406,6 +461,8 @@ def train_epoch(run: Run, epoch: int, micro_per_epoch: int, bar) -> torch.Tensor
     for group in opt.param_groups:  # with --batch-mode, times its current scale
         group["lr"] = lr * (batch.lr_scale if batch else 1.0)
     micro = 0
+    # Where the evaluations inside the epoch fall (--evals-per-epoch): evenly spaced micro-batches.
+    checkpoints = {round(micro_per_epoch * k / args.evals_per_epoch) for k in range(1, args.evals_per_epoch)}
     opt.zero_grad()
     for x, y in data.shard_batches(run.task.train, args.batch_size, run.front.rank, run.front.size, epoch, args.seed):
         loss = loss_of(run.net(x), y)
@@ -422,7 +479,44 @@ def train_epoch(run: Run, epoch: int, micro_per_epoch: int, bar) -> torch.Tensor
                 bar.update()
             if args.max_steps and run.step >= args.max_steps:
                 break
+            if not last and micro in checkpoints:  # an evaluation inside the epoch (--evals-per-epoch)
+                score_now(run, epoch)
+                if run.stop is not None:
+                    break
     return loss
+
+
+def score_now(run: Run, epoch: int) -> float:
+    """Score the validation split (else the test split) now, record it, and decide whether
+    the run must stop: diverged (a non-finite score or non-finite parameters; not a skipped
+    step's non-finite loss) or --time-cap passed. Every rank reaches the same decision: the
+    score is reduced over ranks, the parameters are the same on every rank, and the clock
+    is rank 0's."""
+    metric, split = run.task.metric, run.task.valid if run.task.valid is not None else run.task.test
+    score = evaluate(run.front, run.model, split, metric)
+    wall = time.perf_counter() - run.started
+    elapsed = float(run.front.sum(torch.tensor([wall if run.front.rank == 0 else 0.0], dtype=torch.float64),
+                                  name="eval.clock")[0])
+    finite_model = all(bool(torch.isfinite(p).all()) for p in run.model.parameters())
+    # Our compressor skips a step with a non-finite gradient (the same verdict on every rank),
+    # so a diverged run keeps finite parameters: it shows as every step skipped.
+    skipped = run.compression.stats().get("skipped_steps", 0)
+    all_skipped = run.step > run.scored[0] and skipped - run.scored[1] >= run.step - run.scored[0]
+    run.scored = (run.step, skipped)
+    if run.metrics is not None:
+        recorded = score if math.isfinite(score) or metric != "perplexity" else math.inf  # NaN: diverged, as inf
+        run.metrics.log_eval(run.step, epoch=epoch, wall_s=wall, floats_sent=run.compression.stats()["floats_sent"],
+                             **{metric: recorded})
+    run.last_score = score
+    if math.isfinite(score):
+        better = run.best is None or (score < run.best if metric == "perplexity" else score > run.best)
+        run.best = score if better else run.best
+    if not math.isfinite(score) or not finite_model or all_skipped:
+        run.stop = (f"diverged (validation {metric} {score}, parameters {'' if finite_model else 'not '}finite"
+                    f"{', every step since the last evaluation skipped: non-finite gradients' if all_skipped else ''})")
+    elif run.args.time_cap is not None and elapsed > run.args.time_cap:
+        run.stop = f"--time-cap {run.args.time_cap:g} s passed ({elapsed:.0f} s)"
+    return score
 
 
 def optimizer_step(run: Run, epoch: int, loss: torch.Tensor) -> None:
@@ -450,14 +544,12 @@ def end_epoch(run: Run, epoch: int, loss: torch.Tensor, bar) -> float:
         run.compression.epoch_end()
         if run.batch is not None:
             run.batch.epoch_end()
-    metric, split = run.task.metric, run.task.valid if run.task.valid is not None else run.task.test
-    score = evaluate(run.front, run.model, split, metric)
+    metric = run.task.metric
+    # A run stopped inside the epoch (--time-cap, diverged) was scored just then, at this step.
+    score = run.last_score if run.stop is not None else score_now(run, epoch + 1)
     bar.set_postfix(loss=f"{loss.item():.3f}", **{metric[:3]: f"{score:.4f}"})
     log.info("epoch %d/%d  loss %.4f  %s %s %.4f", epoch + 1, run.args.epochs, loss.item(),
              "test" if run.task.valid is None else "validation", metric, score)
-    if run.metrics is not None:
-        run.metrics.log_eval(run.step, epoch=epoch + 1, wall_s=time.perf_counter() - run.started,
-                             floats_sent=run.compression.stats()["floats_sent"], **{metric: score})
     if run.args.checkpoint is not None:
         save_checkpoint(run.args.checkpoint, run.front, epoch + 1, run.step, run.model, run.opt, run.compression,
                         run.batch)
