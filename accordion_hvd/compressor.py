@@ -486,14 +486,14 @@ class AccordionCompressor(HorovodCompressor):
     def _check_loaded_owner(self) -> None:
         """A state loaded before this process knew its rank: whose it is, now that it does."""
         owner, self._loaded_owner = self._loaded_owner, None
-        if owner is None or owner[0] is None or owner[1] is None:
+        if owner is None:
             return
-        if owner[1] != self.channel.size:
-            checkpoint.warn_other_world(owner[1], self.channel.size)
+        # The same rule as at load time (checkpoint.own_part): raises for another rank's state.
+        _, keep = checkpoint.own_part({"rank": owner[0], "world_size": owner[1]},
+                                      (self.channel.rank, self.channel.size), error_feedback=True)
+        if not keep:
             for layer in self._layers.values():
                 layer.residual.zero_()
-        elif owner[0] != self.channel.rank:
-            raise ValueError(checkpoint.mismatch_message(owner[0], self.channel.rank))
 
     def _wait(self, handle):
         started = time.perf_counter()

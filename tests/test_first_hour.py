@@ -166,3 +166,26 @@ def test_level_switches_follow_the_applications_logging_configuration():
     assert loud.returncode == 0 and loud.stderr.count("accordion_hvd.levels|after step") >= 2, loud.stderr
     silenced = _python(_SWITCHING_JOB.format(configure="logging.getLogger('accordion_hvd.levels').setLevel(logging.WARNING)"))
     assert silenced.returncode == 0 and "accordion_hvd.levels" not in silenced.stderr, silenced.stderr
+
+
+def test_a_state_loaded_before_the_rank_is_known_is_checked_at_the_first_step():
+    """Loaded before any world exists (no channel, no hvd.init()): checked once the data plane says
+    which rank this is, at the first step's settings check: rank 1 refuses rank 0's state."""
+    (c0, _), _ = _trained(2, CODECS["topk"])
+    saved = c0.state_dict()
+
+    def worker(rank, channel):
+        comp = acc.AccordionCompressor(CODECS["topk"](), policy="static")  # no channel yet: no world known
+        comp.load_state_dict(saved)
+        comp._channel, comp._channel_given = channel, True  # what a front end's bind() does
+        try:
+            comp.compress_named("w", torch.randn(48, 32))
+        except ValueError as exc:
+            return str(exc)
+        except TimeoutError:  # rank 0: rank 1 refused before the settings check (horovodrun then ends the job)
+            return "timed out"
+        return "accepted"
+
+    outcomes = SimulatedWorld(2, timeout=2).run(worker)
+    assert outcomes[0] == "timed out"
+    assert outcomes[1].startswith("AccordionCompressor.load_state_dict: this checkpoint is rank 0's, loaded on rank 1")
