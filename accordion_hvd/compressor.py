@@ -118,18 +118,31 @@ class _DefaultInstanceMethod:
         return self.fn.__get__(obj, cls)
 
 
+def default_codec() -> PowerSGD:
+    """The codec of ``AccordionCompressor()``: PowerSGD at rank 16, 32 in critical regimes.
+    Why so gentle: time to quality (benchmarks/results/evidence-v2.md). On the transformer
+    language model rank 4 lost a third of each step's gradient energy and trailed 16-bit dense
+    by ~1.8x in steps to the same validation perplexity; rank 16 keeps all but ~9% of it
+    (docs/time-to-quality.md), and its bytes still hide on a 100 Mbit/s link behind most of a
+    small model's step. Where they would not pay, the default policy sends 16-bit dense."""
+    return PowerSGD(rank=16, critical_rank=32)
+
+
 class AccordionCompressor(HorovodCompressor):
     """Adaptive gradient compression for ``hvd.DistributedOptimizer(..., compression=...)``: a
     Horovod ``Compressor`` whose ``compress``/``decompress`` are instance methods (the class
     itself also works as ``compression=``: it then uses one default instance).
 
     Args:
-        codec: ``acc.PowerSGD(...)`` or ``acc.TopK(...)``; default ``PowerSGD(rank=1,
-            critical_rank=4)``.
+        codec: ``acc.PowerSGD(...)`` or ``acc.TopK(...)``; default ``PowerSGD(rank=16,
+            critical_rank=32)`` (with ``policy=None``: the default configuration, below).
         eta: Accordion threshold on the relative change of a layer's gradient norm.
         interval: detection period in optimizer steps; ``None``: at each ``epoch_end()``.
-        policy: ``None`` (Accordion when the codec has two levels, else static), "accordion",
-            "static", or an ``acc.policies.Policy``.
+        policy: ``None``: with the default codec, "link-gate" (16-bit dense where the job's
+            own measured steps say compression does not pay, Accordion where it does:
+            policies/link_gate.py); with a codec you give, Accordion when it has two levels,
+            else static. Or "accordion", "static", "gravac", "network-aware", "link-gate", or an
+            ``acc.policies.Policy``.
         accumulate: detect on the norm of each layer's gradient accumulated over the window
             (the paper; one float32 buffer per compressed layer) or, if False, on its
             per-step norms (no buffer).
@@ -159,7 +172,8 @@ class AccordionCompressor(HorovodCompressor):
                  policy: Any = None, accumulate: bool = True, channel: Any = None, control: Any = None,
                  bucket_cap_mb: float = BUCKET_BYTES / 2**20, named_parameters=None, wait: str = "sleep") -> None:
         if codec is None:
-            codec = PowerSGD(rank=1, critical_rank=4)
+            codec = default_codec()
+            policy = "link-gate" if policy is None else policy
         if not isinstance(codec, (PowerSGD, TopK)):
             raise TypeError(f"codec must be acc.PowerSGD(...) or acc.TopK(...), got {type(codec).__name__}")
         self.codec = codec

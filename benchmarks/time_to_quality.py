@@ -63,6 +63,8 @@ METHODS = {  # name -> CLI arguments
     "topk-1": ["--codec", "topk", "--ratio", "0.01"],
     "topk-10": ["--codec", "topk", "--ratio", "0.1"],
     "topk-accordion": ["--codec", "topk", "--ratio", "0.01", "--critical-ratio", "0.1"],
+    # amendment 1: acc.AccordionCompressor() as a user gets it, its own detection window included
+    "default": ["--codec", "default", "--interval", "100"],
 }
 QUALITY = "perplexity"  # lower is better, in every setting of this protocol
 
@@ -101,7 +103,7 @@ def one_run(cluster: Cluster, setting: str, method: str, seed: int, timeout: flo
         # the standard epochs; past them, more at the final rate while the target is not reached (the CLI's rule)
         extra = ["--target", f"{frozen['target_perplexity']:.6f}", "--time-cap", f"{frozen['cap_s']:.1f}"]
     with tempfile.TemporaryDirectory() as tmp:
-        args = ["-m", "accordion_hvd.train", *TASKS[task]["args"], *METHODS[method], *COMMON, *extra,
+        args = ["-m", "accordion_hvd.train", *TASKS[task]["args"], *COMMON, *METHODS[method], *extra,
                 "--seed", str(seed), "--logdir", tmp]
         started = time.monotonic()
         result = cluster.horovodrun(args, timeout=timeout)
@@ -192,11 +194,16 @@ def summarize() -> list[str]:
             lines += [f"The baseline's runs are not all done ({len(runs[BASELINE])} of {len(SEEDS)}): no target yet.", ""]
             continue
         target, base = frozen["target_perplexity"], frozen["baseline_wall_s"]
+        # amendment 1: the quality every baseline seed delivered (its worst final), a secondary measure
+        worst = max(r["standard_valid"] for r in runs[BASELINE].values())
         lines += [f"Target: validation perplexity {target:.2f} (the mean final validation perplexity of {BASELINE}'s "
-                  f"{len(SEEDS)} runs); the baseline's mean wall time {base:.0f} s; cap {frozen['cap_s']:.0f} s.", "",
-                  "| method | runs | reached the target | time to target, mean s (x baseline) | sd s | validation at the "
+                  f"{len(SEEDS)} runs); the baseline's mean wall time {base:.0f} s; cap {frozen['cap_s']:.0f} s. "
+                  f"Secondary (amendment 1): time to {worst:.2f}, the worst of the baseline's final validation "
+                  f"perplexities, a quality every baseline run delivered.", "",
+                  "| method | runs | reached the target | time to target, mean s (x baseline) | sd s | "
+                  f"time to {worst:.2f}, mean s (x baseline) | validation at the "
                   "baseline's time | validation after the standard epochs | test (end of run) | floats sent per rank | "
-                  "median step s |", "|---|---|---|---|---|---|---|---|---|---|"]
+                  "median step s |", "|---|---|---|---|---|---|---|---|---|---|---|"]
         for method, got in runs.items():
             if not got:
                 continue
@@ -212,7 +219,10 @@ def summarize() -> list[str]:
                 values = [v for v in values if math.isfinite(v)]
                 return f"{statistics.mean(values):.2f}" + (f" ± {statistics.stdev(values):.2f}" if len(values) > 1
                                                            else "") if values else "-"
-            lines.append(f"| {method} | {len(got)} | {len(hit)} of {len(got)} | {mean} | {sd} | "
+            to_worst = [t for r in got.values() if (t := reached_at(r["evals"], worst)) is not None]
+            worst_cell = (f"{statistics.mean(to_worst):.0f} ({statistics.mean(to_worst) / base:.2f}x)"
+                          if len(to_worst) == len(got) else f"{len(to_worst)} of {len(got)} reached")
+            lines.append(f"| {method} | {len(got)} | {len(hit)} of {len(got)} | {mean} | {sd} | {worst_cell} | "
                          f"{mean_sd([best_by(r['evals'], base) for r in got.values()])} | "
                          f"{mean_sd([r['standard_valid'] for r in got.values()])} | "
                          f"{mean_sd([r['test'] for r in got.values()])} | "

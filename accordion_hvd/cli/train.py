@@ -46,8 +46,8 @@ from .metrics import progress
 
 log = logging.getLogger("accordion_hvd.train")
 
-CODECS = ("none", "fp16", "powersgd", "topk")
-POLICIES = ("accordion", "static", "gravac", "network-aware")
+CODECS = ("default", "none", "fp16", "powersgd", "topk")
+POLICIES = ("accordion", "static", "gravac", "network-aware", "link-gate")
 DATASETS = ("digits", "synthetic", "cifar10", "text")
 MODELS = ("cnn", "cnn-wide", "resnet18", "lstm", "transformer")
 LANGUAGE_MODELS = ("lstm", "transformer")
@@ -67,7 +67,10 @@ def make_codec(args):
 
 
 def make_compression(args):
-    """Ours for --codec powersgd/topk, else Horovod's own in the same face (baselines.py)."""
+    """Ours for --codec default/powersgd/topk, else Horovod's own in the same face (baselines.py)."""
+    interval = None if args.interval == 0 else args.interval
+    if args.codec == "default":  # what acc.AccordionCompressor() does, with the run's detection window
+        return AccordionCompressor(eta=args.eta, interval=interval)
     codec = make_codec(args)
     if codec is None:
         return Uncompressed(args.codec)
@@ -76,7 +79,7 @@ def make_compression(args):
         policy = GraVAC(args.min_factor, args.max_factor, window=args.gravac_window, epsilon=args.epsilon)
     elif policy == "network-aware":
         policy = NetworkAware(args.eta, dense=args.dense)
-    return AccordionCompressor(codec, policy=policy, eta=args.eta, interval=None if args.interval == 0 else args.interval)
+    return AccordionCompressor(codec, policy=policy, eta=args.eta, interval=interval)
 
 
 class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
@@ -104,7 +107,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="horovod (start with horovodrun) or ddp (start with torchrun: "
                         "DistributedDataParallel with our comm hook)")
     p.add_argument("--codec", choices=CODECS, default="powersgd",
-                   help="gradient compression: none, 16-bit (Horovod's fp16 or DDP's fp16 hook), or ours")
+                   help="gradient compression: default (acc.AccordionCompressor()'s codec and policy; the codec and "
+                        "policy flags are then ignored), none, 16-bit (Horovod's fp16 or DDP's fp16 hook), or ours")
     p.add_argument("--rank", type=int, default=1, help="PowerSGD rank in normal regimes")
     p.add_argument("--critical-rank", type=int, default=None,
                    help="PowerSGD rank in critical regimes (default: none: --rank in every regime)")

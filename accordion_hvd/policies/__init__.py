@@ -9,22 +9,24 @@ numbers is the controller's job (accordion_hvd/controller.py).
 from .accordion import Accordion
 from .base import NetworkReport, Policy, StepReport, WindowReport
 from .gravac import GraVAC
+from .link_gate import LinkGate
 from .network_aware import NetworkAware
 from .static import Static
 
-__all__ = ["Accordion", "GraVAC", "NetworkAware", "NetworkReport", "Policy", "Static", "StepReport", "WindowReport",
+__all__ = ["Accordion", "GraVAC", "LinkGate", "NetworkAware", "NetworkReport", "Policy", "Static", "StepReport", "WindowReport",
            "make_policy"]
 
 
 def make_policy(policy, *, eta: float, codec_adaptive: bool) -> Policy:
     """``policy`` as given to AccordionCompressor: None (Accordion when the codec has two
-    levels, else Static), a name ("accordion", "static", "gravac", "network-aware"), or a
-    Policy instance."""
+    levels, else Static), a name ("accordion", "static", "gravac", "network-aware",
+    "link-gate": LinkGate around what None gives), or a Policy instance."""
     if policy is None:
         return Accordion(eta) if codec_adaptive else Static()
     if isinstance(policy, str):
         choices = {"accordion": lambda: Accordion(eta), "static": Static, "gravac": GraVAC,
-                   "network-aware": lambda: NetworkAware(eta)}
+                   "network-aware": lambda: NetworkAware(eta),
+                   "link-gate": lambda: LinkGate(Accordion(eta) if codec_adaptive else Static())}
         if policy not in choices:
             raise ValueError(f"policy must be one of {sorted(choices)} or a Policy instance, got {policy!r}")
         return choices[policy]()

@@ -1,0 +1,129 @@
+"""LinkGate: send every layer whole in 16 bits where compression does not pay for itself,
+and let the inner policy (Accordion) choose the codec's levels where it does.
+
+Why: a user compresses to reach a model of the quality they need sooner. Compression costs
+quality per step (error feedback recovers most of it, not all: evidence-v1 and
+benchmarks/results/evidence-v2.md), so it pays only where it makes a step much shorter. On a
+fast link 16-bit dense training is nearly as fast per step as any compressed method, and
+then compression can only lose time to quality. This policy measures that on the job's own
+link and model, rather than predicting it, the lesson of network_aware.py's verification
+(a prediction right about the link can still be wrong about the machine):
+
+1. **Window 1, dense trial**: every layer at ``DENSE16`` (float16 through the front end's
+   allreduce, its rounding kept in error feedback). The first window of training is a
+   critical regime in Accordion's sense anyway: the gentlest level is what Accordion wants
+   there. Its measured step (``NetworkReport.step_s``: the median time between steps' ends,
+   mean over ranks) is the dense step.
+2. **Window 2, compressed trial**: every layer at the codec's aggressive (normal) level,
+   where Accordion keeps a layer most of the time. Its measured step is the compressed
+   step.
+3. **The decision**, once, the same on every rank (the timings are reduced over ranks):
+   compression pays when ``dense step > pays x compressed step``; then the inner policy
+   decides every later window as it would alone. Otherwise every layer stays at
+   ``DENSE16`` for the rest of training. A window without a measured step (some rank timed
+   none) decides nothing: the trial is repeated at the next window.
+
+``pays`` (default 1.25) is the time a compressed step must save to be worth its loss of
+quality per step: with it, compression is kept only if it reaches the target in up to 1.25x
+the dense run's steps and still arrives sooner. The inner policy sees every window's norms,
+dense ones included, so its regime detection is current whenever it takes over.
+
+The decision is not revisited (a network that changes during training is
+network_aware.py's case). It is logged with both timings (logger ``accordion_hvd.policies``,
+INFO), the levels it sets are announced on rank 0 like every level change
+(``accordion_hvd.levels``), and it is kept in ``state_dict``, so a resumed job does not run
+its trials again.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+
+from ..levels import DENSE16, NORMAL, Level, positive_number
+from .base import Policy, WindowReport
+
+log = logging.getLogger("accordion_hvd.policies")
+
+_DENSE_TRIAL, _COMPRESSED_TRIAL, _DENSE, _COMPRESSED = "dense-trial", "compressed-trial", "dense", "compressed"
+_PHASES = (_DENSE_TRIAL, _COMPRESSED_TRIAL, _DENSE, _COMPRESSED)
+
+
+class LinkGate(Policy):
+    """Args:
+        inner: the policy that chooses levels where compression pays (an ``Accordion`` or a
+            ``Static``; not a per-step or network-aware one).
+        pays: compression is kept only if the dense step is longer than this times the
+            compressed step (1.25; above 1).
+    """
+
+    name = "link-gate"
+    uses_network = True   # for the measured step of each window (NetworkReport.step_s)
+    dense_level = DENSE16
+
+    def __init__(self, inner: Policy, pays: float = 1.25) -> None:
+        if not isinstance(inner, Policy):
+            raise TypeError(f"inner must be an accordion_hvd.policies.Policy, got {type(inner).__name__}")
+        if inner.per_step or inner.uses_network:
+            raise ValueError(f"inner must decide per window without the network (Accordion or Static), got {inner!r}")
+        pays = float(positive_number("pays", pays))
+        if pays <= 1.0:
+            raise ValueError(f"pays must be a number > 1 (the factor a compressed step must be shorter by), got {pays}")
+        self.inner, self.pays = inner, pays
+        self.uses_norms = inner.uses_norms
+        self.reacts_to_lr = inner.reacts_to_lr
+        self.needs_two_levels = inner.needs_two_levels
+        self.phase = _DENSE_TRIAL
+        self.dense_s: float | None = None
+        self.compressed_s: float | None = None
+
+    def __repr__(self) -> str:
+        return f"LinkGate({self.inner!r}, pays={self.pays})"
+
+    def config(self) -> dict:
+        return {"policy": self.name, "pays": self.pays, "inner": self.inner.config()}
+
+    @property
+    def compressing(self) -> bool:
+        """Whether compression was found to pay: the layers follow the inner policy."""
+        return self.phase == _COMPRESSED
+
+    def _level(self, inner: Level) -> Level:
+        return inner if self.compressing else NORMAL if self.phase == _COMPRESSED_TRIAL else DENSE16
+
+    def initial_level(self, layer: str) -> Level:
+        return self._level(self.inner.initial_level(layer))
+
+    def end_window(self, report: WindowReport) -> dict[str, Level]:
+        inner = self.inner.end_window(report)  # always: its regime detection stays current
+        step = None if report.network is None else report.network.step_s
+        measured = step is not None and math.isfinite(step) and step > 0
+        if self.phase == _DENSE_TRIAL and measured:
+            self.dense_s, self.phase = float(step), _COMPRESSED_TRIAL
+        elif self.phase == _COMPRESSED_TRIAL and measured:
+            self.compressed_s = float(step)
+            pays = self.dense_s > self.pays * self.compressed_s
+            self.phase = _COMPRESSED if pays else _DENSE
+            log.info("link-gate: a dense 16-bit step took %.3f s, a compressed one %.3f s (%.2fx): %s",
+                     self.dense_s, self.compressed_s, self.dense_s / self.compressed_s,
+                     f"compression pays (more than {self.pays}x), compressing from now on" if pays else
+                     f"compression does not pay (at most {self.pays}x), every layer dense in 16 bits from now on")
+        elif not measured and self.phase in (_DENSE_TRIAL, _COMPRESSED_TRIAL):
+            log.info("link-gate: window of %d steps gave no measured step; its trial (%s) is repeated",
+                     report.steps, self.phase)
+        return {layer: self._level(level) for layer, level in inner.items()}
+
+    def lr_decreased(self, layers: list[str]) -> dict[str, Level] | None:
+        levels = self.inner.lr_decreased(layers)
+        return levels if self.compressing else None
+
+    def state_dict(self) -> dict:
+        return {"phase": self.phase, "dense_s": self.dense_s, "compressed_s": self.compressed_s,
+                "inner": self.inner.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        if state.get("phase") not in _PHASES:
+            raise ValueError(f"link-gate state: phase must be one of {_PHASES}, got {state.get('phase')!r}")
+        self.phase = state["phase"]
+        self.dense_s, self.compressed_s = state.get("dense_s"), state.get("compressed_s")
+        self.inner.load_state_dict(state["inner"])

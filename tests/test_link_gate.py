@@ -1,0 +1,131 @@
+"""The link-gate policy (accordion_hvd/policies/link_gate.py) and the default configuration it
+is part of (``acc.AccordionCompressor()``): its trials and decision on synthetic windows, its
+state and bad input, through the compressor on the simulated world, and under real horovodrun
+and torchrun (tests/workers/default_check.py)."""
+
+import pytest
+import torch
+
+import accordion_hvd as acc
+from accordion_hvd.comm import SimulatedWorld
+from accordion_hvd.levels import CRITICAL, DENSE16, NORMAL
+from accordion_hvd.policies import Accordion, GraVAC, LinkGate, NetworkAware, NetworkReport, Static, WindowReport
+from launch import run_ddp_worker, run_worker
+
+LAYERS = ("a", "b")
+
+
+def window(step_s, norms=(1.0, 1.0), lr_decreased=False):
+    network = None if step_s == "none" else NetworkReport(link=None, world=2, backward_s=0.0, ready_s={}, buckets=(),
+                                                          wire={}, step_s=step_s)
+    return WindowReport(norms=dict(zip(LAYERS, norms)), steps=10, lr_decreased=lr_decreased, network=network)
+
+
+def levels_of(levels):
+    return [levels[layer] for layer in LAYERS]
+
+
+@pytest.mark.parametrize("dense_s, compressed_s, pays", [(0.534, 0.275, True), (0.317, 0.29, False),
+                                                          (0.5, 0.4, False), (0.5, 0.39, True)])
+def test_dense_trial_then_compressed_trial_then_the_measured_choice(dense_s, compressed_s, pays):
+    gate = LinkGate(Accordion(0.5))
+    assert [gate.initial_level(layer) for layer in LAYERS] == [DENSE16, DENSE16]
+    assert levels_of(gate.end_window(window(dense_s))) == [NORMAL, NORMAL]  # the compressed trial: aggressive
+    decided = gate.end_window(window(compressed_s, norms=(1.0, 3.0)))
+    assert gate.compressing == pays
+    # compression pays: Accordion's own levels (b's norm tripled: critical); else dense16 for good
+    assert levels_of(decided) == ([NORMAL, CRITICAL] if pays else [DENSE16, DENSE16])
+    later = gate.end_window(window(0.01, norms=(1.0, 3.0)))
+    assert levels_of(later) == ([NORMAL, NORMAL] if pays else [DENSE16, DENSE16])
+    assert gate.lr_decreased(list(LAYERS)) == ({"a": CRITICAL, "b": CRITICAL} if pays else None)
+
+
+@pytest.mark.parametrize("missing", ["none", None, float("nan"), 0.0])
+def test_a_window_without_a_measured_step_repeats_its_trial(missing, caplog):
+    gate = LinkGate(Static())
+    caplog.set_level("INFO", logger="accordion_hvd.policies")
+    assert levels_of(gate.end_window(window(missing))) == [DENSE16, DENSE16]
+    assert gate.phase == "dense-trial" and "no measured step" in caplog.text
+    gate.end_window(window(0.5))
+    assert levels_of(gate.end_window(window(missing))) == [NORMAL, NORMAL] and gate.phase == "compressed-trial"
+    gate.end_window(window(0.2))
+    assert gate.phase == "compressed" and "compression pays" in caplog.text
+
+
+def test_no_learning_rate_reaction_before_compression_is_found_to_pay():
+    gate = LinkGate(Accordion(0.5))
+    assert gate.lr_decreased(list(LAYERS)) is None  # the dense trial stays dense
+
+
+def test_the_inner_policy_sees_every_window():
+    """Accordion's norms are current when it takes over: the dense windows' norms count."""
+    gate = LinkGate(Accordion(0.5))
+    gate.end_window(window(0.5, norms=(1.0, 1.0)))
+    gate.end_window(window(0.1, norms=(1.0, 1.2)))  # relative change 0.2 < eta: normal
+    assert levels_of(gate.end_window(window(0.1, norms=(1.0, 1.2)))) == [NORMAL, NORMAL]
+    assert gate.inner.state_dict()["prev"] == {"a": 1.0, "b": 1.2}
+
+
+def test_state_round_trip_resumes_without_new_trials_and_bad_input():
+    gate = LinkGate(Accordion(0.5))
+    gate.end_window(window(0.5))
+    gate.end_window(window(0.2))
+    again = LinkGate(Accordion(0.5))
+    again.load_state_dict(gate.state_dict())
+    assert again.state_dict() == gate.state_dict() and again.compressing
+    assert again.initial_level("new") == CRITICAL  # a layer that appears later: Accordion's first window
+    with pytest.raises(ValueError, match="phase"):
+        again.load_state_dict({**gate.state_dict(), "phase": "maybe"})
+    for bad in (1.0, 0.5, 0, -2, float("nan"), "2"):
+        with pytest.raises((TypeError, ValueError), match="pays"):
+            LinkGate(Static(), pays=bad)
+    for inner in (GraVAC(), NetworkAware()):
+        with pytest.raises(ValueError, match="inner"):
+            LinkGate(inner)
+    with pytest.raises(TypeError, match="inner"):
+        LinkGate("accordion")
+
+
+def test_the_default_configuration_and_what_a_chosen_codec_keeps():
+    default = acc.AccordionCompressor()
+    assert isinstance(default.policy, LinkGate) and isinstance(default.policy.inner, Accordion)
+    assert (default.codec.rank, default.codec.critical_rank) == (16, 32)
+    assert isinstance(acc.AccordionCompressor(policy="static").policy, Static)  # a policy given: that one
+    chosen = acc.AccordionCompressor(acc.PowerSGD(rank=1, critical_rank=4))
+    assert isinstance(chosen.policy, Accordion)  # a codec given: Accordion, as before
+    gated = acc.AccordionCompressor(acc.TopK(0.01), policy="link-gate").policy
+    assert isinstance(gated, LinkGate) and isinstance(gated.inner, Static)
+
+
+def test_through_the_compressor_every_rank_takes_the_same_decision():
+    shapes = {"a.weight": (64, 48), "b.weight": (128, 64), "c.weight": (96, 128)}
+
+    def worker(rank, channel):
+        comp = acc.AccordionCompressor(interval=3, channel=channel)
+        gen = torch.Generator().manual_seed(rank)
+        seen = []
+        for _ in range(10):
+            for out, ctx in [comp.compress_named(n, torch.randn(s, generator=gen)) for n, s in shapes.items()]:
+                comp.decompress(out, ctx)
+            seen.append(sorted({str(level) for level in comp.controller.levels.values()}))
+        return seen, comp.policy.state_dict()
+
+    results = SimulatedWorld(2).run(worker)
+    assert results[0] == results[1]
+    seen, state = results[0]
+    assert seen[:2] == [["dense16"]] * 2 and seen[3:5] == [["normal"]] * 2
+    assert state["phase"] in ("dense", "compressed") and state["dense_s"] > 0 and state["compressed_s"] > 0
+    assert all(s == ["dense16"] for s in seen[6:]) if state["phase"] == "dense" else \
+        all("dense16" not in s for s in seen[6:])
+
+
+@pytest.mark.horovod
+def test_under_horovodrun_the_default_trials_decides_and_ranks_agree():
+    out = run_worker("default_check.py", "horovod", np=2, backend="gloo")
+    assert out.count("OK default (horovod)") == 2, out
+
+
+@pytest.mark.torchrun
+def test_under_torchrun_the_default_trials_decides_and_ranks_agree():
+    out = run_ddp_worker("default_check.py", "ddp", np=2)
+    assert out.count("OK default (ddp)") == 2, out
