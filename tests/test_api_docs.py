@@ -24,6 +24,7 @@ DOCUMENTED = {  # heading in docs/api.md -> the object whose signature its argum
     "acc.register_ddp_hook": acc.register_ddp_hook,
     "acc.policies.Accordion": acc.policies.Accordion,
     "acc.policies.GraVAC": acc.policies.GraVAC,
+    "acc.policies.LinkGate": acc.policies.LinkGate,
     "acc.policies.NetworkAware": acc.policies.NetworkAware,
     "acc.AccordionBatchSize": acc.AccordionBatchSize,
     "acc.quiet_horovod_cycle": acc.quiet_horovod_cycle,
