@@ -105,7 +105,7 @@ def one_run(cluster: Cluster, setting: str, method: str, seed: int, timeout: flo
     with tempfile.TemporaryDirectory() as tmp:
         args = ["-m", "accordion_hvd.train", *TASKS[task]["args"], *COMMON, *METHODS[method], *extra,
                 "--seed", str(seed), "--logdir", tmp]
-        started = time.monotonic()
+        started, at_commit = time.monotonic(), commit()  # the code the run starts with
         result = cluster.horovodrun(args, timeout=timeout)
         seconds = time.monotonic() - started
         where.mkdir(parents=True, exist_ok=True)
@@ -116,7 +116,7 @@ def one_run(cluster: Cluster, setting: str, method: str, seed: int, timeout: flo
     record = {"protocol": PROTOCOL, "setting": setting, "method": method, "seed": seed, "exit": result.returncode,
               "seconds": round(seconds, 1), "command": f"horovodrun -np 2 -H node1:1,node2:1 --gloo python "
                                                        f"{' '.join(args[:-1])} DIR",
-              "commit": commit(), "machine": machine(), "cluster": f"2 emulated nodes, {rate} links, 1 thread per rank"}
+              "commit": at_commit, "machine": machine(), "cluster": f"2 emulated nodes, {rate} links, 1 thread per rank"}
     (where / "run.json").write_text(json.dumps(record, indent=1) + "\n")
     return record
 
