@@ -800,7 +800,12 @@ class AccordionCompressor(HorovodCompressor):
             for layer in layers.values():
                 layer.residual.zero_()
         self._layers = layers
-        self.steps, self.skipped_steps, self._sent, self._dense, self.seconds = counters
+        steps, skipped, sent, dense, seconds = counters
+        self.steps, self.skipped_steps = steps, skipped
+        # In place: an exchange built before this load holds these very dicts and counts into them.
+        for live, loaded in ((self._sent, sent), (self._dense, dense), (self.seconds, seconds)):
+            live.clear()
+            live.update(loaded)
         self._reported_lrs = reported
         # Whose error feedback this is, checked against the data plane's rank at the first
         # step when no world was known at load time (loaded before hvd.init()).
