@@ -65,12 +65,14 @@ import torch
 
 from . import checkpoint, ops
 from .checkpoint import current_world
-from .codecs import PowerSGD, TopK
-from .codecs._common import finite_flag, residual_dtype
+from .codecs import Codec, check_codec, default_codec
+from .codecs.base import NETWORK
+from .codecs.base import residual_dtype
+from .flags import finite_flag
 from .controller import RegimeController
 from .comm.horovod import check_wait, install_polite_wait
 from .comm.link import LinkMeasurement, describe, measure_link
-from .exchange import BUCKET_BYTES, FIRST_BUCKET_BYTES, Round1, lane, make_exchange
+from .exchange import BUCKET_BYTES, FIRST_BUCKET_BYTES, Round1, exchange_for, lane, make_exchange
 from .horovod_seam import (GradientNames, bypass_allowed, find_optimizer, horovod_op_name, horovod_parameter,
                            install_bypass, placeholder, reduction_scale)
 from .levels import DENSE, Level, check_level, positive_number
@@ -118,23 +120,14 @@ class _DefaultInstanceMethod:
         return self.fn.__get__(obj, cls)
 
 
-def default_codec() -> PowerSGD:
-    """The codec of ``AccordionCompressor()``: PowerSGD at rank 16, 32 in critical regimes.
-    Why so gentle: time to quality (benchmarks/results/evidence-v2.md). On the transformer
-    language model rank 4 lost a third of each step's gradient energy and trailed 16-bit dense
-    by ~1.8x in steps to the same validation perplexity; rank 16 keeps all but ~9% of it
-    (docs/time-to-quality.md), and its bytes still hide on a 100 Mbit/s link behind most of a
-    small model's step. Where they would not pay, the default policy sends 16-bit dense."""
-    return PowerSGD(rank=16, critical_rank=32)
-
-
 class AccordionCompressor(HorovodCompressor):
     """Adaptive gradient compression for ``hvd.DistributedOptimizer(..., compression=...)``: a
     Horovod ``Compressor`` whose ``compress``/``decompress`` are instance methods (the class
     itself also works as ``compression=``: it then uses one default instance).
 
     Args:
-        codec: ``acc.PowerSGD(...)`` or ``acc.TopK(...)``; default ``PowerSGD(rank=16,
+        codec: ``acc.PowerSGD(...)``, ``acc.TopK(...)``, or any codec of the protocol in
+            accordion_hvd/codecs/base.py with a registered exchange; default ``PowerSGD(rank=16,
             critical_rank=32)`` (with ``policy=None``: the default configuration, below).
         eta: Accordion threshold on the relative change of a layer's gradient norm.
         interval: detection period in optimizer steps; ``None``: at each ``epoch_end()``.
@@ -168,14 +161,14 @@ class AccordionCompressor(HorovodCompressor):
 
     _default = None
 
-    def __init__(self, codec: PowerSGD | TopK | None = None, *, eta: float = 0.5, interval: int | None = 100,
+    def __init__(self, codec: Codec | None = None, *, eta: float = 0.5, interval: int | None = 100,
                  policy: Any = None, accumulate: bool = True, channel: Any = None, control: Any = None,
                  bucket_cap_mb: float = BUCKET_BYTES / 2**20, named_parameters=None, wait: str = "sleep") -> None:
         if codec is None:
             codec = default_codec()
             policy = "link-gate" if policy is None else policy
-        if not isinstance(codec, (PowerSGD, TopK)):
-            raise TypeError(f"codec must be acc.PowerSGD(...) or acc.TopK(...), got {type(codec).__name__}")
+        check_codec(codec)  # the engine's protocol, and an exchange registered for it
+        exchange_for(codec)
         self.codec = codec
         self.eta = float(positive_number("eta", eta))
         self.interval = None if interval is None else positive_number("interval", interval, integer=True)
@@ -191,6 +184,11 @@ class AccordionCompressor(HorovodCompressor):
         self.controller = RegimeController(self.policy, self.interval, accumulate=accumulate)
         self._probe = None                           # a network-aware policy's measurements
         if self.policy.uses_network:
+            lacking = [name for name in NETWORK if not hasattr(codec, name)]
+            if lacking:
+                raise TypeError(f"policy {self.policy!r} measures the network, which needs the codec's "
+                                f"{', '.join(NETWORK)} (accordion_hvd/codecs/base.py): {type(codec).__name__} lacks "
+                                f"{', '.join(lacking)}")
             if not accumulate:
                 raise ValueError(f"policy {self.policy!r} needs accumulate=True: it measures each level's error on "
                                  f"the layer's gradient accumulated over the window")

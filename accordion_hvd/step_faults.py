@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .codecs._common import either
+from .flags import either
 
 log = logging.getLogger("accordion_hvd")
 

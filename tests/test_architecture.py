@@ -19,9 +19,18 @@ COMMUNICATION = ("accordion_hvd.comm", "accordion_hvd.exchange")
 POLICIES = ("accordion_hvd.policies",)
 CODECS = ("accordion_hvd.codecs",)
 CONCRETE_POLICIES = ("accordion_hvd.policies.accordion", "accordion_hvd.policies.static",
-                     "accordion_hvd.policies.gravac",  # the modules, and the classes the package exports:
+                     "accordion_hvd.policies.gravac", "accordion_hvd.policies.link_gate",
+                     # the modules, and the classes the package exports:
                      "accordion_hvd.policies.Accordion", "accordion_hvd.policies.Static",
-                     "accordion_hvd.policies.GraVAC")
+                     "accordion_hvd.policies.GraVAC", "accordion_hvd.policies.LinkGate")
+CONCRETE_CODECS = ("accordion_hvd.codecs.powersgd", "accordion_hvd.codecs.topk",
+                   "accordion_hvd.codecs.PowerSGD", "accordion_hvd.codecs.TopK")
+# What runs a step without knowing the codec: the front ends, the controller, the probe, and
+# the exchanges' shared parts (each codec's own exchange module pairs itself with its codec).
+ENGINE = ("accordion_hvd.compressor", "accordion_hvd.horovod_seam", "accordion_hvd.ddp", "accordion_hvd.batch_size",
+          "accordion_hvd.elastic", "accordion_hvd.controller", "accordion_hvd.network_probe",
+          "accordion_hvd.step_faults", "accordion_hvd.checkpoint", "accordion_hvd.exchange.registry",
+          "accordion_hvd.exchange.buckets")
 CLI = ("accordion_hvd.train", "accordion_hvd.cli")  # train.py: the `python -m accordion_hvd.train` entry point
 ADAPTERS = ("accordion_hvd.compressor", "accordion_hvd.horovod_seam", "accordion_hvd.ddp", "accordion_hvd.batch_size",
             "accordion_hvd.elastic", "accordion_hvd.controller", "accordion_hvd.exchange")
@@ -76,6 +85,7 @@ def test_the_sources_were_found():
     ("levels and the cost model import nothing of the project", ("accordion_hvd.levels", "accordion_hvd.costmodel"),
      ("accordion_hvd",)),
     ("the adapters import no concrete policy", ADAPTERS, CONCRETE_POLICIES),
+    ("the engine names no concrete codec (the exchange registry pairs them)", ENGINE, CONCRETE_CODECS),
     ("communication imports no policy and no adapter", ("accordion_hvd.comm",), POLICIES + ADAPTERS),
     ("nothing in the library imports the CLI", tuple(m for m in SOURCES if not under(m, CLI)), CLI),
 ])

@@ -219,3 +219,42 @@ def test_loading_without_error_feedback_keeps_everything_else():
     for name, layer in state["layers"].items():
         assert torch.equal(again["layers"][name]["qt"], layer["qt"]) and again["layers"][name]["level"] == layer["level"]
         assert not again["layers"][name]["residual"].any(), name
+
+
+# --- the codec protocol (accordion_hvd/codecs/base.py) and the exchange registry --------------
+def test_a_codec_missing_part_of_the_protocol_is_refused_naming_what_it_lacks():
+    class Half(acc.codecs.Codec):
+        levels = (acc.levels.NORMAL,)
+
+        def compressible(self, shape):
+            return True
+
+    with pytest.raises(TypeError, match="Half lacks init_state, set_level, floats_sent, state_to_dict, "
+                                        "state_from_dict, config"):
+        acc.AccordionCompressor(Half())
+
+
+def test_a_codec_of_the_protocol_without_a_registered_exchange_is_refused_at_construction():
+    class Unpaired(acc.codecs.Codec):  # every method of the protocol filled in
+        levels, adaptive = (acc.levels.NORMAL,), False
+
+        def compressible(self, shape): return True
+        def init_state(self, name, grad, level): return None
+        def set_level(self, state, level): pass
+        def floats_sent(self, state): return 0
+        def state_to_dict(self, state): return {}
+        def state_from_dict(self, name, d): return None
+        def config(self): return {"codec": "unpaired"}
+
+    with pytest.raises(TypeError, match="no exchange is registered for codec Unpaired"):
+        acc.AccordionCompressor(Unpaired(), policy="static")
+
+
+def test_a_subclass_of_a_codec_is_carried_by_its_bases_exchange():
+    from accordion_hvd.exchange import PowerSGDExchange, exchange_for
+
+    class Mine(acc.PowerSGD):
+        pass
+
+    assert exchange_for(Mine(rank=2)) is PowerSGDExchange
+    assert isinstance(acc.AccordionCompressor(Mine(rank=2)).codec, Mine)

@@ -25,6 +25,7 @@ import torch
 
 from .. import ops, reference
 from ..levels import CRITICAL, DENSE, DENSE16, NORMAL, UNCOMPRESSED, Level, check_level, positive_number
+from .base import Codec
 from ._common import residual_dtype, rounding_error, settle_sent, whole_layer_work, wire_dtype
 
 
@@ -42,7 +43,7 @@ class PowerSGDState:
     factors: tuple[torch.Tensor, torch.Tensor] | None = None  # (P, Q^T) of M_hat, from ``finish`` to ``settle``
 
 
-class PowerSGD:
+class PowerSGD(Codec):
     """Low-rank codec: ``rank`` in normal regimes, ``critical_rank`` in critical ones.
 
     Args:

@@ -16,6 +16,7 @@ import torch
 
 from .. import ops, reference
 from ..levels import CRITICAL, DENSE, DENSE16, NORMAL, UNCOMPRESSED, Level, check_level, positive_number
+from .base import Codec
 from ._common import residual_dtype, rounding_error, settle_sent, whole_layer_work, wire_dtype
 
 
@@ -32,7 +33,7 @@ class TopKState:
     kept_sq: torch.Tensor | float = 0.0
 
 
-class TopK:
+class TopK(Codec):
     """Sparsifying codec: keeps the fraction ``ratio`` of entries in normal regimes and
     ``critical_ratio`` in critical ones (``None``: static ``ratio``).
 

@@ -7,31 +7,17 @@
   policy's choice, such as GraVAC's).
 
 Each codec's exchange is a small object with the same four calls, which the Horovod adapter
-(compressor.py) drives without knowing the codec: ``add(name, state, grad, finite)`` as each
+(compressor.py) drives without knowing the codec (``registry.py`` pairs each codec with its
+exchange): ``add(name, state, grad, finite)`` as each
 gradient arrives, ``results()`` at the first decompress, ``end_step(skipped)`` to commit the
 step's error feedback or roll it back, ``abort()`` when Elastic drops a step.
 """
 
 from .buckets import (BUCKET_BYTES, FIRST_BUCKET_BYTES, Round1, agree_layout, arrived, bytes_of, lane,
                       plan_buckets, split_bytes)
-from .powersgd import PowerSGDExchange
-from .topk import TopKExchange
-
-
-def make_exchange(codec, channel, *, first_cap: int, cap: int, before_last, seconds, per_step, control, sent):
-    """The exchange of ``codec`` (an ``acc.PowerSGD`` or ``acc.TopK``) on ``channel``; what
-    the adapter shares with it: bucket caps, the learning-rate gather to issue after the last
-    bucket, its seconds counters, and when the policy decides per step, the regime
-    controller (``per_step``), the control plane (a callable) and the floats-sent counters."""
-    from ..codecs import PowerSGD, TopK
-
-    common = dict(first_cap=first_cap, cap=cap, before_last=before_last, seconds=seconds)
-    if isinstance(codec, PowerSGD):
-        return PowerSGDExchange(codec, channel, **common)
-    if isinstance(codec, TopK):
-        return TopKExchange(codec, channel, **common, per_step=per_step, control=control, sent=sent)
-    raise TypeError(f"no exchange for codec {type(codec).__name__}")
-
+from .registry import exchange_for, make_exchange, register
+from .powersgd import PowerSGDExchange  # noqa: E402 - each registers itself with its codec
+from .topk import TopKExchange  # noqa: E402
 
 __all__ = ["BUCKET_BYTES", "FIRST_BUCKET_BYTES", "PowerSGDExchange", "Round1", "TopKExchange", "agree_layout",
-           "arrived", "bytes_of", "lane", "make_exchange", "plan_buckets", "split_bytes"]
+           "arrived", "bytes_of", "exchange_for", "lane", "make_exchange", "plan_buckets", "register", "split_bytes"]

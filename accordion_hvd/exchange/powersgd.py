@@ -49,9 +49,11 @@ from typing import Any, Callable
 import torch
 
 from ..comm.channel import Channel
-from ..codecs._common import either, finite_flag
+from ..codecs import PowerSGD
+from ..flags import either, finite_flag
 from ..levels import DENSE
 from .buckets import BUCKET_BYTES, DEFERRED, FIRST_BUCKET_BYTES, Round1, lane
+from .registry import register
 
 
 class PowerSGDExchange:
@@ -64,10 +66,14 @@ class PowerSGDExchange:
         before_last: called right after the step's last P bucket is issued (the adapter issues
             its learning-rate gather there, in flight with the rest of the exchange).
         seconds: accumulates "compress" (math) and "comm" (waits) seconds.
+        per_step, control, sent: the registry's common arguments; a per-step policy is refused.
     """
 
     def __init__(self, codec, channel: Channel, *, first_cap: int = FIRST_BUCKET_BYTES, cap: int = BUCKET_BYTES,
-                 before_last: Callable[[], None] | None = None, seconds: dict[str, float] | None = None) -> None:
+                 before_last: Callable[[], None] | None = None, seconds: dict[str, float] | None = None,
+                 per_step=None, control=None, sent=None) -> None:
+        if per_step is not None:  # (control and sent serve only a per-step choice: unused here)
+            raise ValueError("PowerSGD measures no per-step gain: a per-step policy needs the TopK codec")
         self.codec, self.channel = codec, channel
         self.round1 = Round1(channel, "allreduce", "acc.P", first_cap=first_cap, cap=cap, encode=self._encode_bucket)
         self.q_lane = lane(channel, "q")
@@ -258,3 +264,6 @@ class PowerSGDExchange:
                 state.factors = None
         self._finished, self._finished_many, self._settle, self._sent_whole, self._ok = [], [], [], [], None
         self._begin()
+
+
+register(PowerSGD, PowerSGDExchange)

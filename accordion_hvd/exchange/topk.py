@@ -36,10 +36,12 @@ from typing import Any, Callable
 import torch
 
 from .. import ops
-from ..codecs._common import either, finite_flag, nan_unless
+from ..codecs import TopK
+from ..flags import either, finite_flag, nan_unless
 from ..comm.channel import Channel
 from ..levels import DENSE
 from .buckets import BUCKET_BYTES, DEFERRED, FIRST_BUCKET_BYTES, Round1, bytes_of, split_bytes
+from .registry import register
 
 
 class TopKExchange:
@@ -240,3 +242,6 @@ def _payload(encoded: tuple[torch.Tensor, torch.Tensor], finite: torch.Tensor) -
     payload = bytes_of(values, indices)  # a new buffer: poisoned in place, on the device
     ops.fill_if_([payload[:values.numel() * values.element_size()].view(values.dtype)], ~finite, float("nan"))
     return payload
+
+
+register(TopK, TopKExchange)

@@ -1,0 +1,91 @@
+"""The codec protocol: what the engine and the policies ask of every codec.
+
+A codec is the math of one compression family with error feedback, per layer, with explicit
+state: it never communicates. Two contracts meet in it:
+
+* **the engine's** (this module): the levels it has, which layers it takes, each layer's
+  state (made, re-levelled, counted, saved, restored) and its settings. The compressor, the
+  controller and the policies use nothing else, so nothing above the codecs names a
+  concrete codec;
+* **its exchange's**: the phases of a step (encode, the rounds, decode, settle), private
+  between a codec and the exchange registered for it (accordion_hvd/exchange/registry.py).
+
+A network-aware policy also asks the optional ``NETWORK`` methods (what a level costs on
+the wire and in math, and the error it would make); a codec without them works with every
+other policy.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..levels import Level
+from ._common import residual_dtype  # noqa: F401 - the engine checks a layer's error feedback dtype with it
+
+REQUIRED = ("levels", "adaptive", "measures_gain", "compressible", "init_state", "set_level", "floats_sent",
+            "state_to_dict", "state_from_dict", "config")
+NETWORK = ("wire", "kernel_work", "level_errors")
+
+
+class Codec:
+    """The engine's side of a codec (module doc). Subclass it, or provide the same names.
+
+    ``levels``: the levels a window policy may choose among (``levels.NORMAL``, ``CRITICAL``,
+    ``DENSE``...). ``adaptive``: whether the normal and critical levels differ.
+    ``measures_gain``: whether the codec can measure, every step, the gain of any level (a
+    per-step policy such as GraVAC needs it).
+
+    A layer's state (``init_state``'s return) may hold anything its exchange needs; the engine
+    reads three attributes of it: ``shape`` (the gradient's), ``level`` (its current level) and
+    ``residual`` (the error feedback tensor, in ``residual_dtype`` of the gradient's dtype, on
+    the gradient's device).
+    """
+
+    levels: tuple[Level, ...] = ()
+    adaptive: bool = False
+    measures_gain: bool = False
+
+    def compressible(self, shape: torch.Size) -> bool:
+        """Whether a gradient of this shape is compressed (else it is sent as it is)."""
+        raise NotImplementedError
+
+    def init_state(self, name: str, grad: torch.Tensor, level: Level):
+        """A layer's state at its first gradient (error feedback zero, at ``level``)."""
+        raise NotImplementedError
+
+    def set_level(self, state, level: Level) -> None:
+        """Move a layer to ``level`` from its next step (called between steps)."""
+        raise NotImplementedError
+
+    def floats_sent(self, state) -> int:
+        """What a layer at its current level puts on the wire per step, in elements."""
+        raise NotImplementedError
+
+    def state_to_dict(self, state) -> dict:
+        """A layer's state as plain values and tensors (copies)."""
+        raise NotImplementedError
+
+    def state_from_dict(self, name: str, d: dict):
+        """The state ``state_to_dict`` gave; raises ValueError when it does not fit this codec."""
+        raise NotImplementedError
+
+    def config(self) -> dict:
+        """The settings every rank and every checkpoint must share, with the codec's name."""
+        raise NotImplementedError
+
+
+def check_codec(codec) -> None:
+    """Refuse, at construction, an object that does not implement the engine's protocol,
+    naming what it lacks."""
+    missing = [name for name in REQUIRED if not hasattr(codec, name)]
+    if not missing:
+        missing = [name for name in REQUIRED if _unimplemented(codec, name)]
+    if missing:
+        raise TypeError(f"codec must be acc.PowerSGD(...), acc.TopK(...) or another implementation of the codec "
+                        f"protocol (accordion_hvd/codecs/base.py): {type(codec).__name__} lacks {', '.join(missing)}")
+
+
+def _unimplemented(codec, name: str) -> bool:
+    """A method left at ``Codec``'s NotImplementedError stub."""
+    attr = getattr(type(codec), name, None)
+    return attr is not None and getattr(Codec, name, None) is attr and callable(attr)

@@ -1,0 +1,36 @@
+"""Which exchange carries which codec: the one place that pairs them.
+
+A codec's exchange module registers its pair when it is imported (``register``), and the
+engine asks ``make_exchange`` for the exchange of whatever codec it was given, so neither
+the engine nor a front end names a concrete codec. A new codec family registers its own
+exchange the same way, without editing either.
+"""
+
+from __future__ import annotations
+
+_EXCHANGES: dict[type, type] = {}
+
+
+def register(codec_type: type, exchange_type: type) -> None:
+    """Carry every codec of ``codec_type`` (and its subclasses) with ``exchange_type``."""
+    if not isinstance(codec_type, type) or not isinstance(exchange_type, type):
+        raise TypeError(f"register(codec_type, exchange_type) takes two classes, got {codec_type!r}, {exchange_type!r}")
+    _EXCHANGES[codec_type] = exchange_type
+
+
+def exchange_for(codec) -> type:
+    """The exchange class registered for ``codec``'s class or the nearest of its bases."""
+    for klass in type(codec).__mro__:
+        if klass in _EXCHANGES:
+            return _EXCHANGES[klass]
+    raise TypeError(f"no exchange is registered for codec {type(codec).__name__}; register one with "
+                    f"accordion_hvd.exchange.register({type(codec).__name__}, YourExchange)")
+
+
+def make_exchange(codec, channel, *, first_cap: int, cap: int, before_last, seconds, per_step, control, sent):
+    """The exchange of ``codec`` on ``channel``, given what the engine shares with every
+    exchange: bucket caps, the learning-rate gather to issue after the last bucket, its
+    seconds counters, the regime controller when the policy decides per step (``per_step``,
+    else None), the control plane (a callable) and the floats-sent counters."""
+    return exchange_for(codec)(codec, channel, first_cap=first_cap, cap=cap, before_last=before_last,
+                               seconds=seconds, per_step=per_step, control=control, sent=sent)
