@@ -14,7 +14,8 @@ _C = _load_extension()  # registers torch.ops.accordion.*; raises ImportError if
 
 from . import levels, ops, policies  # noqa: E402
 from .batch_size import AccordionBatchSize  # noqa: E402
-from .codecs import PowerSGD, TopK  # noqa: E402
+from . import codecs  # noqa: E402
+from .codecs import PowerSGD, Quantize, TopK  # noqa: E402
 from .comm.horovod import quiet_horovod_cycle  # noqa: E402
 from .compressor import AccordionCompressor  # noqa: E402
 from .ddp import register_ddp_hook  # noqa: E402
@@ -22,5 +23,5 @@ from .ddp import register_ddp_hook  # noqa: E402
 __version__ = "0.1.0"
 with_cuda: bool = bool(_C.with_cuda)
 
-__all__ = ["AccordionBatchSize", "AccordionCompressor", "PowerSGD", "TopK", "levels", "ops", "policies",
+__all__ = ["AccordionBatchSize", "AccordionCompressor", "PowerSGD", "Quantize", "TopK", "codecs", "levels", "ops", "policies",
            "quiet_horovod_cycle", "register_ddp_hook", "with_cuda", "__version__"]

@@ -84,3 +84,33 @@ def powersgd_approx(p: torch.Tensor, qt: torch.Tensor) -> torch.Tensor:
     """The rank-r approximation ``M_hat = P Q^T`` (``accordion::powersgd_finish_many_``
     writes it to the gradient; ``accordion::powersgd_settle_many_`` subtracts it from e)."""
     return p @ qt
+
+
+def quantize_ef(grad: torch.Tensor, residual: torch.Tensor, bits: int, chunk: int):
+    """One step of Quantize with error feedback, as the codec must compute it (nearest
+    rounding): ``g = grad + residual`` (flattened, in the residual's dtype); per chunk of
+    ``chunk`` consecutive entries (the last one may be shorter) the scale ``s = max|g| /
+    (2^(bits-1) - 1)`` (float32; a chunk of zeros has scale 0 and sends zeros), ``q =
+    round(g / s)`` half to even, as an int8 (bits 8) or int16 (bits 16) tensor; returns
+    ``(q, scales, new_residual)`` with ``new_residual = g - q * s``."""
+    g = residual.reshape(-1) + grad.reshape(-1).to(residual.dtype)
+    qmax = 2 ** (bits - 1) - 1
+    qs, scales, sent = [], [], []
+    for start in range(0, g.numel(), chunk):
+        part = g[start:start + chunk].float()
+        s = part.abs().max() / qmax
+        q = (part / s).round() if s > 0 else torch.zeros_like(part)
+        qs.append(q.to(torch.int8 if bits == 8 else torch.int16))
+        scales.append(s)
+        sent.append(q * s)
+    q, scales = torch.cat(qs), torch.stack(scales).float()
+    return q, scales, g - torch.cat(sent).to(g.dtype)
+
+
+def quantized_average(payloads: list[tuple[torch.Tensor, torch.Tensor]], chunk: int) -> torch.Tensor:
+    """What every rank gets from Quantize's exchange: the mean over ranks of each rank's
+    dequantized ``(q, scales)``, in float32."""
+    total = 0
+    for q, scales in payloads:
+        total = total + q.float() * scales.repeat_interleave(chunk)[:q.numel()]
+    return total / len(payloads)

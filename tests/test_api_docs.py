@@ -21,6 +21,7 @@ DOCUMENTED = {  # heading in docs/api.md -> the object whose signature its argum
     "acc.AccordionCompressor": acc.AccordionCompressor,
     "acc.PowerSGD": acc.PowerSGD,
     "acc.TopK": acc.TopK,
+    "acc.Quantize": acc.Quantize,
     "acc.register_ddp_hook": acc.register_ddp_hook,
     "acc.policies.Accordion": acc.policies.Accordion,
     "acc.policies.GraVAC": acc.policies.GraVAC,

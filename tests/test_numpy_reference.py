@@ -28,7 +28,7 @@ def _run(mode, backend, np, env=None, steps=STEPS):
 
 
 @pytest.mark.parametrize("backend,np", WORLDS)
-@pytest.mark.parametrize("mode", ["powersgd", "topk"])
+@pytest.mark.parametrize("mode", ["powersgd", "topk", "quantize"])
 def test_matches_numpy_reference(mode, backend, np):
     _run(mode, backend, np)
 
@@ -36,7 +36,7 @@ def test_matches_numpy_reference(mode, backend, np):
 # Levels switched by the policy mid-run (PowerSGD rank 1 -> 4 -> 1 -> 4, TopK 10% -> 20% -> ...),
 # every step against the reference following the same schedule.
 @pytest.mark.parametrize("backend,np", WORLDS)
-@pytest.mark.parametrize("mode", ["powersgd-switch", "topk-switch"])
+@pytest.mark.parametrize("mode", ["powersgd-switch", "topk-switch", "quantize-switch"])
 def test_level_switches_match_numpy_reference(mode, backend, np):
     _run(mode, backend, np, steps="8")
 

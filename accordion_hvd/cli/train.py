@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from ..batch_size import AccordionBatchSize
-from ..codecs import PowerSGD, TopK
+from ..codecs import PowerSGD, Quantize, TopK
 from ..comm.channel import CollectiveTimeout
 from ..comm.horovod import install_polite_wait
 from ..compressor import AccordionCompressor
@@ -46,7 +46,8 @@ from .metrics import progress
 
 log = logging.getLogger("accordion_hvd.train")
 
-CODECS = ("default", "none", "fp16", "powersgd", "topk")
+CODECS = ("default", "none", "fp16", "powersgd", "topk", "quantize")
+OURS = ("powersgd", "topk", "quantize")  # codecs of ours chosen by flags (not "default")
 POLICIES = ("accordion", "static", "gravac", "network-aware", "link-gate")
 DATASETS = ("digits", "synthetic", "cifar10", "text")
 MODELS = ("cnn", "cnn-wide", "resnet18", "lstm", "transformer")
@@ -63,6 +64,8 @@ def make_codec(args):
         return PowerSGD(args.rank, args.critical_rank)
     if args.codec == "topk":
         return TopK(args.ratio, args.critical_ratio)
+    if args.codec == "quantize":
+        return Quantize(args.bits, args.critical_bits)
     return None
 
 
@@ -115,6 +118,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--ratio", type=float, default=0.05, help="TopK fraction kept in normal regimes")
     p.add_argument("--critical-ratio", type=float, default=None,
                    help="TopK fraction kept in critical regimes (default: none: --ratio in every regime)")
+    p.add_argument("--bits", type=int, default=8, help="Quantize: bits per entry in normal regimes (8 or 16)")
+    p.add_argument("--critical-bits", type=int, default=None,
+                   help="Quantize: bits in critical regimes (default: none: --bits in every regime)")
     p.add_argument("--policy", choices=POLICIES, default=None,
                    help="level policy (default: accordion when a critical level is given, else static)")
     p.add_argument("--eta", type=float, default=0.5, help="Accordion threshold on the relative norm change")
@@ -209,7 +215,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error(f"--device cuda: torch {torch.__version__} sees no GPU (use --device cpu or auto)")
     try:
         make_codec(args)
-        if args.codec in ("powersgd", "topk"):
+        if args.codec in OURS:
             make_compression(args)
     except (TypeError, ValueError) as exc:
         p.error(str(exc))
@@ -366,7 +372,7 @@ def run_cli(argv=None) -> None:
 
 def main(argv=None) -> float:
     args = parse_args(argv)
-    front = make_front_end(args.launcher, device_type(args.device), ours=args.codec in ("powersgd", "topk"))
+    front = make_front_end(args.launcher, device_type(args.device), ours=args.codec in OURS)
     rank0 = front.rank == 0
     logging.basicConfig(level=logging.INFO if rank0 else logging.WARNING,
                         format="%(asctime)s %(name)s: %(message)s")

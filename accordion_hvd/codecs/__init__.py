@@ -8,6 +8,7 @@ the engine asks of every codec.
 
 from .base import Codec, check_codec
 from .powersgd import PowerSGD
+from .quantize import Quantize
 from .topk import TopK
 
 
@@ -22,4 +23,4 @@ def default_codec() -> PowerSGD:
     return PowerSGD(rank=16, critical_rank=32)
 
 
-__all__ = ["Codec", "PowerSGD", "TopK", "check_codec", "default_codec"]
+__all__ = ["Codec", "PowerSGD", "Quantize", "TopK", "check_codec", "default_codec"]

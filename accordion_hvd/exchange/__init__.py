@@ -4,7 +4,8 @@
   gradients become ready (DDP's cut), with the layout agreed by all ranks;
 * ``powersgd``: PowerSGD's P and Q rounds per bucket, pipelined with backward;
 * ``topk``: TopK's packed allgather of values and indices per bucket (and a per-step
-  policy's choice, such as GraVAC's).
+  policy's choice, such as GraVAC's);
+* ``quantize``: Quantize's allgather of scales and integers per bucket.
 
 Each codec's exchange is a small object with the same four calls, which the Horovod adapter
 (compressor.py) drives without knowing the codec (``registry.py`` pairs each codec with its
@@ -17,7 +18,8 @@ from .buckets import (BUCKET_BYTES, FIRST_BUCKET_BYTES, Round1, agree_layout, ar
                       plan_buckets, split_bytes)
 from .registry import exchange_for, make_exchange, register
 from .powersgd import PowerSGDExchange  # noqa: E402 - each registers itself with its codec
+from .quantize import QuantizeExchange  # noqa: E402
 from .topk import TopKExchange  # noqa: E402
 
-__all__ = ["BUCKET_BYTES", "FIRST_BUCKET_BYTES", "PowerSGDExchange", "Round1", "TopKExchange", "agree_layout",
+__all__ = ["BUCKET_BYTES", "FIRST_BUCKET_BYTES", "PowerSGDExchange", "QuantizeExchange", "Round1", "TopKExchange", "agree_layout",
            "arrived", "bytes_of", "exchange_for", "lane", "make_exchange", "plan_buckets", "register", "split_bytes"]

@@ -35,6 +35,13 @@ Modes (argv[1]):
              ones, or drops the last ones; error feedback is kept), TopK(ratio=0.1,
              critical_ratio=0.2) goes 10%, 20%, 10%, 20%. The reference follows the same
              schedule. Same tolerances (TopK still bit for bit).
+  quantize, quantize-switch
+             Quantize(bits=8, chunk=64) on the same layers (min_numel lowered so both are
+             compressed), and Quantize(bits=8, critical_bits=16) switched 8, 16, 8, 16 bits
+             by the same schedule. The reference quantizes in float32 exactly as specified
+             (per chunk s = max|g| / 127 or 32767, q = round(g / s) half to even, the mean of
+             the dequantized payloads, e = g - q s): the applied update must equal it BIT FOR
+             BIT.
   topk-full  TopK(ratio=1.0, min_compression_rate=0.5): the layers count as compressed
              (asserted through stats()), but at a level keeping every entry they go
              through Horovod's dense allreduce with the error feedback folded in, so the
@@ -86,6 +93,8 @@ SHAPES = {"w2d": (24, 40), "conv": (8, 3, 5, 5), "bias": (24,)}
 COMPRESSED = ("w2d", "conv")  # stated here, not asked from the codec: bias is 1-D, so dense
 SWITCH = mode.endswith("-switch")
 POWERSGD, TOPK = mode.startswith("powersgd"), mode in ("topk", "topk-switch")
+QUANT = mode.startswith("quantize")
+CHUNK = 64  # Quantize's chunk here: several per layer, the last one short (960 = 15 x 64, 600 = 9 x 64 + 24)
 RATIO = {"topk": 0.1, "topk-switch": 0.1, "topk-full": 1.0}.get(mode)
 CRITICAL_RATIO, CRITICAL_RANK = 0.2, 4
 
@@ -119,6 +128,10 @@ elif mode == "topk":
     codec = acc.TopK(ratio=RATIO)
 elif mode == "topk-switch":
     codec = acc.TopK(ratio=RATIO, critical_ratio=CRITICAL_RATIO)
+elif mode == "quantize":
+    codec = acc.Quantize(bits=8, chunk=CHUNK, min_numel=256)
+elif mode == "quantize-switch":
+    codec = acc.Quantize(bits=8, critical_bits=16, chunk=CHUNK, min_numel=256)
 elif mode == "topk-full":
     codec = acc.TopK(ratio=RATIO, min_compression_rate=0.5)  # so that ratio 1.0 is still "compressed"
 else:
@@ -183,7 +196,8 @@ def topk_keep(g: np.ndarray, k: int) -> np.ndarray:
 
 ref_w = {n: p.detach().cpu().double().numpy().copy() for n, p in params.items()}
 # Error feedback e[r, name] of every rank: a matrix for PowerSGD, a flat vector for TopK.
-ref_e = {(r, n): np.zeros((SHAPES[n][0], math.prod(SHAPES[n][1:])) if POWERSGD else math.prod(SHAPES[n]))
+ref_e = {(r, n): np.zeros((SHAPES[n][0], math.prod(SHAPES[n][1:])) if POWERSGD else math.prod(SHAPES[n]),
+                         dtype=np.float32 if QUANT else np.float64)
          for r in range(size) for n in COMPRESSED}
 if POWERSGD:
     # The initial Q: an input of the algorithm, taken from the codec (seeded per layer name),
@@ -192,6 +206,19 @@ if POWERSGD:
     fresh_q = {n: codec.init_state(n, torch.zeros(SHAPES[n]), acc.levels.CRITICAL).q.double().numpy()
                for n in COMPRESSED}
 straddling_ties = {n: 0 for n in COMPRESSED}
+
+
+def quantize32(g: np.ndarray, bits: int) -> tuple[np.ndarray, np.ndarray]:
+    """(q, scales) of flat float32 g: per chunk s = max|g| / (2^(bits-1) - 1), q = round(g / s)
+    half to even, all in float32 as the codec computes it, so the result is exact."""
+    qmax = np.float32(2 ** (bits - 1) - 1)
+    chunks = -(-g.size // CHUNK)
+    padded = np.zeros(chunks * CHUNK, np.float32)
+    padded[:g.size] = g
+    padded = padded.reshape(chunks, CHUNK)
+    s = (np.abs(padded).max(axis=1) / qmax).astype(np.float32)
+    safe = np.where(s > 0, s, np.float32(1)).astype(np.float32)
+    return np.clip(np.round(padded / safe[:, None]), -qmax, qmax).reshape(-1)[:g.size], s
 
 
 def reference_step(t: int) -> dict[str, np.ndarray]:
@@ -212,6 +239,16 @@ def reference_step(t: int) -> dict[str, np.ndarray]:
                 ref_e[r, n] = ms[r] - m_hat
             ref_q[n] = q  # warm start
             update[n] = m_hat.reshape(SHAPES[n])
+        elif QUANT:  # float32 throughout, in the codec's order: exact
+            bits = 16 if critical_at(t) else 8
+            total = np.zeros(math.prod(SHAPES[n]), np.float32)
+            for r in range(size):
+                g = grads(r, t)[n].reshape(-1) + ref_e[r, n]
+                q, scales = quantize32(g, bits)
+                sent = (q.astype(np.float32) * np.repeat(scales, CHUNK)[:g.size]).astype(np.float32)
+                total = (total + sent).astype(np.float32)
+                ref_e[r, n] = (g - sent).astype(np.float32)
+            update[n] = (total / np.float32(size)).reshape(SHAPES[n])
         else:
             k = math.ceil((CRITICAL_RATIO if critical_at(t) else RATIO) * math.prod(SHAPES[n]))
             total = np.zeros(math.prod(SHAPES[n]))
@@ -249,9 +286,9 @@ for t in range(steps):
               f"step {t} {n}: parameters differ from the NumPy reference by {err_w:.3g} (tol {PARAM_TOL})")
         check(np.allclose(got_u, expected[n], rtol=PARAM_TOL, atol=PARAM_TOL),
               f"step {t} {n}: applied update differs from the NumPy reference by {err_u:.3g}")
-        if TOPK and n in COMPRESSED:
+        if (TOPK or QUANT) and n in COMPRESSED:
             check(np.array_equal(applied[n].numpy(), expected[n].astype(np.float32)),
-                  f"step {t} {n}: TopK update not bit-identical to the exact reference "
+                  f"step {t} {n}: {type(codec).__name__} update not bit-identical to the exact reference "
                   f"({int((applied[n].numpy() != expected[n].astype(np.float32)).sum())} entries differ)")
     if mode == "topk-full":
         for n in COMPRESSED:

@@ -1,0 +1,243 @@
+"""Quantize: gradients in 8 (or 16) bits per entry, with error feedback.
+
+Per layer and step (QSGD's bucketed scaling, Alistarh et al., NeurIPS 2017, with the error
+feedback of Seide et al., 2014, and Karimireddy et al., ICML 2019):
+
+    g = grad + e                                   (flattened)
+    s_c = max |g_c| / (2^(bits-1) - 1)             per chunk c of ``chunk`` entries
+    q = round(g / s)   in int8 (int16 at 16 bits)  nearest, or stochastic: floor(g / s + u)
+    e = g - q * s                                  (once the step is known not to be skipped)
+
+Every rank's (scales, q) is gathered and the result is ``mean_r(q_r * s_r)``: dequantized
+then averaged, so the sum is exact in the gradient's float arithmetic whatever the scales
+(a sum of quantized integers would overflow int8 and need every rank's scales alike). The
+exchange is accordion_hvd/exchange/quantize.py; the plain-torch reference of one step's math
+is ``reference.quantize_ef``.
+
+Levels: NORMAL is ``bits``, CRITICAL ``critical_bits`` (``None``: static). 8 and 16 are the
+widths the integer payloads have. A layer of fewer than ``min_numel`` entries is not worth
+its scales and goes dense.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from .. import ops
+from ..levels import CRITICAL, DENSE16, NORMAL, Level, check_level, positive_number
+from ._common import residual_dtype, rounding_error, settle_sent, whole_layer_work, wire_dtype
+from .base import Codec
+
+BITS = (8, 16)
+_INT = {8: torch.int8, 16: torch.int16}
+ROUNDINGS = ("nearest", "stochastic")
+
+
+@dataclass
+class QuantizeState:
+    name: str
+    shape: torch.Size
+    level: Level
+    bits: int
+    residual: torch.Tensor   # e, flat; holds g = grad + e from ``encode`` to ``settle``
+    sent: tuple[torch.Tensor, torch.Tensor] | None = None  # (q, scales) of the step in flight
+
+
+class Quantize(Codec):
+    """Args:
+        bits: entries' width in normal regimes, 8 or 16.
+        critical_bits: in critical regimes (16, or ``None``: static ``bits``); at least ``bits``.
+        chunk: entries sharing one float32 scale (512; QSGD's bucket).
+        rounding: "nearest" (deterministic) or "stochastic" (unbiased: floor(g / s + u), u
+            uniform in [0, 1), from a generator seeded per layer name and ``seed``).
+        min_numel: layers with fewer entries are sent dense (1024).
+    """
+
+    levels = (NORMAL, CRITICAL)
+    measures_gain = False
+
+    def __init__(self, bits: int = 8, critical_bits: int | None = None, *, chunk: int = 512,
+                 rounding: str = "nearest", min_numel: int = 1024, seed: int = 0) -> None:
+        if bits not in BITS or isinstance(bits, bool):
+            raise ValueError(f"bits must be one of {BITS} (the integer widths of the payload), got {bits!r}")
+        if critical_bits is not None and (critical_bits not in BITS or isinstance(critical_bits, bool)):
+            raise ValueError(f"critical_bits must be one of {BITS} or None, got {critical_bits!r}")
+        self.bits = bits
+        self.critical_bits = bits if critical_bits is None else critical_bits
+        if self.critical_bits < self.bits:
+            raise ValueError(f"critical_bits must be >= bits (critical regimes get the gentler level, more bits), got "
+                             f"bits={bits!r}, critical_bits={critical_bits!r}")
+        self.chunk = positive_number("chunk", chunk, integer=True)
+        if rounding not in ROUNDINGS:
+            raise ValueError(f"rounding must be one of {ROUNDINGS}, got {rounding!r}")
+        self.rounding = rounding
+        self.min_numel = positive_number("min_numel", min_numel, integer=True)
+        if not isinstance(seed, int) or isinstance(seed, bool):
+            raise TypeError(f"seed must be an int, got {type(seed).__name__}")
+        self.seed = seed
+
+    def __repr__(self) -> str:
+        return f"Quantize(bits={self.bits}, critical_bits={self.critical_bits})"
+
+    def config(self) -> dict:
+        return {"codec": "quantize", "bits": self.bits, "critical_bits": self.critical_bits, "chunk": self.chunk,
+                "rounding": self.rounding, "min_numel": self.min_numel, "seed": self.seed}
+
+    @property
+    def adaptive(self) -> bool:
+        return self.critical_bits != self.bits
+
+    def level_bits(self, level: Level) -> int:
+        check_level("level", level, allowed=self.levels)
+        return self.critical_bits if level == CRITICAL else self.bits
+
+    # --- which layers, and what they cost ---------------------------------------------------
+    def compressible(self, shape: torch.Size) -> bool:
+        return math.prod(shape) >= self.min_numel
+
+    def chunks(self, numel: int) -> int:
+        return -(-numel // self.chunk)
+
+    def payload_bytes(self, numel: int, bits: int) -> int:
+        """One rank's payload for a layer: its float32 scales, then its integers, padded to a
+        multiple of 4 bytes (so that every layer's scales in a gathered bucket can be read in
+        place as float32)."""
+        return 4 * self.chunks(numel) + -(-numel * bits // 32) * 4
+
+    def floats_sent(self, state: QuantizeState) -> int:
+        """In float32 equivalents (the payload's bytes over 4, rounded up)."""
+        numel = state.residual.numel()
+        if state.level == DENSE16:
+            return numel
+        return -(-self.payload_bytes(numel, state.bits) // 4)
+
+    def wire(self, shape: torch.Size, level: Level, itemsize: int = 4) -> tuple[tuple[str, int], ...]:
+        numel = math.prod(shape)
+        if level == DENSE16:
+            return (("dense", min(itemsize, 2) * numel),)
+        return (("allgather", self.payload_bytes(numel, self.level_bits(level))),)
+
+    def kernel_work(self, shape: torch.Size, level: Level, itemsize: int = 4) -> tuple[float, ...]:
+        """g = grad + e (3 passes), the scales (1), q written (1/4 or 1/2); then every rank's
+        payload dequantized into the result (1 pass and the payloads) and e settled (2)."""
+        numel = math.prod(shape)
+        if level == DENSE16:
+            return whole_layer_work(numel, level, itemsize)
+        q = numel * self.level_bits(level) / 8
+        return 4.0 * numel * itemsize + q, 3.0 * numel * itemsize + q
+
+    @torch.no_grad()
+    def level_errors(self, state: QuantizeState, grad: torch.Tensor, levels: tuple[Level, ...]) -> list[float]:
+        """``||g - C(g)||^2`` of g = grad + e at each level (nearest rounding: what the error
+        feedback keeps), in float64."""
+        g = grad.reshape(-1).to(state.residual.dtype) + state.residual
+        out = []
+        for level in levels:
+            if level == DENSE16:
+                out.append(rounding_error(g, wire_dtype(level, grad.dtype)))
+                continue
+            q, scales = self._quantize(g, self.level_bits(level), None)
+            out.append(float((g - self._dequantize(q, scales, g.numel())).double().square().sum()))
+        return out
+
+    # --- state --------------------------------------------------------------------------------
+    def init_state(self, name: str, grad: torch.Tensor, level: Level = NORMAL) -> QuantizeState:
+        residual = torch.zeros(grad.numel(), dtype=residual_dtype(grad.dtype), device=grad.device)
+        return QuantizeState(name, grad.shape, level, self._bits_at(level), residual)
+
+    def _bits_at(self, level: Level) -> int:
+        return 16 if level == DENSE16 else self.level_bits(level)
+
+    def set_level(self, state: QuantizeState, level: Level) -> None:
+        check_level("level", level, allowed=self.levels + (DENSE16,))
+        state.level, state.bits = level, self._bits_at(level)
+
+    def state_to_dict(self, state: QuantizeState) -> dict:
+        return {"shape": list(state.shape), "level": state.level.to_state(), "residual": state.residual.clone()}
+
+    def state_from_dict(self, name: str, d: dict) -> QuantizeState:
+        shape, level, residual = torch.Size(d["shape"]), Level.from_state(d["level"]), d["residual"]
+        if tuple(residual.shape) != (math.prod(shape),) or level not in self.levels + (DENSE16,):
+            raise ValueError(f"Quantize state of {name!r} does not fit this codec: level {level!r}, residual "
+                             f"{tuple(residual.shape)} (expected {(math.prod(shape),)})")
+        return QuantizeState(name, shape, level, self._bits_at(level), residual.clone())
+
+    # --- a step -------------------------------------------------------------------------------
+    def _quantize(self, g: torch.Tensor, bits: int, generator) -> tuple[torch.Tensor, torch.Tensor]:
+        """(q, float32 scales) of flat ``g``."""
+        qmax = 2 ** (bits - 1) - 1
+        n, chunks = g.numel(), self.chunks(g.numel())
+        padded = torch.nn.functional.pad(g.float(), (0, chunks * self.chunk - n)).view(chunks, self.chunk)
+        scales = padded.abs().amax(dim=1) / qmax
+        safe = torch.where(scales > 0, scales, torch.ones_like(scales))
+        x = padded / safe[:, None]
+        if generator is None:
+            x = x.round()
+        else:
+            x = (x + torch.rand(x.shape, generator=generator, device=x.device)).floor()
+        q = x.clamp_(-qmax, qmax).to(_INT[bits]).reshape(-1)[:n]
+        return q, scales
+
+    def _dequantize(self, q: torch.Tensor, scales: torch.Tensor, numel: int) -> torch.Tensor:
+        chunks = scales.numel()
+        padded = torch.nn.functional.pad(q.float(), (0, chunks * self.chunk - numel)).view(chunks, self.chunk)
+        return (padded * scales[:, None]).reshape(-1)[:numel]
+
+    def _generator(self, state: QuantizeState):
+        if self.rounding == "nearest":
+            return None
+        gen = getattr(state, "_gen", None)
+        if gen is None:  # seeded per layer: reproducible, different per rank only through g
+            gen = torch.Generator(device=state.residual.device)
+            gen.manual_seed(self.seed * 1_000_003 + sum(state.name.encode()))
+            state._gen = gen
+        return gen
+
+    def sends_dense(self, state: QuantizeState) -> bool:
+        """DENSE16 (a policy's whole-layer level): float16 through the front end's allreduce."""
+        return state.level == DENSE16
+
+    def flush_dense(self, state: QuantizeState, grad: torch.Tensor, finite: torch.Tensor) -> torch.Tensor:
+        """For a DENSE16 step: g = grad + e in float16 (NaN if not finite; e then untouched);
+        e holds g until ``settle_dense``."""
+        g = ops.ef_add_(grad.reshape(-1), state.residual, finite)
+        out = g.to(wire_dtype(state.level, grad.dtype), copy=True)
+        ops.fill_if_([out], ~finite, float("nan"))
+        return out.view(grad.shape)
+
+    @staticmethod
+    def settle_dense(state: QuantizeState, sent_dtype: torch.dtype, done: torch.Tensor) -> None:
+        settle_sent(state.residual, sent_dtype, done)
+
+    def encode(self, state: QuantizeState, grad: torch.Tensor, finite: torch.Tensor) -> torch.Tensor:
+        """g = grad + e into the residual (not if ``finite`` is False: then g = e and the
+        scales sent are NaN); returns this rank's payload bytes: float32 scales, then q."""
+        g = ops.ef_add_(grad.reshape(-1), state.residual, finite)
+        q, scales = self._quantize(g, state.bits, self._generator(state))
+        state.sent = (q, scales)
+        scales = torch.where(finite, scales, float("nan"))
+        pad = self.payload_bytes(q.numel(), state.bits) - 4 * scales.numel() - q.numel() * q.element_size()
+        return torch.cat([scales.view(torch.uint8), q.view(torch.uint8),
+                          torch.zeros(pad, dtype=torch.uint8, device=q.device)])
+
+    def decode(self, state: QuantizeState, rows: torch.Tensor, grad_dtype: torch.dtype) -> torch.Tensor:
+        """Every rank's payload (a (ranks, bytes) uint8 block) -> their dequantized mean, in
+        the gradient's dtype and shape."""
+        numel, chunks = state.residual.numel(), self.chunks(state.residual.numel())
+        total = torch.zeros(numel, dtype=torch.float32, device=rows.device)
+        width = numel * state.bits // 8
+        for row in rows:  # each row's payload starts 4-byte aligned (payload_bytes)
+            scales = row[:4 * chunks].view(torch.float32)
+            q = row[4 * chunks:4 * chunks + width].view(_INT[state.bits])
+            total += self._dequantize(q, scales, numel)
+        return (total / rows.shape[0]).to(grad_dtype).view(state.shape)
+
+    def settle(self, state: QuantizeState, done: torch.Tensor) -> None:
+        """End of step: where it went through (``done``), e = g - q * s; else e keeps g."""
+        q, scales = state.sent
+        sent = self._dequantize(q, scales, state.residual.numel()).to(state.residual.dtype)
+        state.residual.sub_(torch.where(done, sent, torch.zeros_like(sent)))
+        state.sent = None
