@@ -218,6 +218,8 @@ class AccordionCompressor(HorovodCompressor):
         self._device_type = "cpu"                    # of the first compressed gradient: picks the data plane
         self._sent: dict[str, int] = {}              # cumulative floats sent, per layer
         self._dense: dict[str, int] = {}             # cumulative floats a dense allreduce sends
+        self._bytes: dict[str, int] = {}             # cumulative bytes on the wire, per layer (codec.wire)
+        self._bytes_dense: dict[str, int] = {}       # cumulative bytes of the gradients themselves
         self.steps = 0
         self._faults = StepFaults()                  # non-finite gradients, on the device
         self._config_checked = False
@@ -378,6 +380,10 @@ class AccordionCompressor(HorovodCompressor):
         if kind != _COMPRESSED and tensor.is_floating_point():
             self._faults.seen(~finite_flag(tensor))  # an average: the same on every rank
         self._outputs.append(tensor)
+        state = self._layers.get(name)  # (a compressed layer's, whole at DENSE16 or not)
+        if state is not None:  # its level is final now (a per-step policy chose it before the results)
+            wire = self.codec.wire(state.shape, state.level, state.residual.element_size())
+            self._bytes[name] = self._bytes.get(name, 0) + sum(nbytes for _, nbytes in wire)
         self._in_step.discard(name)
         if not self._in_step:  # the step's last layer: the step is over on this rank
             self._end_step()
@@ -442,8 +448,11 @@ class AccordionCompressor(HorovodCompressor):
         self._in_step.add(name)
         dense_floats = tensor.numel()
         self._dense[name] = self._dense.get(name, 0) + dense_floats
+        whole = dense_floats * tensor.element_size()
+        self._bytes_dense[name] = self._bytes_dense.get(name, 0) + whole
         if not compressed:
             self._sent[name] = self._sent.get(name, 0) + dense_floats
+            self._bytes[name] = self._bytes.get(name, 0) + whole
             if not (bypass and tensor.layout == torch.strided and tensor.is_floating_point()):
                 return tensor, (_DENSE, name)
             self._rounds.add(_UNCOMPRESSED)
@@ -704,7 +713,9 @@ class AccordionCompressor(HorovodCompressor):
 
     @_DefaultInstanceMethod
     def stats(self) -> dict:
-        """Cumulative floats sent by this rank and what dense would have sent, with each
+        """Cumulative floats sent by this rank and what dense would have sent, the same in
+        bytes on the wire (``bytes_sent``: what each layer's collectives carried per rank at
+        its level, ``codec.wire``; ``bytes_dense``: the gradients' own bytes), with each
         layer's current level ("dense" for a layer never compressed) and whether it is
         ``unused`` (no gradient on any rank in any detection window so far: known to the
         policies that measure norms, Accordion's and the network-aware one), and the last
@@ -713,9 +724,12 @@ class AccordionCompressor(HorovodCompressor):
         return {
             "floats_sent": sum(self._sent.values()),
             "floats_dense": sum(self._dense.values()),
+            "bytes_sent": sum(self._bytes.values()),
+            "bytes_dense": sum(self._bytes_dense.values()),
             "steps": self.steps,
             "skipped_steps": self.skipped_steps,
             "layers": {n: {"floats_sent": self._sent[n], "floats_dense": self._dense[n],
+                           "bytes_sent": self._bytes.get(n, 0), "bytes_dense": self._bytes_dense.get(n, 0),
                            "level": str(self._layers[n].level if n in self._layers else DENSE),
                            "unused": n in unused}
                        for n in sorted(self._dense)},
@@ -736,6 +750,7 @@ class AccordionCompressor(HorovodCompressor):
                 "rank": None if world is None else world[0], "world_size": None if world is None else world[1],
                 "skipped_steps": self.skipped_steps,
                 "sent": dict(self._sent), "dense": dict(self._dense), "seconds": dict(self.seconds),
+                "bytes": dict(self._bytes), "bytes_dense": dict(self._bytes_dense),
                 "reported_lrs": self._reported_lrs,
                 "layers": {n: self.codec.state_to_dict(s) for n, s in sorted(self._layers.items())},
                 "controller": self.controller.state_dict()}
@@ -786,7 +801,9 @@ class AccordionCompressor(HorovodCompressor):
             counters = (int(state["steps"]), int(state.get("skipped_steps", 0)),
                         {str(k): int(v) for k, v in state["sent"].items()},
                         {str(k): int(v) for k, v in state["dense"].items()},
-                        {str(k): float(v) for k, v in state["seconds"].items()})
+                        {str(k): float(v) for k, v in state["seconds"].items()},
+                        {str(k): int(v) for k, v in state.get("bytes", {}).items()},  # absent before they existed
+                        {str(k): int(v) for k, v in state.get("bytes_dense", {}).items()})
             reported = state["reported_lrs"]
             self.controller.load_state_dict(state["controller"])
         except (KeyError, TypeError, ValueError, AttributeError, RuntimeError) as exc:
@@ -798,10 +815,11 @@ class AccordionCompressor(HorovodCompressor):
             for layer in layers.values():
                 layer.residual.zero_()
         self._layers = layers
-        steps, skipped, sent, dense, seconds = counters
+        steps, skipped, sent, dense, seconds, nbytes, bytes_dense = counters
         self.steps, self.skipped_steps = steps, skipped
         # In place: an exchange built before this load holds these very dicts and counts into them.
-        for live, loaded in ((self._sent, sent), (self._dense, dense), (self.seconds, seconds)):
+        for live, loaded in ((self._sent, sent), (self._dense, dense), (self.seconds, seconds), (self._bytes, nbytes),
+                             (self._bytes_dense, bytes_dense)):
             live.clear()
             live.update(loaded)
         self._reported_lrs = reported

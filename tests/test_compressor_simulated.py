@@ -110,13 +110,15 @@ def test_small_and_1d_tensors_go_dense_and_floats_are_counted_exactly():
     stats = results[0][1].stats()
     layers = stats["layers"]
     assert layers["fc.bias"] == {"floats_sent": 40 * steps, "floats_dense": 40 * steps, "level": "dense",
-                                 "unused": False}
+                                 "bytes_sent": 4 * 40 * steps, "bytes_dense": 4 * 40 * steps, "unused": False}
     assert layers["tiny.weight"]["level"] == "dense"
+    # PowerSGD rank 2: P (40 x 2) and Q (64 x 2) in float32, every step
     assert layers["fc.weight"] == {"floats_sent": (40 + 64) * 2 * steps, "floats_dense": 40 * 64 * steps,
+                                   "bytes_sent": 4 * (40 + 64) * 2 * steps, "bytes_dense": 4 * 40 * 64 * steps,
                                    "level": "normal", "unused": False}
     assert layers["conv.weight"]["floats_sent"] == (16 + 72) * 2 * steps
-    assert stats["floats_sent"] == sum(v["floats_sent"] for v in layers.values())
-    assert stats["floats_dense"] == sum(v["floats_dense"] for v in layers.values())
+    for counter in ("floats_sent", "floats_dense", "bytes_sent", "bytes_dense"):
+        assert stats[counter] == sum(v[counter] for v in layers.values())
     assert results[1][1].stats() == stats
 
 
@@ -229,7 +231,7 @@ def test_a_codec_missing_part_of_the_protocol_is_refused_naming_what_it_lacks():
         def compressible(self, shape):
             return True
 
-    with pytest.raises(TypeError, match="Half lacks init_state, set_level, floats_sent, state_to_dict, "
+    with pytest.raises(TypeError, match="Half lacks init_state, set_level, floats_sent, wire, state_to_dict, "
                                         "state_from_dict, config"):
         acc.AccordionCompressor(Half())
 
@@ -242,6 +244,7 @@ def test_a_codec_of_the_protocol_without_a_registered_exchange_is_refused_at_con
         def init_state(self, name, grad, level): return None
         def set_level(self, state, level): pass
         def floats_sent(self, state): return 0
+        def wire(self, shape, level, itemsize=4): return ()
         def state_to_dict(self, state): return {}
         def state_from_dict(self, name, d): return None
         def config(self): return {"codec": "unpaired"}

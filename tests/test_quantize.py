@@ -149,6 +149,9 @@ def test_every_rank_gets_the_mean_of_the_dequantized_payloads_with_levels_switch
     per = {b: -(-a.payload_bytes(64 * 48, b) // 4) for b in (8, 16)}
     assert stats["layers"]["a.weight"]["floats_sent"] == 2 * per[8] + 2 * per[16]
     assert stats["layers"]["b.bias"]["floats_sent"] == 4 * 96  # small: dense
+    # bytes on the wire: the payloads themselves (scales and integers), exactly
+    assert stats["layers"]["a.weight"]["bytes_sent"] == 2 * a.payload_bytes(64 * 48, 8) + 2 * a.payload_bytes(64 * 48, 16)
+    assert stats["layers"]["a.weight"]["bytes_dense"] == 4 * 4 * 64 * 48
 
 
 def test_a_non_finite_gradient_on_one_rank_skips_the_step_everywhere_and_loses_nothing():

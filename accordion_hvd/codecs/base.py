@@ -10,9 +10,8 @@ state: it never communicates. Two contracts meet in it:
 * **its exchange's**: the phases of a step (encode, the rounds, decode, settle), private
   between a codec and the exchange registered for it (accordion_hvd/exchange/registry.py).
 
-A network-aware policy also asks the optional ``NETWORK`` methods (what a level costs on
-the wire and in math, and the error it would make); a codec without them works with every
-other policy.
+A network-aware policy also asks the optional ``NETWORK`` methods (what a level costs in
+math, and the error it would make); a codec without them works with every other policy.
 """
 
 from __future__ import annotations
@@ -23,8 +22,8 @@ from ..levels import Level
 from ._common import residual_dtype  # noqa: F401 - the engine checks a layer's error feedback dtype with it
 
 REQUIRED = ("levels", "adaptive", "measures_gain", "compressible", "init_state", "set_level", "floats_sent",
-            "state_to_dict", "state_from_dict", "config")
-NETWORK = ("wire", "kernel_work", "level_errors")
+            "wire", "state_to_dict", "state_from_dict", "config")
+NETWORK = ("kernel_work", "level_errors")
 
 
 class Codec:
@@ -59,6 +58,13 @@ class Codec:
 
     def floats_sent(self, state) -> int:
         """What a layer at its current level puts on the wire per step, in elements."""
+        raise NotImplementedError
+
+    def wire(self, shape: torch.Size, level: Level, itemsize: int = 4) -> tuple[tuple[str, int], ...]:
+        """The collectives one layer of ``shape`` costs at ``level``, as (kind, bytes per
+        rank): "allreduce" or "allgather" in its bucket, or "dense" (sent whole by the front
+        end). ``itemsize``: bytes of the layer's error feedback entries. ``stats()`` counts
+        bytes on the wire with it, and a network-aware policy prices a level with it."""
         raise NotImplementedError
 
     def state_to_dict(self, state) -> dict:
