@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# What a GPU machine checks, in one go (see README "CUDA kernels"): build with the CUDA kernels,
+# What a GPU machine checks, in one go (see docs/cuda.md, "CUDA kernels"): build with the CUDA kernels,
 # run the CUDA tests and the kernel unit tests, compute-sanitizer memcheck and racecheck, and
 # (with --bench) the kernel benchmark. Logs go to ${OUT:-build/gpu-check}. Uses the python3
 # that holds a CUDA torch; Horovod is not needed.

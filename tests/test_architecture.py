@@ -1,8 +1,8 @@
-"""The layer rules of the README's "Architecture" section, checked on the source.
+"""The layer rules of docs/design.md's "Architecture" section, checked on the source.
 
 Every import in the package (module level or inside a function, absolute or relative) is
 resolved to the project module it names, and each layer may reach only what the rules allow.
-A rule broken here is a design change: change the README's rules first, in the same commit.
+A rule broken here is a design change: change docs/design.md's rules first, in the same commit.
 """
 
 from __future__ import annotations
