@@ -12,6 +12,8 @@ and r > 8; the error update; PowerSGD's four bucket phases (ranks 1-16, a non-fi
 CPU kernel, so a sanitizer report can be matched to a case.
 """
 
+import sys
+
 import torch
 
 import accordion_hvd as acc
@@ -55,8 +57,13 @@ def powersgd_bucket():
 
 
 def main():
+    """``--only buckets``: the bucket ops alone (TopK's and PowerSGD's), the GPU check's phase 1."""
     assert acc.with_cuda and torch.cuda.is_available(), "needs a GPU and a build with CUDA kernels"
     torch.manual_seed(0)
+    if sys.argv[1:] == ["--only", "buckets"]:
+        topk_bucket()
+        powersgd_bucket()
+        return
     for dtype in (torch.float32, torch.float16, torch.bfloat16):
         g, r = torch.randn(20_011).to(dtype), torch.randn(20_011)
         for k in (0, 1, 200, 20_011):
@@ -66,6 +73,12 @@ def main():
     topk_case("constant (no candidate list)", torch.full((9_000,), 0.25), torch.zeros(9_000), 4_000)
     topk_case("ties at the threshold", torch.randint(-2, 3, (30_000,)).float(), torch.zeros(30_000), 7_000)
 
+    topk_bucket()
+    powersgd_bucket()
+    single_ops()
+
+
+def topk_bucket():
     grads = [torch.randn(n) for n in (1, 7, 5_000, 20_011)] * 9  # 36 layers: two launches' tables
     ks = [g.numel() // 10 for g in grads]
     finite = torch.tensor([i != 2 for i in range(len(grads))])
@@ -79,8 +92,8 @@ def main():
     assert torch.equal(cpu[0], gpu[0].cpu()) and all(torch.equal(a, b.cpu()) for a, b in zip(res_cpu, res_gpu))
     print("ok topk_ef_many, restore_many_if_", flush=True)
 
-    powersgd_bucket()
 
+def single_ops():
     values = torch.randn(3 * 500)
     indices = torch.cat([torch.randperm(2_000)[:500] for _ in range(3)]).to(torch.int32)
     for dtype in (torch.float32, torch.float16):
