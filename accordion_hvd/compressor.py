@@ -66,8 +66,7 @@ import torch
 from . import checkpoint, ops
 from .checkpoint import current_world
 from .codecs import Codec, check_codec, default_codec
-from .codecs.base import NETWORK
-from .codecs.base import residual_dtype
+from .codecs.base import NETWORK, residual_dtype
 from .flags import finite_flag
 from .controller import RegimeController
 from .comm.horovod import check_wait, install_polite_wait
