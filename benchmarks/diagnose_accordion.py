@@ -11,9 +11,10 @@ epoch) under ``horovodrun -np 2`` on this machine (no emulated link: this is abo
 not time), with two recorders put in place of the codec and the policy, both subclasses that
 change nothing they compute:
 
-* ``RecordingPowerSGD`` notes, per layer and step on rank 0, the norm of M = grad + e as the
-  step starts and the norm of the error feedback the step left (what the layer's result did
-  not carry): their ratio is the step's relative compression error;
+* ``RecordingPowerSGD`` notes, per layer and step on rank 0, the norms of the gradient and of
+  M = grad + e as the step starts, and of the error feedback the step left (what the layer's
+  result did not carry): over |M|, the step's relative compression error; over |grad|, how
+  many steps' worth of gradient the layer owes;
 * ``RecordingAccordion`` notes, at every window's end, each layer's window norm, the rule's
   statistic ``|prev - new| / prev`` and the level it chose.
 
@@ -60,14 +61,14 @@ def worker(argv: list[str], record_to: str) -> None:
         def start(self, state, grad, finite=None):
             before = float(state.residual.norm())          # e: what the last step did not carry
             p = super().start(state, grad, finite)
-            steps.setdefault(state.name, []).append([float(state.residual.norm()), before])  # |M| now
+            steps.setdefault(state.name, []).append([float(state.residual.norm()), before, float(grad.norm())])
             return p
 
         def start_many(self, states, grads, finite):
             before = [float(s.residual.norm()) for s in states]
             payload = super().start_many(states, grads, finite)
-            for s, b in zip(states, before):
-                steps.setdefault(s.name, []).append([float(s.residual.norm()), b])
+            for s, b, g in zip(states, before, grads):
+                steps.setdefault(s.name, []).append([float(s.residual.norm()), b, float(g.norm())])
             return payload
 
     class RecordingAccordion(Accordion):
@@ -93,10 +94,13 @@ def worker(argv: list[str], record_to: str) -> None:
     torch.set_num_threads(1)
     cli.main(argv)
     if rank == 0:
-        # step k's relative error: |e| left by step k (read as step k+1 starts) over |M| of step k
-        errors = {name: [b / m if m > 0 else 0.0 for (m, _), (_, b) in zip(rows, rows[1:])]
+        # step k's error feedback |e| (read as step k+1 starts) over |M| = |g + e| of step k, and
+        # over |g| of step k: how many steps' worth of gradient the layer owes
+        errors = {name: [b / m if m > 0 else 0.0 for (m, _, _), (_, b, _) in zip(rows, rows[1:])]
                   for name, rows in steps.items()}
-        Path(record_to).write_text(json.dumps({"windows": windows, "relative_error": errors}) + "\n")
+        owed = {name: [b / g if g > 0 else 0.0 for (_, _, g), (_, b, _) in zip(rows, rows[1:])]
+                for name, rows in steps.items()}
+        Path(record_to).write_text(json.dumps({"windows": windows, "relative_error": errors, "owed": owed}) + "\n")
 
 
 # --- the parent: run, then read -----------------------------------------------------------------
@@ -125,19 +129,23 @@ def per_window(where: Path) -> tuple[list[dict], dict[str, list[float]], list[tu
 
     d = json.loads((where / "diagnosis.json").read_text())
     wins = [w for w in d["windows"] if "layers" in w]
-    errors = {}
-    for name, errs in d["relative_error"].items():
-        out, at = [], 0
-        for w in wins:
-            chunk = errs[at:at + w["steps"]]
-            out.append(sum(chunk) / len(chunk) if chunk else math.nan)
-            at += w["steps"]
-        errors[name] = out
+    def by_window(series):
+        out = {}
+        for name, values in series.items():
+            means, at = [], 0
+            for w in wins:
+                chunk = values[at:at + w["steps"]]
+                means.append(sum(chunk) / len(chunk) if chunk else math.nan)
+                at += w["steps"]
+            out[name] = means
+        return out
+    errors = by_window(d["relative_error"])
+    owed = by_window(d.get("owed", {}))
     with open(where / "eval.csv") as f:
         rows = list(csv.DictReader(f))
     per_epoch = max(1, len(rows) // 6)
     valid = [((i + 1) / per_epoch, float(r["perplexity"])) for i, r in enumerate(rows)]
-    return wins, errors, valid
+    return wins, errors, owed, valid
 
 
 def plot(config: str, where: Path, png: Path) -> list[str]:
@@ -145,22 +153,24 @@ def plot(config: str, where: Path, png: Path) -> list[str]:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    wins, errors, valid = per_window(where)
+    wins, errors, owed, valid = per_window(where)
     layers = [n for n in wins[0]["layers"]]
     xs = list(range(1, len(wins) + 1))
-    fig, axes = plt.subplots(4, 1, figsize=(8, 10), sharex=True)
+    fig, axes = plt.subplots(5, 1, figsize=(8, 12), sharex=True)
     for i, name in enumerate(layers):
         ch = [w["layers"][name]["change"] for w in wins]
         axes[0].plot(xs, [math.nan if c is None else c for c in ch], "o-", color=f"C{i}", label=name)
         axes[1].plot(xs, [1 if w["layers"][name]["level"] == "critical" else 0 for w in wins], "o-",
                      color=f"C{i}", alpha=0.7)
         axes[2].plot(xs, errors.get(name, [math.nan] * len(xs)), "o-", color=f"C{i}")
+        axes[3].plot(xs, owed.get(name, [math.nan] * len(xs)), "o-", color=f"C{i}")
     axes[0].axhline(0.5, color="black", linewidth=1, label="eta")
     axes[0].set(ylabel="|prev - new| / prev", yscale="log")
     axes[1].set(ylabel="level chosen\n(1 critical, 0 normal)", ylim=(-0.2, 1.2))
     axes[2].set(ylabel="relative compression\nerror |e| / |g + e|", ylim=(0, 1))
-    axes[3].plot([e for e, _ in valid], [p for _, p in valid], "k.-")
-    axes[3].set(ylabel="validation perplexity", xlabel="window (epoch) at whose end the level was chosen")
+    axes[3].set(ylabel="error feedback over\nthe step's gradient |e| / |g|", yscale="log")
+    axes[4].plot([e for e, _ in valid], [p for _, p in valid], "k.-")
+    axes[4].set(ylabel="validation perplexity", xlabel="window (epoch) at whose end the level was chosen")
     axes[0].legend(fontsize=7)
     fig.suptitle(f"PowerSGD Accordion on the LSTM: {config} ({' '.join(CONFIGS[config])})")
     fig.tight_layout()
@@ -173,7 +183,8 @@ def plot(config: str, where: Path, png: Path) -> list[str]:
         for name in layers:
             c = w["layers"][name]["change"]
             cells.append(f"{'-' if c is None else f'{c:.2f}'} → {w['layers'][name]['level']}, "
-                         f"err {errors.get(name, [math.nan] * len(wins))[k]:.2f}")
+                         f"err {errors.get(name, [math.nan] * len(wins))[k]:.2f}, "
+                         f"owed {owed.get(name, [math.nan] * len(wins))[k]:.1f}")
         lines.append(f"| {k + 1} | " + " | ".join(cells) + " |")
     lines += ["", "Validation perplexity per evaluation: " + ", ".join(f"{p:.1f}" for _, p in valid), ""]
     return lines
@@ -191,8 +202,10 @@ def main() -> None:
     args = p.parse_args()
     lines = ["# PowerSGD Accordion on the LSTM, window by window", "",
              "`.venv/bin/python benchmarks/diagnose_accordion.py` (see its docstring). Per window: the rule's "
-             "statistic → the level chosen for the next window, and the mean relative compression error of the "
-             "window's steps (rank 0).", ""]
+             "statistic → the level chosen for the next window, the mean relative compression error |e| / |g + e| "
+             "of the window's steps, and the error feedback over the step's own gradient |e| / |g| (how many "
+             "steps' worth of gradient the layer owes; rank 0). A learning-rate decay makes every layer "
+             "critical until the next window's end (not shown in the level).", ""]
     for config in args.configs.split(","):
         where = OUT / f"{config}-seed{args.seed}"
         if not args.report_only:
