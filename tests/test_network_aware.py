@@ -189,11 +189,11 @@ def test_dense16_is_priced_at_two_bytes_and_its_error_is_the_rounding():
 
 
 def test_network_aware_measures_dense16_when_asked_for_fp16():
-    assert NetworkAware(dense="fp16").dense_level == DENSE16 and NetworkAware().dense_level == DENSE
-    assert NetworkAware(dense="fp16").config()["dense"] == "fp16"
+    assert NetworkAware(warmup=0, dense="fp16").dense_level == DENSE16 and NetworkAware(warmup=0).dense_level == DENSE
+    assert NetworkAware(warmup=0, dense="fp16").config()["dense"] == "fp16"
     with pytest.raises(ValueError, match=r"dense must be one of \['fp16', 'fp32'\], got 'bf16'"):
-        NetworkAware(dense="bf16")
-    comp = acc.AccordionCompressor(acc.TopK(ratio=0.01, critical_ratio=0.1), policy=NetworkAware(dense="fp16"))
+        NetworkAware(warmup=0, dense="bf16")
+    comp = acc.AccordionCompressor(acc.TopK(ratio=0.01, critical_ratio=0.1), policy=NetworkAware(warmup=0, dense="fp16"))
     assert comp._probe.levels == (NORMAL, CRITICAL, DENSE16)
 
 
@@ -220,13 +220,37 @@ def test_layers_whose_communication_hides_under_backward_go_dense_the_last_ones_
     sizes = {"early": 1 << 16, "late": 1 << 22}
     ready = {"early": 0.0, "late": 0.5}
     network = topk_network(SLOW, ready, 0.5, sizes, (("early",), ("late",)))
-    policy = NetworkAware(verify=False)
+    policy = NetworkAware(warmup=0, verify=False)
     norms = {"early": 1.0, "late": 1.0}
     window(policy, norms, None, None)  # first window: everything critical, nothing to compare
     levels = window(policy, norms, errors_for(sizes), network)  # same norms: Accordion says normal
     assert levels == {"early": DENSE, "late": NORMAL}
     last = policy.last
     assert last["predicted_s"] <= last["accordion_s"] + 1e-12 and last["error"] <= last["budget"]
+
+
+def test_the_first_warmup_windows_keep_accordions_levels_without_a_search():
+    """A short job stays Accordion: no level errors measured, no trial, until ``warmup``
+    windows have passed; then the same search as without the warm-up."""
+    sizes = {"early": 1 << 16, "late": 1 << 22}
+    network = topk_network(SLOW, {"early": 0.0, "late": 0.5}, 0.5, sizes, (("early",), ("late",)))
+    norms, asked = {"early": 1.0, "late": 1.0}, []
+
+    def report():
+        return WindowReport(norms, 10, network=network,
+                            measure_errors=lambda: asked.append(1) or errors_for(sizes))
+    policy = NetworkAware(verify=False, warmup=3)
+    seen, said = [], []
+    for _ in range(4):
+        seen.append(policy.end_window(report()))
+        said.append(policy.last.get("kept", ""))
+    assert seen[:3] == [{"early": CRITICAL, "late": CRITICAL}] + [{"early": NORMAL, "late": NORMAL}] * 2
+    assert all("warm-up" in why for why in said[:3]) and "warm-up" not in said[3]
+    assert seen[3] == {"early": DENSE, "late": NORMAL} and len(asked) == 1  # errors measured only now
+    assert NetworkAware().warmup == 8 and NetworkAware().config()["warmup"] == 8
+    for bad in (-1, True, 1.5, "2"):
+        with pytest.raises(ValueError, match="warmup"):
+            NetworkAware(warmup=bad)
 
 
 def test_a_layer_that_hides_only_in_float16_goes_dense16_when_the_policy_may_send_fp16():
@@ -238,7 +262,7 @@ def test_a_layer_that_hides_only_in_float16_goes_dense16_when_the_policy_may_sen
     chosen = {}
     for dense, name in ((DENSE, "fp32"), (DENSE16, "fp16")):
         network = topk_network(SLOW, ready, 0.8, sizes, (("early",), ("late",)), dense=dense)
-        policy = NetworkAware(verify=False, dense=name)
+        policy = NetworkAware(warmup=0, verify=False, dense=name)
         chosen[name] = window(policy, {"early": 1.0, "late": 1.0}, errors_for(sizes, dense), network)
     assert chosen["fp32"]["early"] == CRITICAL and chosen["fp16"]["early"] == DENSE16
     assert chosen["fp32"]["late"] == chosen["fp16"]["late"]
@@ -257,7 +281,7 @@ def test_a_layer_beyond_float16s_range_never_goes_dense16():
     network = topk_network(SLOW, ready, 0.8, sizes, (("early",), ("late",)), dense=DENSE16)
     errors = errors_for(sizes, DENSE16)
     errors["early"][DENSE16] = math.inf
-    policy = NetworkAware(verify=False, dense="fp16")
+    policy = NetworkAware(warmup=0, verify=False, dense="fp16")
     levels = window(policy, {"early": 1.0, "late": 1.0}, errors, network)
     assert levels["early"] == CRITICAL and "kept" not in policy.last  # searched, DENSE16 not chosen
 
@@ -268,7 +292,7 @@ def test_error_saved_where_it_is_free_is_spent_where_it_buys_time():
     sizes = {"early": 1 << 20, "late": 1 << 20}
     ready = {"early": 0.0, "late": 2.0}  # dense early: 0.5 s on the link, 1 s planned (headroom 2)
     network = topk_network(SLOW, ready, 2.0, sizes, (("early",), ("late",)))
-    policy = NetworkAware(verify=False)
+    policy = NetworkAware(warmup=0, verify=False)
     levels = window(policy, {"early": 1.0, "late": 1.0}, errors_for(sizes), network)
     assert levels == {"early": DENSE, "late": NORMAL}
     assert policy.last["error"] <= policy.last["budget"]
@@ -281,11 +305,11 @@ def test_margins_a_transfer_that_hides_only_on_the_measured_link_and_a_trade_for
     sizes = {"early": 1 << 20, "late": 1 << 20}
     network = topk_network(SLOW, {"early": 0.0, "late": 0.8}, 0.8, sizes, (("early",), ("late",)))
     norms, errors = {"early": 1.0, "late": 1.0}, errors_for(sizes)
-    bare = NetworkAware(headroom=1.0, min_gain=0.0, verify=False).end_window(WindowReport(norms, 1, errors=errors, network=network))
+    bare = NetworkAware(warmup=0, headroom=1.0, min_gain=0.0, verify=False).end_window(WindowReport(norms, 1, errors=errors, network=network))
     assert bare == {"early": DENSE, "late": NORMAL}
-    careful = NetworkAware(verify=False).end_window(WindowReport(norms, 1, errors=errors, network=network))
+    careful = NetworkAware(warmup=0, verify=False).end_window(WindowReport(norms, 1, errors=errors, network=network))
     assert careful == {"early": CRITICAL, "late": CRITICAL}  # Accordion's: nothing hides with the margin
-    picky = NetworkAware(headroom=1.0, min_gain=0.5, verify=False)
+    picky = NetworkAware(warmup=0, headroom=1.0, min_gain=0.5, verify=False)
     assert picky.end_window(WindowReport(norms, 1, errors=errors, network=network)) == {"early": DENSE,
                                                                                         "late": CRITICAL}
 
@@ -293,11 +317,11 @@ def test_margins_a_transfer_that_hides_only_on_the_measured_link_and_a_trade_for
 def test_a_layer_that_cannot_hide_never_goes_gentler_than_its_budget():
     sizes = {"only": 1 << 16}
     network = topk_network(SLOW, {"only": 0.2}, 0.2, sizes, (("only",),))
-    policy = NetworkAware(verify=False)
+    policy = NetworkAware(warmup=0, verify=False)
     norms = {"only": 1.0}
     window(policy, norms, None, None)
     assert window(policy, norms, errors_for(sizes), network) == {"only": NORMAL}
-    assert NetworkAware(tolerance=0.9, verify=False).end_window(WindowReport(norms, 1, errors=errors_for(sizes), network=network)) \
+    assert NetworkAware(warmup=0, tolerance=0.9, verify=False).end_window(WindowReport(norms, 1, errors=errors_for(sizes), network=network)) \
         == {"only": DENSE}  # 90% of a step of tolerance pays dense's 31 ms: the gentlest level
 
 
@@ -328,12 +352,12 @@ def test_the_prediction_prices_each_levels_math():
     norms = {"early": 1.0, "late": 1.0}
     chosen = {}
     for name, report in (("wire only", network), ("with math", replace(network, kernel_s=kernels))):
-        policy = NetworkAware(verify=False)
+        policy = NetworkAware(warmup=0, verify=False)
         window(policy, norms, None, None)
         chosen[name] = window(policy, norms, errors_for(sizes), report)
     assert chosen["wire only"]["late"] == NORMAL and chosen["with math"]["late"] == DENSE
     bad = replace(network, kernel_s={**kernels, "late": {**kernels["late"], NORMAL: (math.nan, 0.0)}})
-    policy = NetworkAware(verify=False)
+    policy = NetworkAware(warmup=0, verify=False)
     assert window(policy, norms, errors_for(sizes), bad) == {"early": CRITICAL, "late": CRITICAL}
     assert "not finite" in policy.last["kept"]
 
@@ -396,7 +420,7 @@ def test_without_a_usable_report_every_layer_is_gentle_and_ranks_still_agree(why
         errors = network = None
     # Level errors are looked at only when the search runs; with the check against the clock it
     # would not before Accordion's levels were timed, so the bad errors' case runs without it.
-    policy, regimes = NetworkAware(eta=0.3, verify=change != "errors"), acc.policies.Accordion(eta=0.3)
+    policy, regimes = NetworkAware(warmup=0, eta=0.3, verify=change != "errors"), acc.policies.Accordion(eta=0.3)
     for norms in ({"a": 1.0, "b": 1.0}, {"a": 1.0, "b": 1.0}, {"a": 1.1, "b": 2.0}):
         report = WindowReport(norms, 5, errors=errors, network=network)
         assert policy.end_window(report) == {"a": CRITICAL, "b": CRITICAL}
@@ -441,24 +465,24 @@ def test_its_own_levels_only_after_accordions_were_measured_and_only_while_they_
         return seen
 
     asked = []
-    faster = run(NetworkAware(), lambda lv: 0.9 if lv == own else 1.0, asked)
+    faster = run(NetworkAware(warmup=0), lambda lv: 0.9 if lv == own else 1.0, asked)
     assert faster[1] == accordion  # first window with a budget of normal levels: measure them
     assert faster[2:] == [own] * 4  # then its own, kept while they measure faster
     assert asked == [2, 3, 4, 5]  # the errors only where the search ran
-    slower, asked = NetworkAware(), []
+    slower, asked = NetworkAware(warmup=0), []
     seen = run(slower, lambda lv: 1.1 if lv == own else 1.0, asked)
     assert seen[1:] == [accordion, own, accordion, accordion, accordion]  # tried once, measured slower
     assert asked == [2]  # once vetoed, a window ends without the level errors' products
     assert "measured 1.1000 s per step" in caplog.text and "measured slower" in slower.last["verified"]
-    unmeasured = run(NetworkAware(), lambda lv: None)  # no rank timed a step: Accordion's levels throughout
+    unmeasured = run(NetworkAware(warmup=0), lambda lv: None)  # no rank timed a step: Accordion's levels throughout
     assert unmeasured[1:] == [accordion] * 5
     # a verdict expires: after `memory` windows the search runs again (now with the host cost
     # its trial taught it, so it chooses Accordion's levels by itself: no trial, no verdict)
-    forgetful = NetworkAware(memory=1)
+    forgetful = NetworkAware(warmup=0, memory=1)
     assert run(forgetful, lambda lv: 1.1 if lv == own else 1.0)[1:] == [accordion, own, accordion, accordion, accordion]
     assert forgetful.verdicts[4].startswith("measured slower") and forgetful.verdicts[5] is None
     # the state carries the measurements: a resumed policy decides as the uninterrupted one
-    first, again = NetworkAware(), NetworkAware()
+    first, again = NetworkAware(warmup=0), NetworkAware(warmup=0)
     run(first, lambda lv: 1.1 if lv == own else 1.0)
     again.load_state_dict(first.state_dict())
     assert again.state_dict() == first.state_dict()
@@ -471,7 +495,7 @@ def test_a_search_that_keeps_accordions_levels_is_not_repeated_until_it_expires(
     sizes = {"only": 1 << 16}
     network = topk_network(SLOW, {"only": 0.2}, 0.2, sizes, (("only",),))
     norms, errors = {"only": 1.0}, errors_for(sizes)
-    policy, asked, levels = NetworkAware(memory=3), [], []
+    policy, asked, levels = NetworkAware(warmup=0, memory=3), [], []
     for i in range(8):
         report = WindowReport(norms, 10, network=replace(network, step_s=1.0) if i else None,
                               measure_errors=lambda i=i: asked.append(i) or errors)
@@ -480,7 +504,7 @@ def test_a_search_that_keeps_accordions_levels_is_not_repeated_until_it_expires(
             assert "its search kept Accordion's levels" in policy.last["verified"]
     assert levels == [CRITICAL] + [NORMAL] * 7
     assert asked == [2, 6]  # searched once Accordion's levels were measured, and again when that expired
-    again = NetworkAware(memory=3)
+    again = NetworkAware(warmup=0, memory=3)
     again.load_state_dict(policy.state_dict())
     assert again.state_dict() == policy.state_dict() and again.state_dict()["kept"]
 
@@ -493,7 +517,7 @@ def test_a_trial_slower_than_predicted_teaches_the_host_cost_of_a_byte(caplog):
     caplog.set_level(logging.INFO, "accordion_hvd.policies")
     network, norms, errors, accordion, own = early_and_late()
     extra = sum(b for _, b in network.wire["early"][DENSE]) - sum(b for _, b in network.wire["early"][NORMAL])
-    policy = NetworkAware()
+    policy = NetworkAware(warmup=0)
     steps = {str(accordion): 1.0, str(own): 1.1}
     levels = window(policy, norms, None, None)  # critical: nothing to compare yet
     for _ in range(3):  # Accordion's levels measured, then its own tried, then judged
@@ -502,11 +526,11 @@ def test_a_trial_slower_than_predicted_teaches_the_host_cost_of_a_byte(caplog):
     assert policy.state_dict()["host_s_per_byte"] == pytest.approx(0.1 / extra)
     assert "for %d bytes more per step" % extra in caplog.text
     assert policy.choose(accordion, errors, network) == accordion  # sending it whole is no longer free
-    assert NetworkAware().choose(accordion, errors, network) == own  # (without what it learned)
+    assert NetworkAware(warmup=0).choose(accordion, errors, network) == own  # (without what it learned)
     learned = policy.state_dict()["host_s_per_byte"]  # the model now says what the clock said
     assert policy.predict(own, network, learned) - policy.predict(accordion, network, learned) == pytest.approx(0.1)
 
-    cheap = NetworkAware()  # a trial that measured 0.05 s faster than the model said: the cost never goes below 0
+    cheap = NetworkAware(warmup=0)  # a trial that measured 0.05 s faster than the model said: the cost never goes below 0
     state = cheap.state_dict()
     state["host_s_per_byte"] = 0.02 / extra
     cheap.load_state_dict(state)
@@ -520,29 +544,29 @@ def test_a_trial_slower_than_predicted_teaches_the_host_cost_of_a_byte(caplog):
 
 
 def test_state_round_trip_and_bad_input():
-    policy = NetworkAware(eta=0.4, tolerance=0.02, headroom=1.5, min_gain=0.1)
+    policy = NetworkAware(warmup=0, eta=0.4, tolerance=0.02, headroom=1.5, min_gain=0.1)
     policy.end_window(WindowReport({"a": 1.0}, 3))
     state = policy.state_dict()
-    again = NetworkAware(eta=0.4, tolerance=0.02, headroom=1.5, min_gain=0.1)
+    again = NetworkAware(warmup=0, eta=0.4, tolerance=0.02, headroom=1.5, min_gain=0.1)
     again.load_state_dict(state)
     assert again.state_dict() == state and again.config() == policy.config()
     for bad in (-0.1, 1.0, "0.1", True):
         with pytest.raises(ValueError, match="tolerance"):
-            NetworkAware(tolerance=bad)
+            NetworkAware(warmup=0, tolerance=bad)
         with pytest.raises(ValueError, match="min_gain"):
-            NetworkAware(min_gain=bad)
+            NetworkAware(warmup=0, min_gain=bad)
     for bad in (0.5, math.inf, math.nan, "2"):
         with pytest.raises(ValueError, match="headroom"):
-            NetworkAware(headroom=bad)
+            NetworkAware(warmup=0, headroom=bad)
     with pytest.raises(ValueError, match="eta"):
-        NetworkAware(eta=0)
+        NetworkAware(warmup=0, eta=0)
     for bad in (0, 1.5, True, "3"):
         with pytest.raises(ValueError, match="memory"):
-            NetworkAware(memory=bad)
+            NetworkAware(warmup=0, memory=bad)
     with pytest.raises(ValueError, match="verify"):
-        NetworkAware(verify=1)
+        NetworkAware(warmup=0, verify=1)
     with pytest.raises(ValueError, match="accumulate=True"):
-        acc.AccordionCompressor(acc.PowerSGD(rank=1, critical_rank=2), policy=NetworkAware(), accumulate=False)
+        acc.AccordionCompressor(acc.PowerSGD(rank=1, critical_rank=2), policy=NetworkAware(warmup=0), accumulate=False)
     assert isinstance(acc.AccordionCompressor(policy="network-aware").policy, NetworkAware)
 
 
@@ -553,7 +577,7 @@ def test_the_compressor_measures_and_every_rank_decides_the_same(codec):
 
     def worker(rank, channel):
         make = acc.PowerSGD(rank=1, critical_rank=2) if codec == "powersgd" else acc.TopK(0.05, 0.2)
-        comp = acc.AccordionCompressor(make, policy=NetworkAware(eta=0.3), interval=3, channel=channel)
+        comp = acc.AccordionCompressor(make, policy=NetworkAware(warmup=0, eta=0.3), interval=3, channel=channel)
         # the simulated data plane times nothing: the link is given, the same on every rank
         comp.measure_link = lambda: LinkMeasurement(SLOW, 10)
         gen = torch.Generator().manual_seed(rank)

@@ -63,6 +63,13 @@ Accordion's levels.
 ``tolerance``: a move of (a) may lengthen the predicted step by up to this fraction of the
 budget's predicted step (0: only moves that cost nothing).
 
+``warmup``: the first windows (8 by default) run Accordion's levels, with no search and no
+trial: a trial that measures slower costs up to a whole window before it is undone, and on a
+short job that is a large share of all its steps (12-step ResNet-18 jobs at 100 Mbit/s with
+windows of 4 steps: 1.05-1.11x the fastest fixed choice per round, all of it in the trial
+window and the searches at window ends: benchmarks/results/network-aware-short-12.md). After
+8 windows a failed trial is at most one window in nine.
+
 The prediction has each level's math as well as its transfers: the codec counts a level's
 work per layer (bytes and multiply-adds, ``codec.kernel_work``), and the probe prices it at
 the rate the window's own math ran (network_probe.py), so a level whose kernels cost more
@@ -116,13 +123,17 @@ class NetworkAware(Policy):
             dtype; PowerSGD sends it in its bucket's P round) or "fp16" (``DENSE16``: float16
             through Horovod's allreduce, half the bytes, the rounding error kept in the
             layer's error feedback).
+        warmup: windows run at Accordion's levels before the first search (8): a trial of
+            its own levels that measures slower costs up to a window, which a short job
+            cannot win back (module doc).
     """
 
     name = "network-aware"
     uses_network = True
 
     def __init__(self, eta: float = 0.5, *, tolerance: float = 0.0, headroom: float = 2.0,
-                 min_gain: float = 0.02, verify: bool = True, memory: int = 20, dense: str = "fp32") -> None:
+                 min_gain: float = 0.02, verify: bool = True, memory: int = 20, dense: str = "fp32",
+                 warmup: int = 8) -> None:
         self.regimes = Accordion(eta)
         self.tolerance = _fraction("tolerance", tolerance)
         self.min_gain = _fraction("min_gain", min_gain)
@@ -134,6 +145,9 @@ class NetworkAware(Policy):
         if isinstance(memory, bool) or not isinstance(memory, int) or memory < 1:
             raise ValueError(f"memory must be an int >= 1 (windows), got {memory!r}")
         self.verify, self.memory = verify, memory
+        if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:
+            raise ValueError(f"warmup must be an int >= 0 (windows), got {warmup!r}")
+        self.warmup = warmup
         if dense not in _DENSE_LEVELS:
             raise ValueError(f"dense must be one of {sorted(_DENSE_LEVELS)}, got {dense!r}")
         self.dense, self.dense_level = dense, _DENSE_LEVELS[dense]
@@ -155,11 +169,13 @@ class NetworkAware(Policy):
 
     def __repr__(self) -> str:
         return (f"NetworkAware(eta={self.eta}, tolerance={self.tolerance}, headroom={self.headroom}, "
-                f"min_gain={self.min_gain}, verify={self.verify}, memory={self.memory}, dense={self.dense!r})")
+                f"min_gain={self.min_gain}, verify={self.verify}, memory={self.memory}, dense={self.dense!r}, "
+                f"warmup={self.warmup})")
 
     def config(self) -> dict:
         return {"policy": self.name, "eta": self.eta, "tolerance": self.tolerance, "headroom": self.headroom,
-                "min_gain": self.min_gain, "verify": self.verify, "memory": self.memory, "dense": self.dense}
+                "min_gain": self.min_gain, "verify": self.verify, "memory": self.memory, "dense": self.dense,
+                "warmup": self.warmup}
 
     def initial_level(self, layer: str) -> Level:
         return CRITICAL
@@ -171,6 +187,9 @@ class NetworkAware(Policy):
         self._record(ran, None if report.network is None else report.network.step_s)
         self._trial_of, self._trial_model = None, None
         self.last = {}
+        if self._window <= self.warmup:  # a short job stays Accordion: no search, no trial (module doc)
+            self.last = {"kept": f"warm-up: Accordion's levels for the first {self.warmup} windows"}
+            return self._decided(dict(budget), report)
         why = _unusable(report.network, budget)
         if not why and self.verify:
             settled = self._settled(budget)

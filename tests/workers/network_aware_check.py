@@ -28,7 +28,7 @@ torch.manual_seed(0)
 model = torch.nn.Sequential(torch.nn.Linear(64, 512), torch.nn.ReLU(), torch.nn.Linear(512, 256), torch.nn.ReLU(),
                             torch.nn.Linear(256, 256), torch.nn.ReLU(), torch.nn.Linear(256, 8))
 codec = acc.PowerSGD(rank=1, critical_rank=4) if codec_name == "powersgd" else acc.TopK(0.01, 0.1)
-policy = acc.policies.NetworkAware()
+policy = acc.policies.NetworkAware(warmup=0)  # a 24-step run: searching from the first window
 compression = acc.AccordionCompressor(codec, policy=policy, interval=4, named_parameters=model.named_parameters())
 opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
                                named_parameters=model.named_parameters(), compression=compression)
