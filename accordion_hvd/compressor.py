@@ -219,6 +219,7 @@ class AccordionCompressor(HorovodCompressor):
         self._dense: dict[str, int] = {}             # cumulative floats a dense allreduce sends
         self._bytes: dict[str, int] = {}             # cumulative bytes on the wire, per layer (codec.wire)
         self._bytes_dense: dict[str, int] = {}       # cumulative bytes of the gradients themselves
+        self._wire_cache: dict[tuple[str, str], int] = {}  # (layer, level) -> bytes per step (codec.wire)
         self.steps = 0
         self._faults = StepFaults()                  # non-finite gradients, on the device
         self._config_checked = False
@@ -381,12 +382,20 @@ class AccordionCompressor(HorovodCompressor):
         self._outputs.append(tensor)
         state = self._layers.get(name)  # (a compressed layer's, whole at DENSE16 or not)
         if state is not None:  # its level is final now (a per-step policy chose it before the results)
-            wire = self.codec.wire(state.shape, state.level, state.residual.element_size())
-            self._bytes[name] = self._bytes.get(name, 0) + sum(nbytes for _, nbytes in wire)
+            self._bytes[name] = self._bytes.get(name, 0) + self._wire_bytes(state)
         self._in_step.discard(name)
         if not self._in_step:  # the step's last layer: the step is over on this rank
             self._end_step()
         return tensor
+
+    def _wire_bytes(self, state) -> int:
+        """Bytes a compressed layer puts on the wire per step at its level (``codec.wire``),
+        worked out once per layer and level: not every step."""
+        key = (state.name, str(state.level))
+        if key not in self._wire_cache:
+            wire = self.codec.wire(state.shape, state.level, state.residual.element_size())
+            self._wire_cache[key] = sum(nbytes for _, nbytes in wire)
+        return self._wire_cache[key]
 
     def _collect(self) -> dict[str, torch.Tensor]:
         """Wait for the step's rounds, in the same order on every rank (the first layer that

@@ -35,7 +35,7 @@ class Codec:
     per-step policy such as GraVAC needs it).
 
     A layer's state (``init_state``'s return) may hold anything its exchange needs; the engine
-    reads three attributes of it: ``shape`` (the gradient's), ``level`` (its current level) and
+    reads four attributes of it: ``name``, ``shape`` (the gradient's), ``level`` (its current level) and
     ``residual`` (the error feedback tensor, in ``residual_dtype`` of the gradient's dtype, on
     the gradient's device).
     """

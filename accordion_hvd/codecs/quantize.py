@@ -22,6 +22,7 @@ its scales and goes dense.
 from __future__ import annotations
 
 import math
+import zlib
 from dataclasses import dataclass
 
 import torch
@@ -44,6 +45,7 @@ class QuantizeState:
     bits: int
     residual: torch.Tensor   # e, flat; holds g = grad + e from ``encode`` to ``settle``
     sent: tuple[torch.Tensor, torch.Tensor] | None = None  # (q, scales) of the step in flight
+    generator: torch.Generator | None = None  # stochastic rounding's, made at the first step
 
 
 class Quantize(Codec):
@@ -189,12 +191,10 @@ class Quantize(Codec):
     def _generator(self, state: QuantizeState):
         if self.rounding == "nearest":
             return None
-        gen = getattr(state, "_gen", None)
-        if gen is None:  # seeded per layer: reproducible, different per rank only through g
-            gen = torch.Generator(device=state.residual.device)
-            gen.manual_seed(self.seed * 1_000_003 + sum(state.name.encode()))
-            state._gen = gen
-        return gen
+        if state.generator is None:  # seeded per layer name: reproducible (not kept in checkpoints)
+            state.generator = torch.Generator(device=state.residual.device)
+            state.generator.manual_seed(self.seed * 1_000_003 + zlib.crc32(state.name.encode()))
+        return state.generator
 
     def sends_dense(self, state: QuantizeState) -> bool:
         """DENSE16 (a policy's whole-layer level): float16 through the front end's allreduce."""
