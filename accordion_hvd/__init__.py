@@ -16,8 +16,7 @@ from . import levels, ops, policies  # noqa: E402
 from .batch_size import AccordionBatchSize  # noqa: E402
 from . import codecs  # noqa: E402
 from .codecs import PowerSGD, Quantize, TopK  # noqa: E402
-from .comm.horovod import quiet_horovod_cycle  # noqa: E402
-from .compressor import AccordionCompressor  # noqa: E402
+from .horovod import AccordionCompressor, quiet_horovod_cycle  # noqa: E402
 from .ddp import register_ddp_hook  # noqa: E402
 
 __version__ = "0.1.0"

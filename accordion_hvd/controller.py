@@ -17,7 +17,7 @@ decision logic), the controller
   they must agree, and a decrease is seen by all ranks in the same step);
 * hands the policy those reduced numbers and returns its levels to the compressor;
 * for a network-aware policy (``policy.uses_network``), adds what predicts a step (the
-  adapter's ``probe``: a ``NetworkReport``) and, only if the policy asks for them, each
+  engine's ``probe``: a ``NetworkReport``) and, only if the policy asks for them, each
   layer's error at each of the codec's levels on its window-mean gradient plus error
   feedback, averaged over ranks in a collective of their own;
 * for a per-step policy (``policy.per_step``: GraVAC), reduces each step's compression gains
@@ -67,7 +67,7 @@ class RegimeController:
         self._known: set[str] = set()              # layers of the last window whose norms were measured
         self._warned_epoch_end = False
         self._last_step: float | None = None       # per-step policies: when the last step chose
-        self.probe = None  # a network-aware policy's measurements, set by the adapter (network_probe.py)
+        self.probe = None  # a network-aware policy's measurements, set by the engine (network_probe.py)
 
     def config(self) -> dict:
         return {**self.policy.config(), "interval": self.interval, "accumulate": self.accumulate}
@@ -120,6 +120,15 @@ class RegimeController:
             log.info("learning rate decreased: every layer at the policy's level for a decay until the next "
                      "detection point")
         return self._apply(decided)
+
+    def window_ends(self, epoch_end: bool = False) -> bool:
+        """Whether the next ``end_step`` (``epoch_end``, with ``epoch_end``) closes a detection
+        window whose report needs the network probe's inputs (the engine then hands them over)."""
+        if self.probe is None or not self.policy.uses_norms:
+            return False
+        if epoch_end:
+            return self.interval is None and self._window_steps > 0
+        return self.interval is not None and self._window_steps + 1 >= self.interval
 
     def epoch_end(self, control: Any, layers: list[str]) -> dict[str, Level] | None:
         """An explicit detection point (windows are epochs when ``interval`` is None)."""

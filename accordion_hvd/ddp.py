@@ -45,7 +45,8 @@ import torch
 from .comm.channel import collective_timeout
 from .comm.control import ProcessGroupControlPlane
 from .comm.process_group import ProcessGroupChannel, timeout_delta
-from .compressor import AccordionCompressor
+from .engine import DENSE
+from .horovod.compressor import AccordionCompressor
 
 log = logging.getLogger("accordion_hvd.ddp")
 
@@ -99,12 +100,12 @@ class DDPHook:
     averaged gradients."""
 
     def __init__(self, compressor: AccordionCompressor, channel: ProcessGroupChannel, names: dict) -> None:
-        self.compressor, self.channel = compressor, channel
+        self.compressor, self.engine, self.channel = compressor, compressor.engine, channel
         self.__name__ = self.__qualname__ = "accordion_hook"  # DDP logs its hooks by name
         self._names = {id(p): (weakref.ref(p), n) for p, n in names.items()}  # no reference kept to the model
         self._unknown_warned: set[tuple] = set()
         self._buckets: list = []  # this step: (future, buffer, entries, dense handles by dtype)
-        self._early: dict[int, tuple] = {}  # this step: id(param) -> compress_named's (out, ctx)
+        self._early: dict[int, tuple] = {}  # this step: id(param) -> the engine's (out, route) for it
         self._armed = False  # a forward that synchronizes ran: DDP will call the hook this backward
         self._handles: list = []
 
@@ -128,7 +129,7 @@ class DDPHook:
         ref, name = self._names.get(id(param), (None, None))
         if not self._armed or ref is None or ref() is not param or id(param) in self._early:
             return  # DDP's bucket brings it to the comm hook
-        self._early[id(param)] = self.compressor.compress_named(name, param.grad)
+        self._early[id(param)] = self.engine.add(name, param.grad)
 
     def __call__(self, state, bucket):  # no annotations: DDP compares them to its own types
         future: torch.futures.Future = torch.futures.Future()
@@ -146,12 +147,12 @@ class DDPHook:
                 entries.append((grad, None, average(grad)))
                 continue
             if id(param) not in self._early:  # no accumulated gradient this step, or not armed
-                self._early[id(param)] = self.compressor.compress_named(name, grad)
+                self._early[id(param)] = self.engine.add(name, grad)
             else:  # came early: its result straight into DDP's bucket if the codec can, not copied there
-                self.compressor.write_result_into(name, grad)  # in _finish_step (the values there are not read)
-            out, ctx = self._early[id(param)]
+                self.engine.write_result_into(name, grad)  # in _finish_step (the values there are not read)
+            out, route = self._early[id(param)]
             # a layer sent whole (float16 at DENSE16: its own collective, not promoted to float32)
-            entries.append((grad, ctx, average(out) if ctx[0] == "dense" else None))
+            entries.append((grad, (route, name), average(out) if route == DENSE else None))
         # every rank has the same dtypes here (levels agree): issued in the same order everywhere
         handles = {dtype: self.channel.allreduce_mean_async(
             tensors, name=f"acc.ddp.dense.b{bucket.index()}.{str(dtype).removeprefix('torch.')}.{len(tensors)}")
@@ -162,8 +163,8 @@ class DDPHook:
         return future
 
     def _finish_step(self) -> None:
-        """Every bucket is in: wait for the averages, decompress every layer (the last call
-        ends the compressor's step), then write the results into DDP's buckets."""
+        """Every bucket is in: wait for the averages, finish every layer and end the engine's
+        step, then write the results into DDP's buckets."""
         buckets, self._buckets = self._buckets, []
         self._early, self._armed = {}, False
         results = []
@@ -172,11 +173,12 @@ class DDPHook:
             for grad, ctx, where in entries:
                 if ctx is None:
                     results.append((grad, averages[where[0]][where[1]]))
-                elif where is not None:
-                    results.append((grad, self.compressor.decompress(averages[where[0]][where[1]], ctx)))
                 else:
-                    results.append((grad, self.compressor.decompress(grad.new_empty(0), ctx)))
-        for grad, result in results:  # after the last decompress: a skipped step zeroed its results
+                    route, name = ctx
+                    results.append((grad, self.engine.finish(route, name, None if where is None
+                                                             else averages[where[0]][where[1]])))
+        self.engine.end_step()
+        for grad, result in results:  # after end_step: a skipped step zeroed its results
             if result.data_ptr() != grad.data_ptr():
                 grad.copy_(result.view_as(grad))
         for future, buffer, _, _ in buckets:

@@ -25,7 +25,7 @@ import torch
 from horovod.torch.elastic.state import StateHandler, get_handler_registry, set_handler_registry
 from horovod.torch.functions import broadcast_object
 
-from .compressor import AccordionCompressor
+from .horovod.compressor import AccordionCompressor
 
 _LOCAL_CONTROLLER_KEYS = ("sums", "sq")  # window sums of this rank's own gradients
 

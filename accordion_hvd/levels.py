@@ -17,7 +17,7 @@ name in logs, CSV columns and ``stats()`` ("normal", "critical", "10x", "dense",
 ``to_state()`` / ``Level.from_state()`` carry it through checkpoints as plain values.
 
 This module imports nothing from the project: codecs, policies, the controller and the
-adapter all depend on it, and on nothing of each other's for it.
+engine all depend on it, and on nothing of each other's for it.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""What the adapter measures for a network-aware policy (``Policy.uses_network``).
+"""What the engine measures for a network-aware policy (``Policy.uses_network``).
 
 The regime controller asks it, at each window's end, for two things the policy's report
 needs beyond gradient norms (policies/base.py: ``WindowReport.errors``, ``NetworkReport``):
@@ -11,8 +11,9 @@ needs beyond gradient norms (policies/base.py: ``WindowReport.errors``, ``Networ
   compression math done in between, averaged over the window's steps, then over ranks in
   one control collective of ``layers + 4`` floats), the exchange's agreed buckets, what each
   layer costs on the wire at each level (``codec.wire``), and the link fitted to the
-  window's own collectives (``AccordionCompressor.measure_link``: two small control
-  collectives);
+  window's own collectives (measured by the engine, ``measure_link``: two small control
+  collectives; the engine hands the link and the buckets over with ``window`` before the
+  window closes);
 * **the math of each level**: the codec's work per layer and level (``codec.kernel_work``,
   a count of bytes and multiply-adds) at the rate this window's math ran (its measured
   compression seconds per step, mean over ranks, over the work of the levels it ran), so
@@ -31,7 +32,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 import torch
@@ -46,22 +47,24 @@ log = logging.getLogger("accordion_hvd.policies")
 class NetworkProbe:
     """Args:
         codec: the compressor's codec (``levels``, ``wire``, ``level_errors``).
-        states: returns the compressor's dict of layer name -> codec state (read, never changed).
-        buckets: returns the exchange's agreed buckets (tuples of layer names), or None
-            before they are agreed.
-        measure_link: returns the window's Link (or None); a control-plane collective.
+        states: the engine's dict of layer name -> codec state (read, never changed; the
+            engine changes it in place only, so this view stays current).
         dense_level: the level a layer sent whole is measured and priced at (the policy's
             ``dense_level``: DENSE, or DENSE16 for float16).
-        math_s: returns the compressor's compression-math seconds so far (a running total),
-            or None: no math left out of the ready times, and none priced.
+        seconds: the engine's seconds counters, read only: "compress" is its compression-math
+            seconds so far (a running total); None: no math left out of the ready times, and
+            none priced.
+
+    The window's link and bucket layout are handed in by the engine (``window``) before the
+    controller asks for the report: the probe calls nothing of the engine's.
     """
 
-    def __init__(self, codec, states: Callable[[], dict[str, Any]], buckets: Callable[[], Any],
-                 measure_link: Callable[[], Link | None], dense_level: Level = DENSE,
-                 math_s: Callable[[], float] | None = None) -> None:
+    def __init__(self, codec, states: dict[str, Any], dense_level: Level = DENSE,
+                 seconds: dict[str, float] | None = None) -> None:
         self.codec, self.states = codec, states
-        self._math_s = math_s
-        self._buckets, self._measure_link = buckets, measure_link
+        self._seconds = seconds
+        self._link: Link | None = None           # this window's, from ``window``
+        self._buckets: tuple = ()
         # the codec's levels, with its whole-layer one sent as the policy asks (DENSE or DENSE16)
         self.levels: tuple[Level, ...] = tuple(dense_level if lv == DENSE else lv for lv in codec.levels)
         self._marks: dict[str, float] = {}   # this step: seconds after its first compressed gradient
@@ -76,7 +79,7 @@ class NetworkProbe:
         self._last_end: float | None = None  # when the previous step ended
         self._periods: list[float] = []      # this window: seconds from one step's end to the next
 
-    # --- per step (called by the adapter) --------------------------------------------------------
+    # --- per step (called by the engine) --------------------------------------------------------
     def mark(self, name: str) -> None:
         """Layer ``name``'s gradient is ready now."""
         now, math_now = time.perf_counter(), self._math_now()
@@ -107,14 +110,19 @@ class NetworkProbe:
         self._marks, self._first, self._last_end, self._math_mark = {}, None, None, None
 
     def _math_now(self) -> float:
-        return self._math_s() if self._math_s is not None else 0.0
+        return self._seconds["compress"] if self._seconds is not None else 0.0
+
+    def window(self, link: Link | None, buckets) -> None:
+        """The closing window's link (None if none was measured) and the exchange's agreed
+        buckets (tuples of layer names; empty before they are agreed), the same on every rank."""
+        self._link, self._buckets = link, tuple(tuple(b) for b in buckets)
 
     # --- per window (called by the controller) ---------------------------------------------------
     @torch.no_grad()
     def errors(self, layer: str, mean_grad: torch.Tensor | None) -> list[float]:
         """This rank's squared error of ``layer`` at each of ``levels`` (see module doc);
         ``mean_grad``: its window-mean gradient (flat), or None (no gradient this window)."""
-        state = self.states()[layer]
+        state = self.states[layer]
         grad = torch.zeros(state.shape, dtype=state.residual.dtype, device=state.residual.device) \
             if mean_grad is None else mean_grad.reshape(state.shape)
         return self.codec.level_errors(state, grad, self.levels)
@@ -131,18 +139,17 @@ class NetworkProbe:
         self._math, self._math_steps = 0.0, 0
         mean = np.asarray(control.allreduce(local, name=f"acc.ready.{len(layers)}.s", op="sum")) / control.size
         step = float(mean[-2]) if mean[-1] == 1.0 else None  # only if every rank measured its steps
-        math_s = float(mean[-4]) if mean[-3] == 1.0 and self._math_s is not None else None
+        math_s = float(mean[-4]) if mean[-3] == 1.0 and self._seconds is not None else None
         mean = mean[:-4]
-        link = self._measure_link()
-        buckets = self._buckets()
+        link, buckets, self._link, self._buckets = self._link, self._buckets, None, ()
         if not buckets:
             return None
-        states = self.states()
+        states = self.states
         wire = {n: {level: self.codec.wire(states[n].shape, level, states[n].residual.element_size())
                     for level in self.levels} for n in layers}
         return NetworkReport(link=link, world=control.size, backward_s=float(mean[-1]),
                              ready_s={n: float(v) for n, v in zip(layers, mean[:-1])},
-                             buckets=tuple(tuple(b) for b in buckets), wire=wire, step_s=step,
+                             buckets=buckets, wire=wire, step_s=step,
                              kernel_s=self._kernel_seconds(states, layers, math_s))
 
     def _kernel_seconds(self, states: dict[str, Any], layers: list[str], math_s: float | None) -> dict:

@@ -46,7 +46,7 @@ def measure(name: str, steps: int) -> list[float]:
 
     def worker(rank, channel):
         comp = CODECS[name]()
-        comp._channel = channel
+        comp.engine.use_planes(channel)
         times = []
         for _ in range(steps):
             step = {n: g.clone() for n, g in grads.items()}  # the compressor consumes its input

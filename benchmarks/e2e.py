@@ -42,7 +42,7 @@ MODEL_PARAMS = 2_138_506
 COMMON = ["--model", "cnn-wide", "--epochs", "10", "--lr-milestones", "7", "--seed", "0", "--no-progress"]
 GENTLE, AGGRESSIVE = "powersgd-static-r4", "powersgd-static-r1"
 # Environment of a method's horovodrun, where it differs from the default. The busy-wait
-# variant exists to measure what accordion_hvd's polite wait (comm/horovod.py) is worth.
+# variant exists to measure what accordion_hvd's polite wait (horovod/patches.py) is worth.
 METHOD_ENV = {"powersgd-static-r4-spin": {"ACCORDION_HOROVOD_WAIT": "spin"}}
 METHODS = {  # name -> (label, how: "hvd" or "cli-ddp" CLI args, or "ddp" rank for PyTorch's hook)
     "dense": ("no compression", ("hvd", ["--codec", "none"])),

@@ -60,7 +60,7 @@ PAIRS = [("ours-r1", "ddp-r1"), ("ours-r4", "ddp-r4"), ("ours-accordion", "ddp-r
 
 
 # Horovod's own methods run at Horovod's default cycle (1 ms): importing accordion_hvd would
-# otherwise set ours (accordion_hvd/comm/horovod.py), and peers run at their own defaults.
+# otherwise set ours (accordion_hvd/horovod/patches.py), and peers run at their own defaults.
 HOROVOD_DEFAULTS = {"HOROVOD_CYCLE_TIME": "1"}
 
 

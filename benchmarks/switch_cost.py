@@ -39,7 +39,7 @@ def worker(after: int, reset: str, train_argv: list[str]) -> None:
     from accordion_hvd.codecs import PowerSGD
     from accordion_hvd.levels import CRITICAL, NORMAL
     from accordion_hvd.codecs.powersgd import _as_transposed
-    from accordion_hvd.compressor import AccordionCompressor
+    from accordion_hvd import AccordionCompressor
     from accordion_hvd.policies.base import Policy
 
     class FirstWindows(Policy):

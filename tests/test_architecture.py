@@ -27,12 +27,13 @@ CONCRETE_CODECS = ("accordion_hvd.codecs.powersgd", "accordion_hvd.codecs.topk",
                    "accordion_hvd.codecs.PowerSGD", "accordion_hvd.codecs.TopK")
 # What runs a step without knowing the codec: the front ends, the controller, the probe, and
 # the exchanges' shared parts (each codec's own exchange module pairs itself with its codec).
-ENGINE = ("accordion_hvd.compressor", "accordion_hvd.horovod_seam", "accordion_hvd.ddp", "accordion_hvd.batch_size",
+ENGINE = ("accordion_hvd.engine", "accordion_hvd.horovod", "accordion_hvd.ddp", "accordion_hvd.batch_size",
           "accordion_hvd.elastic", "accordion_hvd.controller", "accordion_hvd.network_probe",
           "accordion_hvd.step_faults", "accordion_hvd.checkpoint", "accordion_hvd.exchange.registry",
           "accordion_hvd.exchange.buckets")
 CLI = ("accordion_hvd.train", "accordion_hvd.cli")  # train.py: the `python -m accordion_hvd.train` entry point
-ADAPTERS = ("accordion_hvd.compressor", "accordion_hvd.horovod_seam", "accordion_hvd.ddp", "accordion_hvd.batch_size",
+FRONT_ENDS = ("accordion_hvd.horovod", "accordion_hvd.ddp", "accordion_hvd.elastic")
+ADAPTERS = ("accordion_hvd.engine", "accordion_hvd.horovod", "accordion_hvd.ddp", "accordion_hvd.batch_size",
             "accordion_hvd.elastic", "accordion_hvd.controller", "accordion_hvd.exchange")
 
 
@@ -74,7 +75,7 @@ def broken(layer: tuple[str, ...], forbidden: tuple[str, ...]) -> list[str]:
 
 
 def test_the_sources_were_found():
-    assert "accordion_hvd.compressor" in SOURCES and "accordion_hvd.policies.gravac" in SOURCES
+    assert "accordion_hvd.engine.engine" in SOURCES and "accordion_hvd.policies.gravac" in SOURCES
     assert "accordion_hvd.levels" in SOURCES["accordion_hvd.policies.accordion"]  # relative imports resolve
 
 
@@ -87,6 +88,12 @@ def test_the_sources_were_found():
     ("the adapters import no concrete policy", ADAPTERS, CONCRETE_POLICIES),
     ("the engine names no concrete codec (the exchange registry pairs them)", ENGINE, CONCRETE_CODECS),
     ("communication imports no policy and no adapter", ("accordion_hvd.comm",), POLICIES + ADAPTERS),
+    ("the engine imports no front end (front ends drive it; it never calls back up)", ("accordion_hvd.engine",),
+     FRONT_ENDS),
+    ("below the engine nothing imports it or a front end", COMMUNICATION + CODECS + POLICIES + KERNELS
+     + ("accordion_hvd.controller", "accordion_hvd.network_probe", "accordion_hvd.step_faults",
+        "accordion_hvd.checkpoint", "accordion_hvd.counters", "accordion_hvd.flags", "accordion_hvd.levels"),
+     ("accordion_hvd.engine",) + FRONT_ENDS),
     ("nothing in the library imports the CLI", tuple(m for m in SOURCES if not under(m, CLI)), CLI),
 ])
 def test_layer_rule(rule, layer, forbidden):

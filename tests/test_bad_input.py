@@ -378,7 +378,7 @@ def non_finite(value) -> str:
     grads["w"][3, 4] = value
     out = step(comp, grads)
     assert comp.step_skipped and all(torch.count_nonzero(t) == 0 for t in out.values())
-    assert torch.isfinite(comp._layers["w"].residual).all()
+    assert torch.isfinite(comp.engine.layers["w"].residual).all()
     after = step(comp, good_grads(2))
     assert not comp.step_skipped and all(torch.isfinite(t).all() for t in after.values())
     return "output: step skipped (zero gradients), error feedback finite, next step normal"

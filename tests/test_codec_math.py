@@ -48,7 +48,7 @@ def run_steps(world_size, make_codec, steps, grad_fn, after_step=None):
 
 
 def reset_error_feedback(comp):
-    for state in comp._layers.values():
+    for state in comp.engine.layers.values():
         state.residual.zero_()
 
 
@@ -106,7 +106,7 @@ def test_powersgd_error_feedback_keeps_the_running_sum_on_track(rank):
     world = 3
     results = run_steps(world, lambda: acc.PowerSGD(rank=rank), STEPS, biased_grads)
     norms, gap = gap_norms(results, world)
-    mean_residual = sum(c._layers["w"].residual.double() for _, c in results) / world
+    mean_residual = sum(c.engine.layers["w"].residual.double() for _, c in results) / world
     torch.testing.assert_close(gap, mean_residual, rtol=0, atol=1e-3)  # nothing lost, over 200 steps
     early = max(norms[:50])
     assert norms[-1] < 1.5 * early, f"the gap keeps growing: max over steps 1-50 {early:.1f}, step 200 {norms[-1]:.1f}"
@@ -154,7 +154,7 @@ def test_topk_equals_the_reference_over_steps_with_residuals(grad_fn):
                 assert torch.equal(results[r][0][t][n], expected.view(s)), (t, n, r)
     for r in range(world):
         for n in TOPK_SHAPES:
-            assert torch.equal(results[r][1]._layers[n].residual, residual[r, n]), (r, n)
+            assert torch.equal(results[r][1].engine.layers[n].residual, residual[r, n]), (r, n)
 
 
 def test_topk_ties_go_to_the_lower_index():
@@ -165,7 +165,7 @@ def test_topk_ties_go_to_the_lower_index():
     expected = torch.zeros(100)
     expected[[3, 17, 42]] = torch.tensor([5.0, -1.0, 1.0])
     assert torch.equal(results[0][0][0]["w"].reshape(-1), expected)
-    assert torch.equal(results[0][1]._layers["w"].residual, grad.reshape(-1) - expected)
+    assert torch.equal(results[0][1].engine.layers["w"].residual, grad.reshape(-1) - expected)
 
 
 @pytest.mark.parametrize("world", [2, 3])
@@ -183,4 +183,4 @@ def test_topk_at_full_ratio_is_the_dense_mean_exactly(world):
             # The simulated channel's dense average: the rank-order sum, divided by the size.
             dense = torch.stack([grads(r, t)[n] for r in range(world)]).sum(0) / world
             assert torch.equal(results[0][0][t][n], dense), (t, n)
-    assert all(torch.count_nonzero(c._layers[n].residual) == 0 for _, c in results for n in TOPK_SHAPES)
+    assert all(torch.count_nonzero(c.engine.layers[n].residual) == 0 for _, c in results for n in TOPK_SHAPES)

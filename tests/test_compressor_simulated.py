@@ -57,7 +57,7 @@ def test_error_feedback_conserves_the_gradient(make_codec):
     comps = [c for _, c in results]
     for name in ("conv.weight", "fc.weight"):
         sent = sum(results[0][0][t][name].double() for t in range(steps))
-        mean_residual = sum(c._layers[name].residual.double().reshape(SHAPES[name]) for c in comps) / world
+        mean_residual = sum(c.engine.layers[name].residual.double().reshape(SHAPES[name]) for c in comps) / world
         true_mean = sum(sum(grads_for(r, t)[name].double() for r in range(world)) / world for t in range(steps))
         torch.testing.assert_close(sent + mean_residual, true_mean, rtol=1e-5, atol=1e-5)
 
@@ -134,7 +134,7 @@ def test_half_precision_gradients_are_the_float32_computation_rounded(dtype, mak
                                                                    grads_for(rank, step, dtype).items()})
     ulp = torch.finfo(dtype).eps
     for rank in range(2):
-        assert half[rank][1]._layers["fc.weight"].residual.dtype == torch.float32
+        assert half[rank][1].engine.layers["fc.weight"].residual.dtype == torch.float32
         for step in range(3):
             for name, out in half[rank][0][step].items():
                 assert out.dtype == dtype, name

@@ -91,15 +91,15 @@ def test_a_state_records_its_rank_and_another_ranks_state_is_refused_naming_both
     (c0, _), (c1, _) = _trained(2, CODECS[codec])
     s0, s1 = c0.state_dict(), c1.state_dict()
     assert (s0["rank"], s0["world_size"], s1["rank"]) == (0, 2, 1)
-    mine = c1._layers["w"].residual.clone()
+    mine = c1.engine.layers["w"].residual.clone()
     with pytest.raises(ValueError, match="rank 0's, loaded on rank 1") as info:
         c1.load_state_dict(s0)
     assert "gather_state_dict()" in str(info.value) and "error_feedback=False" in str(info.value)
-    assert torch.equal(c1._layers["w"].residual, mine)  # nothing changed
+    assert torch.equal(c1.engine.layers["w"].residual, mine)  # nothing changed
     c1.load_state_dict(s1)  # its own: fine
-    assert torch.equal(c1._layers["w"].residual, mine)
+    assert torch.equal(c1.engine.layers["w"].residual, mine)
     c1.load_state_dict(s0, error_feedback=False)  # asked for: rank 0's shared state, zero error feedback
-    assert not c1._layers["w"].residual.any()
+    assert not c1.engine.layers["w"].residual.any()
 
 
 @pytest.mark.parametrize("codec", sorted(CODECS))
@@ -107,12 +107,12 @@ def test_one_file_for_the_job_gathered_at_rank_0_gives_each_rank_its_own_error_f
     results = _trained(3, CODECS[codec], then=lambda comp: comp.gather_state_dict())
     world = results[0][1]
     assert world is not None and all(r[1] is None for r in results[1:])
-    residuals = [comp._layers["w"].residual.clone() for comp, _ in results]
+    residuals = [comp.engine.layers["w"].residual.clone() for comp, _ in results]
     assert not torch.equal(residuals[0], residuals[1])
     for rank, (comp, _) in enumerate(results):
-        comp._layers["w"].residual.zero_()
+        comp.engine.layers["w"].residual.zero_()
         comp.load_state_dict(world)  # every rank loads the same file
-        assert torch.equal(comp._layers["w"].residual, residuals[rank]), rank
+        assert torch.equal(comp.engine.layers["w"].residual, residuals[rank]), rank
 
 
 def test_a_state_of_another_world_size_loads_with_zero_error_feedback_and_a_warning(caplog):
@@ -121,7 +121,7 @@ def test_a_state_of_another_world_size_loads_with_zero_error_feedback_and_a_warn
     with caplog.at_level("WARNING", logger="accordion_hvd"):
         d0.load_state_dict(c0.state_dict())
     assert "saved by 2 ranks, this job has 3" in caplog.text
-    assert not d0._layers["w"].residual.any() and d0.steps == c0.steps
+    assert not d0.engine.layers["w"].residual.any() and d0.steps == c0.steps
 
 
 # --- level switches are logged; unused layers are reported as such -------------------------
@@ -177,7 +177,7 @@ def test_a_state_loaded_before_the_rank_is_known_is_checked_at_the_first_step():
     def worker(rank, channel):
         comp = acc.AccordionCompressor(CODECS["topk"](), policy="static")  # no channel yet: no world known
         comp.load_state_dict(saved)
-        comp._channel, comp._channel_given = channel, True  # what a front end's bind() does
+        comp.engine.use_planes(channel)  # what a front end's bind() does
         try:
             comp.compress_named("w", torch.randn(48, 32))
         except ValueError as exc:

@@ -4,7 +4,7 @@ named_parameters the user gives. Under horovodrun: tests/test_compressor_horovod
 import pytest
 import torch
 
-from accordion_hvd.horovod_seam import GradientNames
+from accordion_hvd.horovod.seam import GradientNames
 
 
 def model_with_grads():

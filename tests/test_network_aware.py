@@ -102,16 +102,16 @@ def test_powersgd_dense_level_sends_m_itself_and_settles_or_keeps_its_error_feed
             return comp.decompress(out, ctx).clone()
 
         step(grads[0])  # NORMAL: leaves some error feedback
-        e0 = comp._layers["w"].residual.clone()
-        q0 = comp._layers["w"].q.clone()
+        e0 = comp.engine.layers["w"].residual.clone()
+        q0 = comp.engine.layers["w"].q.clone()
         comp.set_level("w", DENSE)
-        seen.append((step(grads[1]), grads[1] + e0, comp._layers["w"].residual.clone()))
+        seen.append((step(grads[1]), grads[1] + e0, comp.engine.layers["w"].residual.clone()))
         bad = grads[2].clone()
         if rank == 1:
             bad[0, 0] = float("nan")
-        seen.append((step(bad), grads[2], comp._layers["w"].residual.clone(), comp.step_skipped))
+        seen.append((step(bad), grads[2], comp.engine.layers["w"].residual.clone(), comp.step_skipped))
         comp.set_level("w", NORMAL)
-        assert torch.equal(comp._layers["w"].q, q0)
+        assert torch.equal(comp.engine.layers["w"].q, q0)
         step(grads[3])
         return seen, comp.stats()["layers"]["w"]
 
@@ -147,7 +147,7 @@ def test_dense16_sends_float16_and_keeps_the_rounding_in_error_feedback(make):
                 out = channel.wait(channel.allreduce_mean_async([out], "hvd.w"))[0]
             return comp.decompress(out, ctx).clone(), wire
 
-        residual = lambda: comp._layers["w"].residual.clone().reshape(shape)
+        residual = lambda: comp.engine.layers["w"].residual.clone().reshape(shape)
         step(grads[0])  # NORMAL: leaves some error feedback
         comp.set_level("w", DENSE16)
         g1 = grads[1] + residual()
@@ -194,7 +194,7 @@ def test_network_aware_measures_dense16_when_asked_for_fp16():
     with pytest.raises(ValueError, match=r"dense must be one of \['fp16', 'fp32'\], got 'bf16'"):
         NetworkAware(warmup=0, dense="bf16")
     comp = acc.AccordionCompressor(acc.TopK(ratio=0.01, critical_ratio=0.1), policy=NetworkAware(warmup=0, dense="fp16"))
-    assert comp._probe.levels == (NORMAL, CRITICAL, DENSE16)
+    assert comp.engine.probe.levels == (NORMAL, CRITICAL, DENSE16)
 
 
 # --- the search ----------------------------------------------------------------------------------
@@ -371,20 +371,20 @@ class _OneRank:
 
 def test_the_probe_leaves_the_math_out_of_ready_times_and_prices_every_level(monkeypatch):
     import accordion_hvd.network_probe as probe_module
-    clock, math_clock = [0.0], [0.0]
+    clock, math_clock = [0.0], {"compress": 0.0}
     monkeypatch.setattr(probe_module.time, "perf_counter", lambda: clock[0])
     codec = acc.PowerSGD(rank=1, critical_rank=4)
     states = {"a": codec.init_state("a", torch.zeros(64, 32)), "b": codec.init_state("b", torch.zeros(128, 64))}
-    probe = probe_module.NetworkProbe(codec, states=lambda: states, buckets=lambda: [("a", "b")],
-                                      measure_link=lambda: SLOW, math_s=lambda: math_clock[0])
+    probe = probe_module.NetworkProbe(codec, states, seconds=math_clock)
     for _ in range(3):  # per step: a ready, 0.1 s of math, 0.2 s of backward, b ready, 0.05 s of math
         probe.mark("a")
         clock[0] += 0.3
-        math_clock[0] += 0.1
+        math_clock["compress"] += 0.1
         probe.mark("b")
         clock[0] += 0.05
-        math_clock[0] += 0.05
+        math_clock["compress"] += 0.05
         probe.end_step()
+    probe.window(SLOW, [("a", "b")])
     report = probe.network(_OneRank(), ["a", "b"])
     assert report.ready_s == pytest.approx({"a": 0.0, "b": 0.2}) and report.backward_s == pytest.approx(0.2)
     ran = sum(sum(codec.kernel_work(states[n].shape, states[n].level)) for n in states)
@@ -393,10 +393,10 @@ def test_the_probe_leaves_the_math_out_of_ready_times_and_prices_every_level(mon
             assert report.kernel_s[n][level] == pytest.approx(
                 tuple(w * 0.15 / ran for w in codec.kernel_work(states[n].shape, level)))
     assert sum(sum(report.kernel_s[n][states[n].level]) for n in states) == pytest.approx(0.15)
-    blind = probe_module.NetworkProbe(codec, states=lambda: states, buckets=lambda: [("a", "b")],
-                                      measure_link=lambda: SLOW)
+    blind = probe_module.NetworkProbe(codec, states)
     blind.mark("a")
     blind.end_step()
+    blind.window(SLOW, [("a", "b")])
     assert blind.network(_OneRank(), ["a", "b"]).kernel_s == {}  # no math clock: no math priced
 
 
@@ -579,7 +579,7 @@ def test_the_compressor_measures_and_every_rank_decides_the_same(codec):
         make = acc.PowerSGD(rank=1, critical_rank=2) if codec == "powersgd" else acc.TopK(0.05, 0.2)
         comp = acc.AccordionCompressor(make, policy=NetworkAware(warmup=0, eta=0.3), interval=3, channel=channel)
         # the simulated data plane times nothing: the link is given, the same on every rank
-        comp.measure_link = lambda: LinkMeasurement(SLOW, 10)
+        comp.engine.measure_link = lambda: LinkMeasurement(SLOW, 10)
         gen = torch.Generator().manual_seed(rank)
         decided = []
         for step in range(9):

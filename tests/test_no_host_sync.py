@@ -60,7 +60,7 @@ def reads_per_step(make, layers: int, fault_at: int | None = None) -> list[tuple
     (read after the counting). Rank 1's gradient of l0.weight holds a NaN at step ``fault_at``."""
     def worker(rank, channel):
         comp = make()
-        comp._channel = channel
+        comp.engine.use_planes(channel)
         counted, skipped = [], []
         for step in range(STEPS):
             gen = torch.Generator().manual_seed(100 * step + rank)
@@ -142,7 +142,7 @@ def test_a_cuda_step_never_synchronizes_the_host(name):
 
     def worker(rank, channel):
         comp = COMPRESSORS[name]()
-        comp._channel = wrapped = SyncFreeOutsideCollectives(channel)
+        comp.engine.use_planes(wrapped := SyncFreeOutsideCollectives(channel))
         for step in range(4):
             gen = torch.Generator().manual_seed(step)
             grads = {n: torch.randn(s, generator=gen).cuda() for n, s in shapes(3).items()}

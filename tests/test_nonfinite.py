@@ -40,7 +40,7 @@ def run(make, layer, value):
     ``value`` at step FAULT_STEP. Returns per rank (results per step, skipped flags, comp)."""
     def worker(rank, channel):
         comp = make()
-        comp._channel = channel
+        comp.engine.use_planes(channel)
         history, skipped = [], []
         for step in range(STEPS):
             grads = faulty_grads(rank, step, layer, value)
@@ -66,7 +66,7 @@ def test_a_non_finite_gradient_on_one_rank_skips_the_step_on_every_rank(codec, l
             for name, result in history[step].items():
                 assert torch.isfinite(result).all(), (rank, step, name)
                 assert torch.equal(result, out[0][0][step][name]), (rank, step, name)
-        for name, state in comp._layers.items():
+        for name, state in comp.engine.layers.items():
             assert torch.isfinite(state.residual).all(), (rank, name)
 
 
@@ -79,7 +79,7 @@ def test_the_skipped_steps_gradient_stays_in_error_feedback(codec, layer):
     out = run(CODECS[codec], layer, float("nan"))
     for name in COMPRESSED:
         applied = sum(out[0][0][t][name].double() for t in range(STEPS))
-        mean_residual = sum(comp._layers[name].residual.double().reshape(SHAPES[name]) for _, _, comp in out) / WORLD
+        mean_residual = sum(comp.engine.layers[name].residual.double().reshape(SHAPES[name]) for _, _, comp in out) / WORLD
         total = torch.zeros(SHAPES[name], dtype=torch.float64)
         for t in range(STEPS):
             for r in range(WORLD):
@@ -132,18 +132,18 @@ def test_topk_indices_outside_their_layer_skip_the_step_and_stop_every_rank():
     read (at its end on the CPU)."""
     def worker(rank, channel):
         comp = CODECS["topk"]()
-        comp._channel = wrapped = CorruptIndices(channel, at=FAULT_STEP)
+        comp.engine.use_planes(wrapped := CorruptIndices(channel, at=FAULT_STEP))
         for step in range(STEPS):
             wrapped.step = step
             grads = clean_grads(rank, step)
-            e_before = {n: s.residual.clone() for n, s in comp._layers.items()}
+            e_before = {n: s.residual.clone() for n, s in comp.engine.layers.items()}
             try:
                 sent = {n: comp.compress_named(n, grads[n]) for n in grads}
                 for n in sorted(sent):
                     reduced = channel.wait(channel.allreduce_mean_async([sent[n][0]], f"hvd.{n}"))[0]
                     comp.decompress(reduced.clone(), sent[n][1])
             except RuntimeError as exc:
-                kept = all(torch.equal(comp._layers[n].residual, e_before[n] + grads[n].reshape(-1))
+                kept = all(torch.equal(comp.engine.layers[n].residual, e_before[n] + grads[n].reshape(-1))
                            for n in e_before)
                 return step, str(exc), kept
         return None

@@ -362,7 +362,7 @@ def test_gravac_in_the_compressor_chooses_alike_and_keeps_the_error_feedback_exa
             out, ctx = comp.compress_named("w", g.clone())
             sent += comp.decompress(out, ctx).reshape(-1)
             levels.append(comp.stats()["layers"]["w"]["level"])
-        return levels, given, sent, comp._layers["w"].residual.clone(), comp.stats()
+        return levels, given, sent, comp.engine.layers["w"].residual.clone(), comp.stats()
     out = SimulatedWorld(2).run(worker)
     assert out[0][0] == out[1][0], "ranks chose differently"
     assert len(set(out[0][0])) >= 2, out[0][0]

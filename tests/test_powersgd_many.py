@@ -167,7 +167,7 @@ def run_steps(shapes, steps=3, codec=lambda: acc.PowerSGD(rank=2), count=False, 
         if per_layer:
             c.encodes_many = lambda state: False
         comp = acc.AccordionCompressor(c, policy="static")
-        comp._channel = channel
+        comp.engine.use_planes(channel)
         out = []
         for step in range(steps):
             grads = grads_of(rank, step)
@@ -282,7 +282,7 @@ def test_a_state_dict_is_a_copy_that_later_steps_leave_alone():
 
     def worker(rank, channel):
         comp = acc.AccordionCompressor(acc.PowerSGD(rank=2), policy="static")
-        comp._channel = channel
+        comp.engine.use_planes(channel)
         saved = None
         for step in range(3):
             gen = torch.Generator().manual_seed(100 * step + rank)

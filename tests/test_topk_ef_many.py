@@ -138,7 +138,7 @@ def encode_calls(layers: int, steps: int = 3) -> list[dict]:
 
     def worker(rank, channel):
         comp = acc.AccordionCompressor(acc.TopK(ratio=0.05), policy="static")
-        comp._channel = channel
+        comp.engine.use_planes(channel)
         per_step = []
         for step in range(steps):
             gen = torch.Generator().manual_seed(100 * step + rank)
@@ -212,7 +212,7 @@ def test_a_bucket_mixing_float32_and_float64_layers():
 
     def worker(rank, channel):
         comp = acc.AccordionCompressor(acc.TopK(ratio=ratio), policy="static")
-        comp._channel = channel
+        comp.engine.use_planes(channel)
         out = []
         for step in range(steps):
             grads = grads_of(rank, step)

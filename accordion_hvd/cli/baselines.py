@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from ..compressor import HorovodCompressor
+from ..horovod.compressor import HorovodCompressor
 
 _STATE_FORMAT = "accordion_hvd.cli.Uncompressed/1"
 

@@ -10,7 +10,7 @@ import os
 
 import torch
 
-from ..compressor import AccordionCompressor
+from ..horovod.compressor import AccordionCompressor
 
 LAUNCHERS = ("horovod", "ddp")
 
@@ -23,7 +23,7 @@ class HorovodFrontEnd:
     def __init__(self, quiet_cycle: bool = False) -> None:
         import horovod.torch as hvd
 
-        from ..comm.horovod import quiet_horovod_cycle
+        from ..horovod.patches import quiet_horovod_cycle
 
         self.hvd = hvd
         if quiet_cycle:  # only for our compressor: a Horovod baseline runs at Horovod's own default

@@ -35,8 +35,8 @@ import torch.nn.functional as F
 from ..batch_size import AccordionBatchSize
 from ..codecs import PowerSGD, Quantize, TopK
 from ..comm.channel import CollectiveTimeout
-from ..comm.horovod import install_polite_wait
-from ..compressor import AccordionCompressor
+from ..horovod.compressor import AccordionCompressor
+from ..horovod.patches import install_polite_wait
 from ..policies import GraVAC, NetworkAware
 from . import data, models
 from .baselines import Uncompressed

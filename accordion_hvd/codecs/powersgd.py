@@ -11,7 +11,7 @@ Per layer, with the gradient viewed as an n x m matrix (shape[0] x the rest):
     e = M - M_hat    (once the step is known not to be skipped)
 
 The codec does the math of each phase (``start``, ``middle``, ``finish``, ``settle``); the
-adapter does the two averaging rounds for all layers at once in between. Nothing here reads
+engine does the two averaging rounds for all layers at once in between. Nothing here reads
 a tensor on the host: a non-finite gradient is handled with 0-d bool flags on the device.
 """
 

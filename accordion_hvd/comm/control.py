@@ -13,7 +13,7 @@ plane under ``--gloo``) and ``SimulatedControlPlane`` (unit tests). ``control_pl
 MPI where MPI's world is Horovod's, else the caller's ``fallback``, else Horovod.
 
 Why a fallback before Horovod's collectives: each of them waits for Horovod's background
-cycle and its negotiation, about 20 ms at the cycle this package sets (comm/horovod.py), where
+cycle and its negotiation, about 20 ms at the quiet cycle (horovod/patches.py), where
 MPI's or a Gloo group's allreduce of a few floats takes under 5 ms
 (benchmarks/results/control-latency.md). A window's end issues up to
 five of them (the norms; the network-aware policy's ready times, link and level errors), and

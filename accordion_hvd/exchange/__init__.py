@@ -7,8 +7,8 @@
   policy's choice, such as GraVAC's);
 * ``quantize``: Quantize's allgather of scales and integers per bucket.
 
-Each codec's exchange is a small object with the same four calls, which the Horovod adapter
-(compressor.py) drives without knowing the codec (``registry.py`` pairs each codec with its
+Each codec's exchange is a small object with the same four calls, which the step engine
+(engine/engine.py) drives without knowing the codec (``registry.py`` pairs each codec with its
 exchange): ``add(name, state, grad, finite)`` as each
 gradient arrives, ``results()`` at the first decompress, ``end_step(skipped)`` to commit the
 step's error feedback or roll it back, ``abort()`` when Elastic drops a step.

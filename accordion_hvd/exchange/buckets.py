@@ -228,10 +228,9 @@ class Round1:
                 packed = torch.cat(payloads) if len(payloads) > 1 else payloads[0]
             bucket.handle = self.channel.allgather_async(packed, name=name)
 
-    def launch_rest(self, then=None) -> None:
+    def launch_rest(self) -> None:
         """Issue every bucket of the step not issued yet (in the first step, after agreeing on
-        the layout), then call ``then()``, if given: a collective issued there comes after
-        every bucket on every rank."""
+        the layout)."""
         missing = self.buckets is not None and any(n not in self._payloads for n in self._bucket_of)
         if missing and not self._launched:
             self.buckets = None  # a subset of the layers, nothing sent yet: agree on this set
@@ -245,8 +244,12 @@ class Round1:
                                f"step on rank {self.channel.rank}, after some of the step's buckets were sent; every "
                                f"rank must have the {self.layers} layers agreed on (the other ranks will time out waiting)")
         self._launch_complete()
-        if then is not None:
-            then()
+
+    @property
+    def all_issued(self) -> bool:
+        """Whether every bucket of the step's agreed layout is issued: a collective issued
+        now on this channel comes after all of them on every rank."""
+        return self.buckets is not None and self._launched == len(self.buckets)
 
     @property
     def launched(self) -> int:
@@ -288,10 +291,10 @@ class Round1:
                 offset += width
         return out
 
-    def results(self, then=None) -> dict[str, Any]:
-        """The whole round in one call: ``launch_rest(then)``, wait for every bucket, and
-        start the next step; returns each sending layer's result."""
-        self.launch_rest(then)
+    def results(self) -> dict[str, Any]:
+        """The whole round in one call: ``launch_rest()``, wait for every bucket, and start
+        the next step; returns each sending layer's result."""
+        self.launch_rest()
         out: dict[str, Any] = {}
         for index in range(len(self.buckets)):
             out.update(self.take(index))

@@ -44,11 +44,12 @@ Q kept), and ``end_step(skipped)`` makes e = M - M_hat only where the step went 
 from __future__ import annotations
 
 import time
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
 from ..comm.channel import Channel
+from ..counters import Counters
 from ..codecs import PowerSGD
 from ..flags import either, finite_flag
 from ..levels import DENSE
@@ -63,22 +64,20 @@ class PowerSGDExchange:
     Args:
         codec: the ``acc.PowerSGD`` doing the math.
         channel: the data plane; Q rounds go on its lane "q".
-        before_last: called right after the step's last P bucket is issued (the adapter issues
-            its learning-rate gather there, in flight with the rest of the exchange).
-        seconds: accumulates "compress" (math) and "comm" (waits) seconds.
-        per_step, control, sent: the registry's common arguments; a per-step policy is refused.
+        counters: the engine's counters (accordion_hvd/counters.py): adds its "compress" (math) and
+            "comm" (waits) seconds.
+        per_step: the registry's common argument; a per-step policy is refused.
     """
 
     def __init__(self, codec, channel: Channel, *, first_cap: int = FIRST_BUCKET_BYTES, cap: int = BUCKET_BYTES,
-                 before_last: Callable[[], None] | None = None, seconds: dict[str, float] | None = None,
-                 per_step=None, control=None, sent=None) -> None:
-        if per_step is not None:  # (control and sent serve only a per-step choice: unused here)
+                 counters: Counters | None = None, per_step: bool = False) -> None:
+        if per_step:
             raise ValueError("PowerSGD measures no per-step gain: a per-step policy needs the TopK codec")
         self.codec, self.channel = codec, channel
         self.round1 = Round1(channel, "allreduce", "acc.P", first_cap=first_cap, cap=cap, encode=self._encode_bucket)
         self.q_lane = lane(channel, "q")
-        self.before_last = before_last
-        self.seconds = seconds if seconds is not None else {"compress": 0.0, "comm": 0.0}
+        self.counters = counters if counters is not None else Counters()
+        self.seconds = self.counters.seconds
         self._finished: list[Any] = []  # layers finished this step: e = M - M_hat once it is not skipped
         self._finished_many: list[list[Any]] = []  # the same, a bucket's bucket-op layers at once
         self._ok: torch.Tensor | None = None  # no rank's gradient was non-finite (0-d bool), for those
@@ -161,7 +160,7 @@ class PowerSGDExchange:
 
     def _close(self) -> None:
         if not self._closed:
-            self.round1.launch_rest(self.before_last)
+            self.round1.launch_rest()
             self._closed = True
         self._start_q_rounds(wait=True)
 
@@ -239,7 +238,7 @@ class PowerSGDExchange:
     def end_step(self, skipped: torch.Tensor) -> None:
         """Settle the step (``skipped``: 0-d bool, on the device): where it went through, each
         finished layer's e = M - M_hat and a DENSE layer's e = 0; where it is skipped, e keeps
-        M. Before the adapter zeroes the results: M_hat may live in the result's memory."""
+        M. Before the engine zeroes the results: M_hat may live in the result's memory."""
         done = ~skipped
         for state in self._finished:
             self.codec.settle(state, done)

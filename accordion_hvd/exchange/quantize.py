@@ -17,12 +17,13 @@ step is skipped by the engine; ``end_step(skipped)`` then leaves every e holding
 from __future__ import annotations
 
 import time
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
 from ..codecs.quantize import Quantize
 from ..comm.channel import Channel
+from ..counters import Counters
 from ..flags import either, finite_flag
 from .buckets import BUCKET_BYTES, FIRST_BUCKET_BYTES, Round1
 from .registry import register
@@ -35,20 +36,19 @@ class QuantizeExchange:
     Args:
         codec: the ``acc.Quantize`` doing the math.
         channel: the data plane.
-        before_last: called right after the step's last bucket is issued.
-        seconds: accumulates "compress" (math) and "comm" (waits) seconds.
-        per_step, control, sent: the registry's common arguments; a per-step policy is refused.
+        counters: the engine's counters (accordion_hvd/counters.py): adds its "compress" (math) and
+            "comm" (waits) seconds.
+        per_step: the registry's common argument; a per-step policy is refused.
     """
 
     def __init__(self, codec, channel: Channel, *, first_cap: int = FIRST_BUCKET_BYTES, cap: int = BUCKET_BYTES,
-                 before_last: Callable[[], None] | None = None, seconds: dict[str, float] | None = None,
-                 per_step=None, control=None, sent=None) -> None:
-        if per_step is not None:
+                 counters: Counters | None = None, per_step: bool = False) -> None:
+        if per_step:
             raise ValueError("Quantize measures no per-step gain: a per-step policy needs the TopK codec")
         self.codec, self.channel = codec, channel
         self.round1 = Round1(channel, "allgather", "acc.quant", first_cap=first_cap, cap=cap)
-        self.before_last = before_last
-        self.seconds = seconds if seconds is not None else {"compress": 0.0, "comm": 0.0}
+        self.counters = counters if counters is not None else Counters()
+        self.seconds = self.counters.seconds
         self._begin()
 
     def _begin(self) -> None:
@@ -79,7 +79,7 @@ class QuantizeExchange:
         """Wait for the step's exchange; each gathered layer's averaged gradient."""
         started = time.perf_counter()
         try:
-            gathered = self.round1.results(self.before_last)
+            gathered = self.round1.results()
         finally:
             self.seconds["comm"] += time.perf_counter() - started
         started = time.perf_counter()

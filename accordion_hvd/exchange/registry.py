@@ -27,10 +27,8 @@ def exchange_for(codec) -> type:
                     f"accordion_hvd.exchange.register({type(codec).__name__}, YourExchange)")
 
 
-def make_exchange(codec, channel, *, first_cap: int, cap: int, before_last, seconds, per_step, control, sent):
+def make_exchange(codec, channel, *, first_cap: int, cap: int, counters, per_step: bool):
     """The exchange of ``codec`` on ``channel``, given what the engine shares with every
-    exchange: bucket caps, the learning-rate gather to issue after the last bucket, its
-    seconds counters, the regime controller when the policy decides per step (``per_step``,
-    else None), the control plane (a callable) and the floats-sent counters."""
-    return exchange_for(codec)(codec, channel, first_cap=first_cap, cap=cap, before_last=before_last,
-                               seconds=seconds, per_step=per_step, control=control, sent=sent)
+    exchange: bucket caps, its counters (accordion_hvd/counters.py), and whether the policy
+    decides per step (the engine then asks the controller between ``gains`` and ``results``)."""
+    return exchange_for(codec)(codec, channel, first_cap=first_cap, cap=cap, counters=counters, per_step=per_step)

@@ -14,16 +14,17 @@ A layer whose level keeps half its entries or more is sent dense instead: it goe
 Horovod's ordinary allreduce, and its error feedback is settled at the end of the step.
 
 With a per-step policy (``policy.per_step``: GraVAC) the choice of what to send is made per
-step, once every layer is encoded: each layer is encoded at the widest of the levels the
-policy asks about, each level's kept squared norm is measured from that selection, the
-controller reduces them over ranks and lets the policy choose (one control collective), and
-the selections are trimmed to the chosen level, kept, or undone so that every layer goes
-dense in one grouped allreduce.
+step, once every layer is encoded: the engine names the levels the policy asks about
+(``plan_step``), each layer is encoded at the widest of them, each level's kept squared norm
+is measured from that selection (``gains``), the engine has the controller reduce them over
+ranks and the policy choose (one control collective), and ``results(choice)`` trims the
+selections to the chosen level, keeps them, or undoes them so that every layer goes dense in
+one grouped allreduce. The exchange asks nothing of the controller itself.
 
 Non-finite gradients: a rank sends NaN values for such a layer (selected from e alone: that
 gradient is not folded in), so every rank sees the fault in the gathered data. The check is
 a 0-d bool flag on the device, never read by the host here: the results carry the NaN (the
-adapter zeroes them) and ``end_step(skipped)`` puts each selection back into its error
+engine zeroes them) and ``end_step(skipped)`` puts each selection back into its error
 feedback where the step is skipped (the bucket kernel leaves a non-finite layer's e as it
 was, so that layer has nothing to undo).
 """
@@ -31,7 +32,7 @@ was, so that layer has nothing to undo).
 from __future__ import annotations
 
 import time
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -39,6 +40,7 @@ from .. import ops
 from ..codecs import TopK
 from ..flags import either, finite_flag, nan_unless
 from ..comm.channel import Channel
+from ..counters import Counters
 from ..levels import DENSE
 from .buckets import BUCKET_BYTES, DEFERRED, FIRST_BUCKET_BYTES, Round1, bytes_of, split_bytes
 from .registry import register
@@ -51,23 +53,21 @@ class TopKExchange:
     Args:
         codec: the ``acc.TopK`` doing the math.
         channel: the data plane.
-        before_last: called right after the step's last bucket is issued.
-        seconds: accumulates "compress" (math) and "comm" (waits) seconds.
-        per_step: the regime controller, when its policy decides per step (``step_levels``,
-            ``choose_step``); then ``control`` (a callable returning the control plane) and
-            ``sent`` (the adapter's floats sent per layer, corrected for what the per-step
-            choice sends) are needed too.
+        counters: the engine's counters (accordion_hvd/counters.py): adds its "compress" (math) and
+            "comm" (waits) seconds and, with a per-step policy, corrects each layer's floats sent.
+        per_step: True when the policy decides per step: then ``plan_step`` each step before
+            its first ``add``, and ``gains`` before ``results(choice)``.
     """
 
     def __init__(self, codec, channel: Channel, *, first_cap: int = FIRST_BUCKET_BYTES, cap: int = BUCKET_BYTES,
-                 before_last: Callable[[], None] | None = None, seconds: dict[str, float] | None = None,
-                 per_step=None, control: Callable[[], Any] | None = None, sent: dict[str, int] | None = None) -> None:
+                 counters: Counters | None = None, per_step: bool = False) -> None:
         self.codec, self.channel = codec, channel
         self.round1 = Round1(channel, "allgather", "acc.topk", first_cap=first_cap, cap=cap,
                              encode=self._encode_bucket)
-        self.before_last = before_last
-        self.seconds = seconds if seconds is not None else {"compress": 0.0, "comm": 0.0}
-        self.per_step, self.control, self.sent = per_step, control, sent
+        self.counters = counters if counters is not None else Counters()
+        self.seconds = self.counters.seconds
+        self.per_step = bool(per_step)
+        self._step_levels: tuple = ()  # per-step policies: the levels asked about this step
         self._begin()
 
     def _begin(self) -> None:
@@ -84,9 +84,9 @@ class TopKExchange:
         """Layer ``name``'s gradient and its finite flag (0-d bool). Returns the tensor Horovod
         must average instead, when the layer is sent dense this step, else None (its bucket's
         allgather carries it)."""
-        if self.per_step is not None:  # encode at the widest level asked about; trimmed later
+        if self.per_step:  # encode at the widest level asked about; trimmed later
             numel = state.residual.numel()
-            self.codec.set_level(state, max(self.per_step.step_levels(), key=lambda lv: self.codec.level_k(lv, numel)))
+            self.codec.set_level(state, max(self._step_levels, key=lambda lv: self.codec.level_k(lv, numel)))
         if self.codec.sends_dense(state):
             self.round1.ready(name, None, grad)  # nothing in round 1 this step
             started = time.perf_counter()
@@ -94,7 +94,7 @@ class TopKExchange:
             self.seconds["compress"] += time.perf_counter() - started
             self._settle.append(lambda done, s=state, dtype=out.dtype: self.codec.settle_dense(s, dtype, done))
             return out
-        if self.per_step is None and self.codec.encodes_many(state):
+        if not self.per_step and self.codec.encodes_many(state):
             # Encoded with the rest of its bucket when the bucket is complete: one kernel call
             # per bucket, however many layers (_encode_bucket).
             self._deferred[name] = (state, grad, finite)
@@ -104,7 +104,7 @@ class TopKExchange:
         encoded = self.codec.encode(state, grad, finite)
         self.seconds["compress"] += time.perf_counter() - started
         self._layers[name] = (state, grad, encoded, finite)
-        if self.per_step is None:  # else the policy decides what to send once every layer is encoded
+        if not self.per_step:  # else the policy decides what to send once every layer is encoded
             self.round1.ready(name, _payload(encoded, finite), grad)
         return None
 
@@ -121,12 +121,18 @@ class TopKExchange:
         self.seconds["compress"] += time.perf_counter() - started
         return payload, [8 * s.k for s in states]
 
+    def plan_step(self, levels: tuple) -> None:
+        """(Per-step policies.) The levels the policy asks about this step, before its first ``add``."""
+        self._step_levels = tuple(levels)
+
     @torch.no_grad()
-    def results(self) -> dict[str, torch.Tensor]:
-        """Wait for the step's exchange; each sparse-sent layer's averaged gradient."""
+    def results(self, choice: Any = None) -> dict[str, torch.Tensor]:
+        """Wait for the step's exchange; each sparse-sent layer's averaged gradient. With a
+        per-step policy, ``choice`` is its level for this step (from ``gains``, reduced over
+        ranks), or None when some rank's gradient was not finite (the step is skipped)."""
         names = sorted(self._layers)
-        if self.per_step is not None:
-            done = self._per_step_choice(names)
+        if self.per_step:
+            done = self._apply_choice(names, choice)
             for n in names:  # what the choice left to send (nothing, if dense or skipped)
                 state, grad, encoded, finite = self._layers[n]
                 self.round1.ready(n, None if done is not None else _payload(encoded, finite), grad)
@@ -136,7 +142,7 @@ class TopKExchange:
                 return done
         started = time.perf_counter()
         try:
-            gathered = self.round1.results(self.before_last)
+            gathered = self.round1.results()
         finally:
             self.seconds["comm"] += time.perf_counter() - started
         started = time.perf_counter()
@@ -144,7 +150,7 @@ class TopKExchange:
         layers = [(n, *self._layers[n]) for n in names]
         parts = {n: split_bytes(gathered[n], state.residual.dtype, state.k) for n, state, *_ in layers}
         out: dict[str, torch.Tensor] = {}
-        if parts:  # a rank sent NaN: flagged here; the NaN results are zeroed by the adapter
+        if parts:  # a rank sent NaN: flagged here; the NaN results are zeroed by the engine
             self.fault = either(self.fault, ~torch.stack([finite_flag(values) for values, _ in parts.values()]).all())
         corrupt = torch.zeros((), dtype=torch.bool, device=layers[0][2].device) if layers else None
         for n, state, grad, encoded, _ in layers:
@@ -171,23 +177,25 @@ class TopKExchange:
             self.fault = torch.ones((), dtype=torch.bool, device=layers[0][2].device)
         return {n: torch.zeros_like(grad) for n, state, grad, *_ in layers}
 
-    def _per_step_choice(self, names: list[str]) -> dict[str, torch.Tensor] | None:
-        """The per-step policy's choice. Every level's gain comes from the selection at the
-        widest one (a narrower level's is its top); the model's squared norms are summed over
-        ranks by the controller, so every rank chooses alike. Returns the results if the
-        step's exchange is done (dense, or skipped), else None: the (trimmed) selections are
-        to be sent."""
-        levels = self.per_step.step_levels()
-        layers = [(n, *self._layers[n]) for n in names]
-        rows = []  # per layer: |g|^2 (NaN if not finite here), then the kept |g|^2 of each level
-        for n, state, grad, (values, _), finite in layers:
+    def gains(self) -> list[float]:
+        """(Per-step policies.) This rank's squared norm of gradient plus error feedback over
+        the step's layers (NaN if one was not finite here), then the squared norm each level of
+        ``plan_step`` keeps: every level's from the selection at the widest one (a narrower
+        level's is its top). One host read per step."""
+        rows = []  # per layer: |g|^2, then the kept |g|^2 of each level
+        for n in sorted(self._layers):
+            state, grad, (values, _), finite = self._layers[n]
             row = [nan_unless(finite, state.g_sq)]  # a rank's fault shows in the reduced sums
-            for level in levels:
+            for level in self._step_levels:
                 k = self.codec.level_k(level, state.residual.numel())
                 row.append(state.kept_sq if k >= values.numel() else values.abs().topk(k).values.double().square().sum())
             rows.append(torch.stack(row))
-        sums = torch.stack(rows).sum(0).tolist() if rows else [0.0] * (1 + len(levels))  # one read per step
-        choice = self.per_step.choose_step(self.control(), sums[0], sums[1:])
+        return torch.stack(rows).sum(0).tolist() if rows else [0.0] * (1 + len(self._step_levels))
+
+    def _apply_choice(self, names: list[str], choice: Any) -> dict[str, torch.Tensor] | None:
+        """The per-step policy's choice applied. Returns the results if the step's exchange is
+        done (dense, or skipped), else None: the (trimmed) selections are to be sent."""
+        layers = [(n, *self._layers[n]) for n in names]
         if choice is None:  # a rank's gradient was not finite
             return self._skip(layers)
         for n, state, grad, (values, indices), finite in layers:
@@ -199,8 +207,7 @@ class TopKExchange:
                 trimmed = self.codec.trim(state, values, indices, self.codec.level_k(choice, numel))
                 self._layers[n] = (state, grad, trimmed, finite)
             state.level = choice
-            if self.sent is not None:
-                self.sent[n] += (numel if choice == DENSE else self.codec.floats_sent(state)) - before
+            self.counters.floats(n, (numel if choice == DENSE else self.codec.floats_sent(state)) - before)
         if choice != DENSE:
             return None
         # Dense: every layer's g = grad + e averaged in one grouped allreduce; e is reset once

@@ -100,7 +100,7 @@ class Policy:
 
     Network-aware (``uses_network = True``): each window's report also carries, per layer,
     the error of each of the codec's levels and what predicts a step's time (``errors``,
-    ``network``), measured by the adapter and reduced over ranks by the controller.
+    ``network``), measured by the engine and reduced over ranks by the controller.
 
     Per step (policies with ``per_step = True``): each step, every layer is encoded at the
     widest of ``step_levels()``, the gain of each of those levels is measured and reduced

@@ -42,7 +42,7 @@ def train(steps):
 
 
 def residuals():
-    return {n: s.residual.clone() for n, s in compression._layers.items()}
+    return {n: s.residual.clone() for n, s in compression.engine.layers.items()}
 
 
 train(4)
@@ -62,7 +62,7 @@ check((world is not None) == (rank == 0), f"gather_state_dict() gave {type(world
 if rank == 0:
     torch.save(world, folder / "world.pt")
 hvd.barrier()
-for state in compression._layers.values():
+for state in compression.engine.layers.values():
     state.residual.zero_()
 compression.load_state_dict(torch.load(folder / "world.pt", weights_only=True))
 check(all(torch.equal(own[n], r) for n, r in residuals().items()), "the world file did not give back my error feedback")

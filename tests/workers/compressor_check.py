@@ -66,7 +66,7 @@ else:
 if mode.startswith("named"):
     def no_frames():
         raise AssertionError("named_parameters were given: the frame lookup must not run")
-    acc.compressor.horovod_parameter = no_frames
+    acc.horovod.compressor.horovod_parameter = no_frames
 opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
                                named_parameters=model.named_parameters(), compression=compression,
                                groups=2 if mode.endswith("groups") else None)
@@ -89,7 +89,7 @@ check(all(torch.equal(everyone[0], everyone[r]) for r in range(size)), "paramete
 
 stats = compression.stats()
 instance = compression.default_instance() if use_class else compression
-check(instance._learning_rates() == [0.05], f"the learning rates were not found: {instance._learning_rates()}")
+check(instance.engine.lrs.current() == [0.05], f"the learning rates were not found: {instance.engine.lrs.current()}")
 counts = hvd.allgather(torch.tensor([[stats["floats_sent"], stats["floats_dense"]]], dtype=torch.float64),
                        name="check.stats")
 check(all(torch.equal(counts[0], counts[r]) for r in range(size)), f"floats counts differ across ranks: {counts}")

@@ -29,21 +29,22 @@ def build(as_view=False):
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     handed = []  # (name, whether the compressor got the accumulated param.grad itself)
     grads = {name: p for name, p in model.named_parameters()}
-    original = compression.compress_named
+    engine = compression.engine  # what the hook drives
+    original = engine.add
 
-    def spy(name, tensor):
+    def spy(name, tensor, **kwargs):
         handed.append((name, grads[name].grad is not None and tensor.data_ptr() == grads[name].grad.data_ptr()))
-        return original(name, tensor)
+        return original(name, tensor, **kwargs)
 
-    compression.compress_named = spy
-    writes = compression.write_result_into
+    engine.add = spy
+    writes = engine.write_result_into
 
     def spy_writes(name, target):
         done = writes(name, target)
         handed.append((f"wrote {name}", done))
         return done
 
-    compression.write_result_into = spy_writes
+    engine.write_result_into = spy_writes
     return model, ddp, hook, opt, handed
 
 

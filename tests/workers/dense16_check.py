@@ -75,9 +75,9 @@ y = x[:, :4].argmax(1)
 losses = []
 for step in range(STEPS):
     if step == DENSE_FROM:
-        for name in compression._layers:
+        for name in compression.engine.layers:
             compression.set_level(name, DENSE16)
-    e_before = {n: s.residual.detach().clone().reshape(params[n].shape) for n, s in compression._layers.items()}
+    e_before = {n: s.residual.detach().clone().reshape(params[n].shape) for n, s in compression.engine.layers.items()}
     opt.zero_grad()
     loss = F.cross_entropy(forward(x), y)
     loss.backward()
@@ -92,7 +92,7 @@ for step in range(STEPS):
             check(got.dtype == params[n].dtype, f"{n}: gradient dtype {got.dtype}")
             check(torch.equal(got, expected), f"step {step}, {n}: not the float16 average "
                                               f"(max diff {(got - expected).abs().max():.3g})")
-            e_after = compression._layers[n].residual.reshape(g.shape)
+            e_after = compression.engine.layers[n].residual.reshape(g.shape)
             check(torch.equal(e_after, g - g.half().float()), f"step {step}, {n}: e is not the float16 rounding")
     if front == "horovod":
         with opt.skip_synchronize():
@@ -101,7 +101,7 @@ for step in range(STEPS):
         opt.step()
     losses.append(float(average(loss.detach(), f"loss.{step}")))
 
-levels = {n: layer["level"] for n, layer in compression.stats()["layers"].items() if n in compression._layers}
+levels = {n: layer["level"] for n, layer in compression.stats()["layers"].items() if n in compression.engine.layers}
 check(levels and all(v == "dense16" for v in levels.values()), f"levels {levels}")
 flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
 gathered = gather(flat, "final.params")

@@ -65,7 +65,7 @@ for step in range(STEPS):
         for n, p in params.items():
             check(torch.equal(p.grad, torch.zeros_like(p.grad)), f"skipped step: {n}'s gradient is not zero")
             check(torch.equal(p.detach(), before[n]), f"skipped step moved {n}")
-    for n, state in compression._layers.items():
+    for n, state in compression.engine.layers.items():
         check(bool(torch.isfinite(state.residual).all()), f"step {step}: {n}'s error feedback is not finite")
     losses.append(float(hvd.allreduce(loss.detach(), name=f"loss.{step}")))
 

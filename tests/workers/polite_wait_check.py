@@ -14,7 +14,8 @@ import horovod.torch as hvd
 import torch
 
 import accordion_hvd as acc
-from accordion_hvd.comm.horovod import WAIT_ENV, install_polite_wait, installed_wait, polite_synchronize
+from accordion_hvd.comm.horovod import polite_synchronize
+from accordion_hvd.horovod.patches import WAIT_ENV, install_polite_wait, installed_wait
 from worker_util import checker, say
 
 hvd.init()

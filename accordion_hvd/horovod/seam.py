@@ -1,6 +1,7 @@
-"""The seam between the adapter (compressor.py) and Horovod's ``DistributedOptimizer``.
+"""The seam between the Horovod front end (horovod/compressor.py) and Horovod's
+``DistributedOptimizer``: which parameter a gradient is, which optimizer, which ``op``.
 
-Horovod calls ``compression.compress(tensor)`` with the gradient only; the adapter needs to
+Horovod calls ``compression.compress(tensor)`` with the gradient only; the front end needs to
 know which parameter it is (error feedback and levels are per layer, and results are handed
 out by name, never by hook order, which differs between ranks). Two ways, both here:
 
@@ -20,16 +21,7 @@ out by name, never by hook order, which differs between ranks). Two ways, both h
 Either way, Horovod's optimizer is looked for in the calling frames once (``find_optimizer``)
 for its learning rates, which the regime controller watches.
 
-**Keeping gradients off Horovod's data path** (``install_bypass``). Horovod's optimizer
-hands whatever ``compress`` returns to ``allreduce_async_`` and later gives the result and
-the context to ``decompress``. The compressor exchanges every floating-point gradient on its
-own data plane, so what it returns is a placeholder (``placeholder``): an empty tensor that
-carries nothing. Submitting it to Horovod anyway would cost a negotiation round and a
-background-loop cycle per step for no data (benchmarks/results/step-profile.md), so the
-optimizer module's ``allreduce_async_`` and ``grouped_allreduce_async_`` are wrapped: a
-placeholder (or a group of nothing but placeholders) gets a ``LocalResult`` handle, which
-Horovod's ``synchronize`` returns at once (comm/horovod.py). Every other tensor, and any
-caller other than Horovod's optimizer, goes to Horovod as before.
+Keeping gradients off Horovod's data path is horovod/patches.py.
 """
 
 from __future__ import annotations
@@ -40,7 +32,6 @@ from typing import Any, Iterable
 import torch
 
 _MAX_DEPTH = 6  # frames between compress() and Horovod's method that calls it
-_PLACEHOLDER = "_accordion_placeholder"  # attribute marking the tensors compress() returns for no data
 
 
 class GradientNames:
@@ -130,18 +121,6 @@ def find_optimizer() -> Any | None:
     return None
 
 
-def placeholder(like: torch.Tensor) -> torch.Tensor:
-    """An empty tensor for Horovod's optimizer to carry instead of a gradient that travels on
-    the compressor's own data plane; with ``install_bypass`` it never reaches Horovod."""
-    empty = like.new_empty(0)
-    setattr(empty, _PLACEHOLDER, True)
-    return empty
-
-
-def is_placeholder(tensor: Any) -> bool:
-    return getattr(tensor, _PLACEHOLDER, False) is True
-
-
 # Horovod's reduction ops that the compressor can honour, and how: it always computes the
 # average over all ranks, and a sum is that average times the number of ranks.
 _OP_NAMES = ("Average", "Sum", "Adasum", "Min", "Max", "Product")
@@ -195,32 +174,3 @@ def bypass_allowed(optimizer: Any) -> str | None:
     if optimizer is None:
         return "Horovod's optimizer was not found in the calling frames"
     return None
-
-
-def install_bypass() -> None:
-    """Wrap the collectives Horovod's optimizer module issues so that placeholders skip
-    Horovod (see module doc). Process-wide and idempotent."""
-    import horovod.torch.optimizer as hvd_optimizer
-
-    from .comm.horovod import LocalResult
-
-    if getattr(hvd_optimizer.allreduce_async_, "_accordion_bypass", False):
-        return
-    horovod_allreduce, horovod_grouped = hvd_optimizer.allreduce_async_, hvd_optimizer.grouped_allreduce_async_
-
-    def allreduce_async_(tensor, *args, **kwargs):
-        if is_placeholder(tensor):
-            return LocalResult(tensor)
-        return horovod_allreduce(tensor, *args, **kwargs)
-
-    def grouped_allreduce_async_(tensors, *args, **kwargs):
-        if tensors and all(is_placeholder(t) for t in tensors):
-            return LocalResult(list(tensors))
-        return horovod_grouped(tensors, *args, **kwargs)
-
-    for wrapper, original in ((allreduce_async_, horovod_allreduce), (grouped_allreduce_async_, horovod_grouped)):
-        wrapper._accordion_bypass = True
-        wrapper.__wrapped__ = original
-        wrapper.__doc__ = f"Horovod's {original.__name__}, except for the compressor's placeholders (accordion_hvd)."
-    hvd_optimizer.allreduce_async_ = allreduce_async_
-    hvd_optimizer.grouped_allreduce_async_ = grouped_allreduce_async_

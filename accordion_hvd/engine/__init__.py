@@ -1,0 +1,9 @@
+"""The front-end-neutral step engine (engine.py), and what it is made of: the codec and
+policy resolved, gradients checked (checks.py), settings agreed across ranks (settings.py),
+learning rates (learning_rates.py), level announcements (announce.py), checkpoints and
+statistics (state.py). The front ends (accordion_hvd/horovod/, ddp.py, elastic.py) drive it."""
+
+from . import state
+from .engine import COMPRESSED, DENSE, UNCOMPRESSED, StepEngine
+
+__all__ = ["COMPRESSED", "DENSE", "UNCOMPRESSED", "StepEngine", "state"]
