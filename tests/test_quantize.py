@@ -187,6 +187,42 @@ def test_dense16_through_the_front_end_and_a_checkpoint_round_trip():
         codec.state_from_dict("w", {**codec.state_to_dict(state), "residual": torch.zeros(5)})
 
 
+def test_stochastic_rounding_resumes_bit_for_bit_from_a_checkpoint():
+    """The rounding generator is part of a layer's state: a compressor loaded from a state
+    taken after step 3 rounds steps 4-6 exactly as the one that never stopped."""
+    grads = [[torch.randn(64, 48, generator=torch.Generator().manual_seed(10 * s + r)) for r in range(2)]
+             for s in range(6)]
+
+    def make(channel):
+        return acc.AccordionCompressor(acc.Quantize(8, rounding="stochastic", chunk=256, seed=5),
+                                       policy="static", channel=channel)
+
+    def steps(comp, channel, rank, which):
+        out = []
+        for s in which:
+            sent, ctx = comp.compress_named("w", grads[s][rank].clone())
+            out.append(comp.decompress(sent, ctx))
+        return out
+
+    def worker(rank, channel):
+        comp = make(channel)
+        steps(comp, channel, rank, range(3))
+        saved = comp.state_dict()
+        assert "generator" in saved["layers"]["w"]
+        straight = steps(comp, channel, rank, range(3, 6))
+        resumed_comp = make(channel)
+        resumed_comp.load_state_dict(saved)
+        resumed = steps(resumed_comp, channel, rank, range(3, 6))
+        return straight, resumed, comp.engine.layers["w"].residual, resumed_comp.engine.layers["w"].residual
+
+    for straight, resumed, e_straight, e_resumed in SimulatedWorld(2).run(worker):
+        assert all(torch.equal(a, b) for a, b in zip(straight, resumed)) and torch.equal(e_straight, e_resumed)
+    fresh = acc.Quantize(8, rounding="stochastic", seed=5)
+    state = fresh.init_state("w", torch.zeros(4096))
+    with pytest.raises(ValueError, match="generator state"):
+        fresh.state_from_dict("w", {**fresh.state_to_dict(state), "generator": [1, 2]})
+
+
 def test_level_errors_are_the_quantization_errors():
     codec = acc.Quantize(8, 16, chunk=256, min_numel=1)
     grad = torch.randn(2048)

@@ -26,6 +26,17 @@ def wire_dtype(level: Level, grad_dtype: torch.dtype) -> torch.dtype:
     return grad_dtype
 
 
+def flush_whole(e: torch.Tensor, grad: torch.Tensor, level: Level, finite: torch.Tensor) -> torch.Tensor:
+    """A layer sent whole this step (a dense level): g = grad + e, kept in ``e`` until
+    ``settle_sent`` (so that a skipped step can keep it; not added if ``finite`` is False),
+    returned in the level's wire dtype as a new tensor (the front end averages it in place),
+    NaN if not finite, shaped like ``grad``."""
+    ops.ef_add_(grad.reshape(e.shape), e, finite)
+    out = e.to(wire_dtype(level, grad.dtype), copy=True)
+    ops.fill_if_([out], ~finite, float("nan"))
+    return out.view(grad.shape)
+
+
 def settle_sent(e: torch.Tensor, sent_dtype: torch.dtype, done: torch.Tensor) -> None:
     """After a step that sent ``e`` (which held all of ``g = grad + e``) whole in
     ``sent_dtype``: if it went through (``done``, 0-d bool), ``e`` keeps only what that dtype

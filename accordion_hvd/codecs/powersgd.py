@@ -26,7 +26,7 @@ import torch
 from .. import ops, reference
 from ..levels import CRITICAL, DENSE, DENSE16, NORMAL, UNCOMPRESSED, Level, check_level, positive_number
 from .base import Codec
-from ._common import residual_dtype, rounding_error, settle_sent, whole_layer_work, wire_dtype
+from ._common import flush_whole, residual_dtype, rounding_error, settle_sent, whole_layer_work, wire_dtype
 
 
 @dataclass
@@ -250,10 +250,7 @@ class PowerSGD(Codec):
     def flush_dense(state: PowerSGDState, grad: torch.Tensor, finite: torch.Tensor) -> torch.Tensor:
         """For a DENSE16 step: M = grad + e (e holds it until ``settle_sent``), returned in
         float16 (NaN if ``finite`` is False; then e is not touched), shaped like ``grad``."""
-        ops.ef_add_(grad.reshape(state.residual.shape), state.residual, finite)
-        out = state.residual.to(wire_dtype(state.level, grad.dtype), copy=True)
-        ops.fill_if_([out], ~finite, float("nan"))
-        return out.view(grad.shape)
+        return flush_whole(state.residual, grad, state.level, finite)
 
     @staticmethod
     def settle_sent(state: PowerSGDState, sent_dtype: torch.dtype, done: torch.Tensor) -> None:

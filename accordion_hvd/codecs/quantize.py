@@ -29,7 +29,7 @@ import torch
 
 from .. import ops
 from ..levels import CRITICAL, DENSE16, NORMAL, Level, check_level, positive_number
-from ._common import residual_dtype, rounding_error, settle_sent, whole_layer_work, wire_dtype
+from ._common import flush_whole, residual_dtype, rounding_error, settle_sent, whole_layer_work, wire_dtype
 from .base import Codec
 
 BITS = (8, 16)
@@ -158,14 +158,24 @@ class Quantize(Codec):
         state.level, state.bits = level, self._bits_at(level)
 
     def state_to_dict(self, state: QuantizeState) -> dict:
-        return {"shape": list(state.shape), "level": state.level.to_state(), "residual": state.residual.clone()}
+        d = {"shape": list(state.shape), "level": state.level.to_state(), "residual": state.residual.clone()}
+        if state.generator is not None:  # stochastic rounding resumes where it was: bit for bit
+            d["generator"] = state.generator.get_state()
+        return d
 
     def state_from_dict(self, name: str, d: dict) -> QuantizeState:
         shape, level, residual = torch.Size(d["shape"]), Level.from_state(d["level"]), d["residual"]
         if tuple(residual.shape) != (math.prod(shape),) or level not in self.levels + (DENSE16,):
             raise ValueError(f"Quantize state of {name!r} does not fit this codec: level {level!r}, residual "
                              f"{tuple(residual.shape)} (expected {(math.prod(shape),)})")
-        return QuantizeState(name, shape, level, self._bits_at(level), residual.clone())
+        state = QuantizeState(name, shape, level, self._bits_at(level), residual.clone())
+        saved = d.get("generator")
+        if saved is not None and self.rounding == "stochastic":  # (a nearest-rounding codec has no use for it)
+            if not isinstance(saved, torch.Tensor) or saved.dtype != torch.uint8:
+                raise ValueError(f"Quantize state of {name!r}: its generator state is not a uint8 tensor")
+            state.generator = torch.Generator(device=residual.device)
+            state.generator.set_state(saved)
+        return state
 
     # --- a step -------------------------------------------------------------------------------
     def _quantize(self, g: torch.Tensor, bits: int, generator) -> tuple[torch.Tensor, torch.Tensor]:
@@ -191,7 +201,7 @@ class Quantize(Codec):
     def _generator(self, state: QuantizeState):
         if self.rounding == "nearest":
             return None
-        if state.generator is None:  # seeded per layer name: reproducible (not kept in checkpoints)
+        if state.generator is None:  # seeded per layer name: reproducible (and kept in checkpoints)
             state.generator = torch.Generator(device=state.residual.device)
             state.generator.manual_seed(self.seed * 1_000_003 + zlib.crc32(state.name.encode()))
         return state.generator
@@ -203,10 +213,7 @@ class Quantize(Codec):
     def flush_dense(self, state: QuantizeState, grad: torch.Tensor, finite: torch.Tensor) -> torch.Tensor:
         """For a DENSE16 step: g = grad + e in float16 (NaN if not finite; e then untouched);
         e holds g until ``settle_dense``."""
-        g = ops.ef_add_(grad.reshape(-1), state.residual, finite)
-        out = g.to(wire_dtype(state.level, grad.dtype), copy=True)
-        ops.fill_if_([out], ~finite, float("nan"))
-        return out.view(grad.shape)
+        return flush_whole(state.residual, grad, state.level, finite)
 
     @staticmethod
     def settle_dense(state: QuantizeState, sent_dtype: torch.dtype, done: torch.Tensor) -> None:

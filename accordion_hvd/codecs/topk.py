@@ -17,7 +17,7 @@ import torch
 from .. import ops, reference
 from ..levels import CRITICAL, DENSE, DENSE16, NORMAL, UNCOMPRESSED, Level, check_level, positive_number
 from .base import Codec
-from ._common import residual_dtype, rounding_error, settle_sent, whole_layer_work, wire_dtype
+from ._common import flush_whole, residual_dtype, rounding_error, settle_sent, whole_layer_work, wire_dtype
 
 
 @dataclass
@@ -192,11 +192,9 @@ class TopK(Codec):
         to be allreduced as it is (NaN if ``finite`` is False, and then ``e`` is not touched).
         ``e`` holds the whole ``g = grad + e`` until ``settle_dense`` at the end of the step
         (so a skipped step can keep it); then only what the dtype rounded away."""
-        g = ops.ef_add_(grad.reshape(-1), state.residual, finite)
-        out = g.to(wire_dtype(state.level, grad.dtype), copy=True)  # never g itself: Horovod averages it in place
-        ops.fill_if_([out], ~finite, float("nan"))
+        out = flush_whole(state.residual, grad, state.level, finite)
         state.g_sq = state.kept_sq = out.double().square().sum()
-        return out.view(grad.shape)
+        return out
 
     @staticmethod
     def settle_dense(state: TopKState, sent_dtype: torch.dtype, done: torch.Tensor) -> None:

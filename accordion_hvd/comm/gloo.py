@@ -65,10 +65,17 @@ class GlooChannel(ProcessGroupChannel):
 
     Args:
         timeout: seconds a collective may take; default $ACCORDION_COLLECTIVE_TIMEOUT, else 300.
+        backend: "gloo", or "nccl" for CUDA gradients (comm/planes.py chooses): the data
+            groups (the main one and its lanes) are then NCCL groups of the same ranks, built
+            from the same store, each rank on its current CUDA device; the control group and
+            the heartbeats stay on Gloo.
     """
 
-    def __init__(self, timeout: float | None = None) -> None:
+    def __init__(self, timeout: float | None = None, backend: str = "gloo") -> None:
         import horovod.torch as hvd
+
+        if backend not in ("gloo", "nccl"):
+            raise ValueError(f"backend must be 'gloo' or 'nccl', got {backend!r}")
 
         timeout = collective_timeout(timeout)
         rank, size = hvd.rank(), hvd.size()
@@ -92,8 +99,17 @@ class GlooChannel(ProcessGroupChannel):
         def group(prefix: str):
             return dist.ProcessGroupGloo(dist.PrefixStore(prefix, store), rank, size, options)
 
-        super().__init__(group("accordion"), rank, size, timeout,
-                         lanes={name: group(f"accordion.{name}") for name in LANES})
+        data = group
+        if backend == "nccl":
+            nccl_options = dist.ProcessGroupNCCL.Options()
+            nccl_options._timeout = delta
+
+            def data(prefix: str):
+                return dist.ProcessGroupNCCL(dist.PrefixStore(prefix, store), rank, size, nccl_options)
+
+        super().__init__(data("accordion"), rank, size, timeout,
+                         lanes={name: data(f"accordion.{name}") for name in LANES})
+        self.backend = backend
         self._control_group = group("accordion.control")
         self._store = store  # kept alive with the groups
         store_host, port = address.rsplit(":", 1)
@@ -101,8 +117,8 @@ class GlooChannel(ProcessGroupChannel):
         # A channel dropped without close() must not leave its heartbeat the live one: a later
         # diagnosis would read counters nobody updates and blame the ranks of a live channel.
         weakref.finalize(self, self._heartbeat.close)
-        log.info("rank %d: compressed gradients travel on a Gloo group of %d ranks (%s)", rank, size,
-                 f"interface {iface}" if iface else f"host {host}")
+        log.info("rank %d: compressed gradients travel on a%s group of %d ranks (%s)", rank,
+                 " Gloo" if backend == "gloo" else "n NCCL", size, f"interface {iface}" if iface else f"host {host}")
 
     def control_plane(self):
         """The compressor's control plane (comm/control.py, ``control_plane``): MPI where MPI's
