@@ -51,6 +51,15 @@ def run(cluster, method: str, model: str, out: Path, tree: Path, timeout: float)
     return read(out)["step_s"]
 
 
+def _commit(tree: Path) -> str:
+    """The checkout's commit, as the report names it (a path of this machine says nothing)."""
+    import subprocess
+    done = subprocess.run(["git", "-C", str(tree), "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+    dirty = subprocess.run(["git", "-C", str(tree), "status", "--porcelain", "--untracked-files=no"],
+                           capture_output=True, text=True).stdout.strip()
+    return (done.stdout.strip() or "unknown") + (" with uncommitted changes" if dirty else "")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--before", type=Path, required=True, help="the old checkout's root")
@@ -70,6 +79,7 @@ def main() -> None:
     from cluster import Cluster
 
     trees = {"before": args.before.resolve(), "after": args.after.resolve()}
+    commits = {side: _commit(tree) for side, tree in trees.items()}
     workers = {side: (tree / "benchmarks" / "step_worker.py").read_bytes() for side, tree in trees.items()}
     if workers["before"] != workers["after"]:
         p.error("benchmarks/step_worker.py differs between the checkouts: the runs would not measure the same thing")
@@ -96,9 +106,9 @@ def main() -> None:
     lines = ["# Step time after a change of code, against before", "",
              f"Machine: {platform.node()}, {cpu_model()}, {os.cpu_count()} cores shared by {args.nodes} emulated "
              f"nodes at {args.rate} (one worker per node, 1 thread each). {args.model}, synthetic batches of 32 per "
-             f"worker; median of steps 4-{LAST} of each run (benchmarks/step_worker.py). Before: `{trees['before']}`; "
-             f"after: `{trees['after']}`. {args.rounds} rounds, each method under both, the order alternating. "
-             f"Command: `.venv/bin/python benchmarks/code_ab.py --before {args.before} --methods {args.methods} "
+             f"worker; median of steps 4-{LAST} of each run (benchmarks/step_worker.py). Before: commit "
+             f"{commits['before']}; after: commit {commits['after']}. {args.rounds} rounds, each method under both, the order alternating. "
+             f"Command: `.venv/bin/python benchmarks/code_ab.py --before <a checkout of {commits['before']}> --methods {args.methods} "
              f"--model {args.model} --nodes {args.nodes} --rate {args.rate} --rounds {args.rounds} --out "
              f"{os.path.relpath(args.out, REPO)}`. Every run: `{os.path.relpath(args.out.with_suffix('.csv'), REPO)}`.",
              "", "| method | before: step (s), median (range) | after | after / before, per round: median (range) "
