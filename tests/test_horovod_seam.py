@@ -1,4 +1,4 @@
-"""GradientNames (accordion_hvd/horovod_seam.py): a gradient's name by identity, from the
+"""GradientNames (accordion_hvd/horovod/seam.py): a gradient's name by identity, from the
 named_parameters the user gives. Under horovodrun: tests/test_compressor_horovod.py."""
 
 import pytest
