@@ -3,7 +3,7 @@
 Per layer, cumulative: the floats it sent and those a dense allreduce would have sent, the
 bytes its collectives carried per rank at its level (``codec.wire``) and the gradient's own
 bytes; seconds of codec math (``compress``) and of waiting on collectives (``comm``); steps
-taken and skipped. The engine counts what it routes; an exchange adds its own seconds, and
+taken (skipped ones are step_faults.py's). The engine counts what it routes; an exchange adds its own seconds, and
 a per-step policy's correction of what a layer sent (TopK's exchange). ``load`` changes the
 dicts in place, so an exchange built before a checkpoint was loaded counts on into them.
 """

@@ -109,7 +109,6 @@ class GlooChannel(ProcessGroupChannel):
 
         super().__init__(data("accordion"), rank, size, timeout,
                          lanes={name: data(f"accordion.{name}") for name in LANES})
-        self.backend = backend
         self._control_group = group("accordion.control")
         self._store = store  # kept alive with the groups
         store_host, port = address.rsplit(":", 1)

@@ -31,7 +31,7 @@ import torch
 
 from ..codecs import Codec
 from ..comm.link import LinkMeasurement
-from ..engine import COMPRESSED, DENSE, UNCOMPRESSED, StepEngine, state
+from ..engine import StepEngine, state
 from ..exchange import BUCKET_BYTES
 from ..levels import Level
 from .patches import check_wait, install_bypass, install_polite_wait, placeholder
@@ -326,4 +326,4 @@ class AccordionCompressor(HorovodCompressor):
         state.load_state_dict(self.engine, state_dict, error_feedback)
 
 
-__all__ = ["AccordionCompressor", "COMPRESSED", "DENSE", "HorovodCompressor", "UNCOMPRESSED"]
+__all__ = ["AccordionCompressor", "HorovodCompressor"]
