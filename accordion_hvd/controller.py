@@ -62,6 +62,7 @@ class RegimeController:
         self._weight: dict[str, float | torch.Tensor] = {}  # what the sums above are sums of (steps)
         self._window_steps = 0
         self._lrs: list[float] | None = None       # learning rates agreed at the last step
+        self._lr_peak: list[float] | None = None   # the highest each has been
         self.windows = 0                           # detection points so far
         self._seen: set[str] = set()               # layers with a nonzero window norm (on some rank) so far
         self._known: set[str] = set()              # layers of the last window whose norms were measured
@@ -192,14 +193,25 @@ class RegimeController:
                                f"min {low.tolist()} vs max {high.tolist()} over ranks); the regime controller "
                                f"needs them equal")
         previous, self._lrs = self._lrs, low.tolist()
+        if self._lr_peak is None or len(self._lr_peak) != len(self._lrs):
+            self._lr_peak = list(self._lrs)
+        else:
+            self._lr_peak = [max(p, x) for p, x in zip(self._lr_peak, self._lrs)]
         return previous is not None and len(previous) == len(self._lrs) and any(
             new < old for new, old in zip(self._lrs, previous))
+
+    def _lr_fraction(self) -> float | None:
+        """The learning rate now over its peak so far (smallest over groups; None if unknown)."""
+        if self._lrs is None or self._lr_peak is None:
+            return None
+        return min((x / p if p > 0 else 1.0) for x, p in zip(self._lrs, self._lr_peak))
 
     def _end_window(self, control: Any, layers: list[str]) -> dict[str, Level]:
         steps, self._window_steps = self._window_steps, 0
         self.windows += 1
         if not self.policy.uses_norms:
-            return self.policy.end_window(WindowReport({layer: 0.0 for layer in layers}, steps))
+            return self.policy.end_window(WindowReport({layer: 0.0 for layer in layers}, steps,
+                                                       lr_fraction=self._lr_fraction()))
         # The collectives' names carry a digest of the layer list: ranks that compress
         # different layers fail by name instead of comparing the wrong numbers.
         digest = zlib.crc32("\0".join(layers).encode())
@@ -214,7 +226,8 @@ class RegimeController:
             if probe is not None and probe.levels:
                 network = probe.network(control, layers)
                 measure = functools.partial(self._level_errors, control, layers, probe, digest)
-            levels = self.policy.end_window(WindowReport(norms, steps, network=network, measure_errors=measure))
+            levels = self.policy.end_window(WindowReport(norms, steps, lr_fraction=self._lr_fraction(),
+                                                         network=network, measure_errors=measure))
         finally:  # the window's sums are spent, whatever the policy did with them
             self._sums.clear()
             self._sq.clear()
@@ -257,6 +270,7 @@ class RegimeController:
     def state_dict(self) -> dict:
         return {"levels": {k: v.to_state() for k, v in self.levels.items()}, "window_steps": self._window_steps, "windows": self.windows,
                 "lrs": None if self._lrs is None else list(self._lrs),
+                "lr_peak": None if self._lr_peak is None else list(self._lr_peak),
                 "sums": {k: v.clone() for k, v in self._sums.items()}, "sq": {k: float(v) for k, v in self._sq.items()},
                 "weight": {k: float(v) for k, v in self._weight.items()},
                 "seen": sorted(self._seen), "known": sorted(self._known),
@@ -267,6 +281,8 @@ class RegimeController:
         self._window_steps = int(state["window_steps"])
         self.windows = int(state["windows"])
         self._lrs = None if state["lrs"] is None else [float(x) for x in state["lrs"]]
+        peak = state.get("lr_peak", state["lrs"])  # older states: the peak is unknown, the last rate stands in
+        self._lr_peak = None if peak is None else [float(x) for x in peak]
         self._sums = {k: v.clone() for k, v in state["sums"].items()}
         self._sq = {k: float(v) for k, v in state["sq"].items()}
         self._weight = {k: float(v) for k, v in state["weight"].items()}

@@ -149,6 +149,41 @@ def test_a_learning_rate_decrease_makes_every_layer_critical_until_the_next_dete
     assert [step["w"] for step in out[1][0]] == levels
 
 
+def test_low_rate_holds_every_layer_critical_from_a_tenth_of_the_peak_rate_down():
+    # The library's default rule (policies/accordion.py): the paper's rule returns to normal at
+    # the first detection after the decay (test above); with low_rate it stays critical while
+    # the rate is at or below a tenth of its peak. The rate first rises (a warmup: the peak
+    # follows it), decays x0.1 in step 17 (critical from there on), and rises again to a
+    # quarter of its peak in step 25 (the paper's rule again from the next detection).
+    def lr(step):
+        return 0.05 if step < 3 else 0.1 if step < 17 else 0.01 if step < 25 else 0.025
+    make = lambda channel: acc.AccordionCompressor(acc.PowerSGD(1, critical_rank=4), interval=4, channel=channel,
+                                                   policy=Accordion(0.5, low_rate=0.1))  # one policy per rank
+    out = run(2, 34, make, lr=lr,
+              grads=lambda rank, step: {"w": torch.full((16, 16), 1.0 + rank)})
+    levels = [step["w"] for step in out[0][0]]
+    assert levels[7:17] == [N] * 10 and levels[17:27] == [C] * 10 and levels[27:] == [N] * 7, levels
+    assert [step["w"] for step in out[1][0]] == levels
+    # The peak is part of the checkpoint: a resumed run still knows 0.01 is a tenth of it.
+    state = out[0][2].state_dict()
+    assert state["controller"]["lr_peak"] == [0.1], state["controller"]
+
+
+def test_low_rate_by_hand_and_bad_values():
+    policy = Accordion(eta=0.5, low_rate=0.1)
+    assert repr(policy) == "Accordion(eta=0.5, low_rate=0.1)" and policy.config()["low_rate"] == 0.1
+    steady = {"w": 1.0}
+    policy.end_window(WindowReport(steady, 10, lr_fraction=1.0))
+    assert policy.end_window(WindowReport(steady, 10, lr_fraction=1.0)) == {"w": NORMAL}
+    assert policy.end_window(WindowReport(steady, 10, lr_fraction=0.1 * 1.0000000001)) == {"w": CRITICAL}
+    assert policy.end_window(WindowReport(steady, 10, lr_fraction=0.5)) == {"w": NORMAL}
+    assert policy.end_window(WindowReport(steady, 10, lr_fraction=None)) == {"w": NORMAL}  # no rate known
+    assert Accordion(0.5).end_window(WindowReport(steady, 10, lr_fraction=0.01)) == {"w": CRITICAL}  # first window
+    for bad in (0, 1, 1.5, -0.1, "0.1", True):
+        with pytest.raises(ValueError, match="low_rate must be None or a number in \\(0, 1\\)"):
+            Accordion(0.5, low_rate=bad)
+
+
 def test_ranks_with_different_learning_rates_fail_loudly_on_every_rank():
     def make(channel):
         comp = accordion()(channel)

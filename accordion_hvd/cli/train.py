@@ -37,7 +37,7 @@ from ..codecs import PowerSGD, Quantize, TopK
 from ..comm.channel import CollectiveTimeout
 from ..horovod.compressor import AccordionCompressor
 from ..horovod.patches import install_polite_wait
-from ..policies import GraVAC, NetworkAware
+from ..policies import Accordion, GraVAC, LinkGate, NetworkAware
 from . import data, models
 from .baselines import Uncompressed
 from .checkpoints import load_checkpoint, read_checkpoint, save_checkpoint
@@ -73,16 +73,24 @@ def make_compression(args):
     """Ours for --codec default/powersgd/topk, else Horovod's own in the same face (baselines.py)."""
     interval = None if args.interval == 0 else args.interval
     if args.codec == "default":  # what acc.AccordionCompressor() does, with the run's detection window
-        return AccordionCompressor(eta=args.eta, interval=interval)
+        return AccordionCompressor(policy=low_rate_policy(args, "link-gate"), eta=args.eta, interval=interval)
     codec = make_codec(args)
     if codec is None:
         return Uncompressed(args.codec)
-    policy = args.policy
+    policy = low_rate_policy(args, args.policy)
     if policy == "gravac":
         policy = GraVAC(args.min_factor, args.max_factor, window=args.gravac_window, epsilon=args.epsilon)
     elif policy == "network-aware":
         policy = NetworkAware(args.eta, dense=args.dense)
     return AccordionCompressor(codec, policy=policy, eta=args.eta, interval=interval)
+
+
+def low_rate_policy(args, name):
+    """``name`` as AccordionCompressor takes it, or with --low-rate an instance holding it."""
+    if args.low_rate is None:
+        return None if args.codec == "default" else name
+    accordion = Accordion(args.eta, low_rate=args.low_rate or None)
+    return LinkGate(accordion) if name == "link-gate" else accordion
 
 
 class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
@@ -124,6 +132,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--policy", choices=POLICIES, default=None,
                    help="level policy (default: accordion when a critical level is given, else static)")
     p.add_argument("--eta", type=float, default=0.5, help="Accordion threshold on the relative norm change")
+    p.add_argument("--low-rate", type=float, default=None,
+                   help="Accordion: every layer critical while the learning rate is at or below this fraction of "
+                        "its peak; 0: the paper's rule alone (default: the policy's own, 0.1 for --codec default "
+                        "and --policy link-gate, 0 for --policy accordion)")
     p.add_argument("--interval", type=int, default=0,
                    help="detection window in optimizer steps; 0: one window per epoch")
     p.add_argument("--dense", choices=("fp32", "fp16"), default="fp32",
@@ -194,6 +206,11 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error("--batch-mode needs --launcher horovod (it sets Horovod's backward_passes_per_step)")
     if args.interval < 0:
         p.error(f"--interval must be 0 (per epoch) or a positive number of steps, got {args.interval}")
+    if args.low_rate is not None and not 0 <= args.low_rate < 1:
+        p.error(f"--low-rate must be 0 (off) or a fraction in (0, 1) of the peak learning rate, got {args.low_rate}")
+    if args.low_rate is not None and (args.codec not in ("default", *OURS) or
+                                      (args.codec != "default" and args.policy not in ("accordion", "link-gate"))):
+        p.error("--low-rate needs --codec default, or one of ours with --policy accordion or link-gate")
     try:
         args.lr_milestones = sorted(int(m) for m in args.lr_milestones.split(",") if m.strip())
     except ValueError:

@@ -51,6 +51,8 @@ class WindowReport:
         ranks of each rank's local norm), in sorted layer order.
     steps: optimizer steps in the window.
     lr_decreased: whether the learning rate went down during the window.
+    lr_fraction: the learning rate now as a fraction of the highest it has been (the smallest
+        over param groups), or None when the controller knows no learning rate.
     errors: for a network-aware policy, per layer and candidate level, the squared error of
         compressing the layer's window-mean gradient plus its error feedback at that level
         (mean over ranks); None for other policies, or when nothing measured them.
@@ -63,6 +65,7 @@ class WindowReport:
     norms: dict[str, float]
     steps: int
     lr_decreased: bool = False
+    lr_fraction: float | None = None
     errors: dict[str, dict[Level, float]] | None = None
     network: NetworkReport | None = None
     measure_errors: Callable[[], dict[str, dict[Level, float]]] | None = None
