@@ -46,7 +46,7 @@ from .metrics import progress
 
 log = logging.getLogger("accordion_hvd.train")
 
-CODECS = ("default", "none", "fp16", "powersgd", "topk", "quantize")
+CODECS = ("default", "none", "fp16", "bf16", "powersgd", "topk", "quantize")
 OURS = ("powersgd", "topk", "quantize")  # codecs of ours chosen by flags (not "default")
 POLICIES = ("accordion", "static", "gravac", "network-aware", "link-gate")
 DATASETS = ("digits", "synthetic", "cifar10", "text")
@@ -115,11 +115,16 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m accordion_hvd.train", description=__doc__,
                                 formatter_class=_HelpFormatter)
     p.add_argument("--launcher", choices=LAUNCHERS, default="horovod",
-                   help="horovod (start with horovodrun) or ddp (start with torchrun: "
-                        "DistributedDataParallel with our comm hook)")
+                   help="horovod (start with horovodrun), ddp (start with torchrun: DistributedDataParallel with "
+                        "our comm hook) or fsdp (start with torchrun: FSDP2 as HSDP, sharded within a node, our "
+                        "compressed all-reduce across nodes: acc.compress_hsdp)")
+    p.add_argument("--nodes", type=int, default=None,
+                   help="--launcher fsdp: the nodes (the mesh's replicate dimension; the ranks per node shard) "
+                        "(default: torchrun's WORLD_SIZE / LOCAL_WORLD_SIZE)")
     p.add_argument("--codec", choices=CODECS, default="powersgd",
                    help="gradient compression: default (acc.AccordionCompressor()'s codec and policy; the codec and "
-                        "policy flags are then ignored), none, 16-bit (Horovod's fp16 or DDP's fp16 hook), or ours")
+                        "policy flags are then ignored), none, 16-bit (Horovod's fp16 or DDP's fp16 hook; under --launcher "
+                        "fsdp: bf16, FSDP's reduce in bfloat16), or ours")
     p.add_argument("--rank", type=int, default=1, help="PowerSGD rank in normal regimes")
     p.add_argument("--critical-rank", type=int, default=None,
                    help="PowerSGD rank in critical regimes (default: none: --rank in every regime)")
@@ -202,6 +207,14 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error(f"--lr must be positive, got {args.lr}")
     if args.large_passes < 1:
         p.error(f"--large-passes must be at least 1, got {args.large_passes}")
+    if (args.codec == "bf16") != (args.launcher == "fsdp" and args.codec in ("bf16", "fp16")):
+        p.error("--codec bf16 is FSDP's reduce in bfloat16 (--launcher fsdp only); --codec fp16 is Horovod's or "
+                "DDP's (under --launcher fsdp use bf16)")
+    if args.launcher == "fsdp" and (args.checkpoint or args.resume):
+        p.error("--checkpoint and --resume are not supported with --launcher fsdp yet (use "
+                "torch.distributed.checkpoint with acc.compress_hsdp's hook in your own loop)")
+    if args.nodes is not None and (args.launcher != "fsdp" or args.nodes < 1):
+        p.error(f"--nodes is for --launcher fsdp and at least 1, got {args.nodes}")
     if args.batch_mode and args.launcher != "horovod":
         p.error("--batch-mode needs --launcher horovod (it sets Horovod's backward_passes_per_step)")
     if args.interval < 0:
@@ -389,7 +402,7 @@ def run_cli(argv=None) -> None:
 
 def main(argv=None) -> float:
     args = parse_args(argv)
-    front = make_front_end(args.launcher, device_type(args.device), ours=args.codec in OURS)
+    front = make_front_end(args.launcher, device_type(args.device), ours=args.codec in OURS, nodes=args.nodes)
     rank0 = front.rank == 0
     logging.basicConfig(level=logging.INFO if rank0 else logging.WARNING,
                         format="%(asctime)s %(name)s: %(message)s")
