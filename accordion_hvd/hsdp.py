@@ -257,9 +257,9 @@ class HSDPHook:
 
     # --- torch.distributed.checkpoint --------------------------------------------------------
     def state_dict(self) -> dict:
-        """This rank's compressor state, under a key of its rank and the mesh (a copy: DCP
+        """This rank's compressor state, under a key of its rank and the mesh (copies: DCP
         loads into what this returns, and nothing live changes before ``load_state_dict``)."""
-        return {"accordion.mesh": self.mesh_key, self.rank_key: _copy(self.compressor.state_dict())}
+        return {"accordion.mesh": self.mesh_key, self.rank_key: self.compressor.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
         mine = state.get(self.rank_key)
@@ -270,12 +270,3 @@ class HSDPHook:
             return
         self.compressor.load_state_dict(mine)
 
-
-def _copy(value):
-    if isinstance(value, torch.Tensor):
-        return value.clone()
-    if isinstance(value, dict):
-        return {k: _copy(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_copy(v) for v in value]
-    return value
