@@ -63,11 +63,11 @@ METHODS = {  # name -> CLI arguments
     "topk-1": ["--codec", "topk", "--ratio", "0.01"],
     "topk-10": ["--codec", "topk", "--ratio", "0.1"],
     "topk-accordion": ["--codec", "topk", "--ratio", "0.01", "--critical-ratio", "0.1"],
-    # amendment 1: acc.AccordionCompressor() as a user got it then (Accordion without a low-rate
-    # phase), its own detection window included
+    # amendment 1: acc.AccordionCompressor() as a user gets it (Accordion without a low-rate
+    # phase; amendment 3: the default again), its own detection window included
     "default-a1": ["--codec", "default", "--interval", "100", "--low-rate", "0"],
-    # amendment 2: acc.AccordionCompressor() as a user gets it now (critical from a tenth of the peak rate down)
-    "default": ["--codec", "default", "--interval", "100"],
+    # amendment 2: the same, critical from a tenth of the peak rate down (amendment 3: not the default)
+    "default-a2": ["--codec", "default", "--interval", "100", "--low-rate", "0.1"],
 }
 QUALITY = "perplexity"  # lower is better, in every setting of this protocol
 

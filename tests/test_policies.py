@@ -150,7 +150,7 @@ def test_a_learning_rate_decrease_makes_every_layer_critical_until_the_next_dete
 
 
 def test_low_rate_holds_every_layer_critical_from_a_tenth_of_the_peak_rate_down():
-    # The library's default rule (policies/accordion.py): the paper's rule returns to normal at
+    # Accordion(low_rate=0.1) (policies/accordion.py): the paper's rule returns to normal at
     # the first detection after the decay (test above); with low_rate it stays critical while
     # the rate is at or below a tenth of its peak. The rate first rises (a warmup: the peak
     # follows it), decays x0.1 in step 17 (critical from there on), and rises again to a

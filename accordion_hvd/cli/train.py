@@ -139,8 +139,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--eta", type=float, default=0.5, help="Accordion threshold on the relative norm change")
     p.add_argument("--low-rate", type=float, default=None,
                    help="Accordion: every layer critical while the learning rate is at or below this fraction of "
-                        "its peak; 0: the paper's rule alone (default: the policy's own, 0.1 for --codec default "
-                        "and --policy link-gate, 0 for --policy accordion)")
+                        "its peak; 0: the paper's rule alone, as without the flag")
     p.add_argument("--interval", type=int, default=0,
                    help="detection window in optimizer steps; 0: one window per epoch")
     p.add_argument("--dense", choices=("fp32", "fp16"), default="fp32",

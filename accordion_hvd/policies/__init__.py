@@ -16,22 +16,17 @@ from .static import Static
 __all__ = ["Accordion", "GraVAC", "LinkGate", "NetworkAware", "NetworkReport", "Policy", "Static", "StepReport", "WindowReport",
            "make_policy"]
 
-# The default's low-rate phase: from a tenth of the peak learning rate down (a step schedule's
-# first x0.1 decay, a cosine schedule's last fifth). See policies/accordion.py.
-LOW_RATE = 0.1
-
 
 def make_policy(policy, *, eta: float, codec_adaptive: bool) -> Policy:
     """``policy`` as given to AccordionCompressor: None (Accordion when the codec has two
     levels, else Static), a name ("accordion", "static", "gravac", "network-aware",
-    "link-gate": LinkGate around what None gives, Accordion holding the critical level in
-    the low-rate phase, ``low_rate=LOW_RATE``: the library's default), or a Policy instance."""
+    "link-gate": LinkGate around what None gives: the library's default), or a Policy instance."""
     if policy is None:
         return Accordion(eta) if codec_adaptive else Static()
     if isinstance(policy, str):
         choices = {"accordion": lambda: Accordion(eta), "static": Static, "gravac": GraVAC,
                    "network-aware": lambda: NetworkAware(eta),
-                   "link-gate": lambda: LinkGate(Accordion(eta, low_rate=LOW_RATE) if codec_adaptive else Static())}
+                   "link-gate": lambda: LinkGate(Accordion(eta) if codec_adaptive else Static())}
         if policy not in choices:
             raise ValueError(f"policy must be one of {sorted(choices)} or a Policy instance, got {policy!r}")
         return choices[policy]()
