@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import io
 import logging
 
 import torch
@@ -257,16 +258,18 @@ class HSDPHook:
 
     # --- torch.distributed.checkpoint --------------------------------------------------------
     def state_dict(self) -> dict:
-        """This rank's compressor state, under a key of its rank and the mesh (copies: DCP
-        loads into what this returns, and nothing live changes before ``load_state_dict``)."""
-        return {"accordion.mesh": self.mesh_key, self.rank_key: self.compressor.state_dict()}
+        """This rank's compressor state, under a key of its rank and the mesh, as one
+        serialized value: DCP loads into the structure this returns, and a fresh compressor's
+        has no layers yet, so a nested state would come back without them."""
+        buffer = io.BytesIO()
+        torch.save(self.compressor.state_dict(), buffer)
+        return {"accordion.mesh": self.mesh_key, self.rank_key: buffer.getvalue()}
 
     def load_state_dict(self, state: dict) -> None:
         mine = state.get(self.rank_key)
-        if state.get("accordion.mesh") != self.mesh_key or mine is None:
+        if state.get("accordion.mesh") != self.mesh_key or not isinstance(mine, bytes):
             log.warning("compress_hsdp: the checkpoint's compressor state is of mesh %s, this job's %s: the "
                         "compressor starts again (error feedback from zero)", state.get("accordion.mesh"),
                         self.mesh_key)
             return
-        self.compressor.load_state_dict(mine)
-
+        self.compressor.load_state_dict(torch.load(io.BytesIO(mine), weights_only=True))

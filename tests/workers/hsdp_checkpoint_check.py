@@ -92,6 +92,7 @@ model, opt, compression, hook = build((2, size // 2))
 train(model, opt, 0, steps // 2)
 save(model, opt, hook)
 middle = {n: p.full_tensor().clone() for n, p in model.named_parameters()}
+middle_ef = snapshot(model, compression)[1]
 train(model, opt, steps // 2, steps)
 whole = snapshot(model, compression)
 
@@ -99,6 +100,11 @@ whole = snapshot(model, compression)
 model, opt, compression, hook = build((2, size // 2))
 load(model, opt, hook)
 check(compression.stats()["steps"] == steps // 2, f"resumed at step {compression.stats()['steps']}")
+loaded = snapshot(model, compression)
+for n in middle:
+    check(torch.equal(loaded[0][n], middle[n]), f"{n}: the loaded parameters are not the checkpoint's")
+for n in middle_ef:
+    check(torch.equal(loaded[1][n], middle_ef[n]), f"{n}: the loaded error feedback is not the checkpoint's")
 train(model, opt, steps // 2, steps)
 resumed = snapshot(model, compression)
 for n in whole[0]:

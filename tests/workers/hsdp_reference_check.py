@@ -16,7 +16,8 @@ rank:
       1-D       the mean over nodes.
 
 Modules ``a`` and ``b`` are each ``fully_shard``ed (two hook calls per backward), ``b.odd``
-has 13 rows (shards of 7 and 6 rows: a padding row), ``b.frozen`` does not train. Parameters must
+has 13 rows (shards of 7 and 6 rows: a padding row), ``b.frozen`` does not train,
+``b.sometimes`` is unused on rank 1 in even steps (FSDP then reduces zeros for it). Parameters must
 match within rtol=atol=1e-4 (PowerSGD) or 1e-5, TopK's and Quantize's updates bit for bit,
 the parameters be identical on the ranks of every node pair, the frozen one unchanged.
 Mode ``accordion``: PowerSGD(1, 4) under Accordion, windows of 2 steps, with gradient scales
@@ -47,9 +48,14 @@ node, shard = divmod(rank, PER_NODE)
 check = checker(rank)
 mesh = init_device_mesh("cpu", (NODES, PER_NODE), mesh_dim_names=("replicate", "shard"))
 
-SHAPES = {"a.w2d": (24, 40), "a.bias": (24,), "b.conv": (16, 3, 5, 5), "b.odd": (13, 40)}
+SHAPES = {"a.w2d": (24, 40), "a.bias": (24,), "b.conv": (16, 3, 5, 5), "b.odd": (13, 40), "b.sometimes": (10, 40)}
 FROZEN = {"b.frozen": (6, 10)}
-COMPRESSED = ("a.w2d", "b.conv", "b.odd")
+COMPRESSED = ("a.w2d", "b.conv", "b.odd", "b.sometimes")
+
+
+def unused(r: int, t: int) -> bool:
+    """b.sometimes is not used by rank 1 in even steps (FSDP reduces a zero gradient for it)."""
+    return r == 1 and t % 2 == 0
 CHUNK, RATIO = 64, 0.1
 POWERSGD, TOPK, QUANT = mode in ("powersgd", "accordion"), mode == "topk", mode == "quantize"
 codec = {"powersgd": acc.PowerSGD(rank=2), "topk": acc.TopK(ratio=RATIO),
@@ -60,9 +66,13 @@ codec = {"powersgd": acc.PowerSGD(rank=2), "topk": acc.TopK(ratio=RATIO),
 def grads(r: int, t: int) -> dict[str, np.ndarray]:
     rs = np.random.RandomState(1000 * t + r)
     if TOPK:  # multiples of 1/4: exact sums and means of two, many ties
-        return {n: (rs.randint(-8, 9, size=s) / 4).astype(np.float32) for n, s in SHAPES.items()}
-    scale = (1.0 if t < 4 else 0.1) * (3.0 if r % 2 and t % 3 == 0 else 1.0) if mode == "accordion" else 1.0
-    return {n: (rs.standard_normal(s) * scale).astype(np.float32) for n, s in SHAPES.items()}
+        out = {n: (rs.randint(-8, 9, size=s) / 4).astype(np.float32) for n, s in SHAPES.items()}
+    else:
+        scale = (1.0 if t < 4 else 0.1) * (3.0 if r % 2 and t % 3 == 0 else 1.0) if mode == "accordion" else 1.0
+        out = {n: (rs.standard_normal(s) * scale).astype(np.float32) for n, s in SHAPES.items()}
+    if unused(r, t):
+        out["b.sometimes"] = np.zeros(SHAPES["b.sometimes"], np.float32)
+    return out
 
 
 class Part(torch.nn.Module):
@@ -76,7 +86,7 @@ class Part(torch.nn.Module):
         self.trained = list(shapes)
 
     def forward(self, g):  # FSDP gathers a module's parameters for its own forward
-        return sum((getattr(self, n) * g[n]).sum() for n in self.trained) + \
+        return sum((getattr(self, n) * g[n]).sum() for n in self.trained if n in g) + \
             sum(p.sum() for p in self.parameters() if not p.requires_grad)
 
 
@@ -202,7 +212,7 @@ seen = set()  # every level a layer held after some step
 for t in range(steps):
     mine = grads(rank, t)
     opt.zero_grad()
-    model({n: torch.from_numpy(v) for n, v in mine.items()}).backward()
+    model({n: torch.from_numpy(v) for n, v in mine.items() if not (n == "b.sometimes" and unused(rank, t))}).backward()
     applied = {n: params[n].grad.full_tensor().double().numpy() for n in SHAPES}
     opt.step()
     full_w = {n: p.full_tensor().detach().double().numpy() for n, p in params.items()}
