@@ -85,10 +85,12 @@ def compress_hsdp(model, compressor: AccordionCompressor, mesh, *, optimizer=Non
     if not isinstance(compressor, AccordionCompressor):
         raise TypeError(f"compressor must be an acc.AccordionCompressor, got {type(compressor).__name__}")
     _check_mesh(mesh)
+    world = dist.get_world_size()
+    if mesh.mesh.numel() != world:
+        raise ValueError(f"mesh must span every rank of the job ({world}), got {mesh.mesh.numel()} ranks")
     groups = _fsdp_groups(model, mesh)
     timeout = collective_timeout(timeout)
     delta = timeout_delta(timeout)
-    world = dist.get_world_size()
     # Every rank makes every group, in the same order (new_group is collective).
     control_group = dist.new_group(list(range(world)), timeout=delta, backend="gloo")
     control = ProcessGroupControlPlane(control_group, dist.get_rank(), world, timeout)
@@ -105,9 +107,9 @@ def compress_hsdp(model, compressor: AccordionCompressor, mesh, *, optimizer=Non
                                   lanes={"q": mine[1], "dense": mine[2]})
     compressor.bind(model, channel=channel, control=control, optimizer=optimizer)
     hook = HSDPHook(compressor, channel, control, mesh)
-    for module, group, layout in groups:
+    for module, layout in groups:
         module.set_reduce_scatter_unused_params(True, recurse=False)  # a fixed buffer layout every step
-        module.set_all_reduce_hook(hook.for_group(group, layout))
+        module.set_all_reduce_hook(hook.for_module(layout))
     return hook
 
 
@@ -122,8 +124,8 @@ def _check_mesh(mesh) -> None:
 
 
 def _fsdp_groups(model, mesh) -> list[tuple]:
-    """(module, param group, layout) of every FSDP2 module of ``model``; layout: (name,
-    FSDPParam) of each parameter FSDP reduces, in the order of its reduce-scatter buffer."""
+    """(module, layout) of every FSDP2 module of ``model``; layout: (name, FSDPParam) of each
+    parameter FSDP reduces, in the order of its reduce-scatter buffer."""
     from torch.distributed.fsdp import FSDPModule
     from torch.distributed.fsdp._fully_shard._fsdp_param_group import DDPMeshInfo
 
@@ -152,7 +154,7 @@ def _fsdp_groups(model, mesh) -> list[tuple]:
                 _check_param(name, fsdp_param, group.mp_policy)
                 if param.requires_grad:
                     layout.append((name, fsdp_param))
-            out.append((module, group, layout))
+            out.append((module, layout))
     return out
 
 
@@ -197,7 +199,7 @@ class HSDPHook:
         self._dense: list[dict] = []     # this step, per hook call: dtype -> handle of its average
         self._queued = False
 
-    def for_group(self, group, layout: list[tuple]):
+    def for_module(self, layout: list[tuple]):
         """The all-reduce hook of one FSDP module (``layout``: see ``_fsdp_groups``)."""
         return functools.partial(self._reduced, layout=list(layout))
 
@@ -242,18 +244,18 @@ class HSDPHook:
             average = None if where is None else averages[where[0]][where[1]][where[2]]
             results.append((view, self.engine.finish(route, name, average)))
         if self._groups:
-            self._agree_faults([result for _, result in results])
+            self._agree_faults(results[0][1].device if results else torch.device("cpu"))
         self.engine.end_step()
         for view, result in results:  # after end_step: a skipped step zeroed its results
             if result.data_ptr() != view.data_ptr():
                 view.copy_(result.view_as(view))
 
-    def _agree_faults(self, results: list[torch.Tensor]) -> None:
-        """Whether any rank's results are not finite, on every rank: each shard group decides
-        its own step from its own data; one flag over all makes every group skip alike."""
-        bad = any(not bool(torch.isfinite(r).all()) for r in results if r.is_floating_point())
-        total = self.control.allreduce([1.0 if bad else 0.0], name="acc.hsdp.fault", op="sum")
-        device = results[0].device if results else torch.device("cpu")
+    def _agree_faults(self, device: torch.device) -> None:
+        """Whether any rank's step is to be skipped, on every rank: each shard group finds the
+        faults in its own data (the engine's step flag); one reduction over all makes every
+        group skip alike. (It reads the flag on the host: on a GPU, one small wait per step.)"""
+        bad = self.engine.faults.bad
+        total = self.control.allreduce([0.0 if bad is None else float(bad)], name="acc.hsdp.fault", op="sum")
         self.engine.faults.seen(torch.tensor(bool(total[0] > 0), device=device))
 
     # --- torch.distributed.checkpoint --------------------------------------------------------

@@ -22,7 +22,9 @@ match within rtol=atol=1e-4 (PowerSGD) or 1e-5, TopK's and Quantize's updates bi
 the parameters be identical on the ranks of every node pair, the frozen one unchanged.
 Mode ``accordion``: PowerSGD(1, 4) under Accordion, windows of 2 steps, with gradient scales
 that change by rank and step: no reference, but every rank must hold the same levels after
-every step and every replica the same parameters.
+every step and every replica the same parameters. In step 5 rank 1's gradient has a NaN in a
+row of shard 0: only shard group 0 sees it in its data, and every rank must skip the step
+(parameters unchanged, ``step_skipped``), the run going on finite after it.
 
 Usage: hsdp_reference_check.py MODE STEPS
 """
@@ -37,7 +39,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 import accordion_hvd as acc
-from worker_util import checker, leave_torch_distributed, say
+from worker_util import checker, leave_torch_distributed, orthogonalize, quantize32, say
 
 mode, steps = sys.argv[1], int(sys.argv[2])
 dist.init_process_group("gloo")
@@ -57,6 +59,7 @@ def unused(r: int, t: int) -> bool:
     """b.sometimes is not used by rank 1 in even steps (FSDP reduces a zero gradient for it)."""
     return r == 1 and t % 2 == 0
 CHUNK, RATIO = 64, 0.1
+NAN_STEP = 5  # mode accordion: rank 1's gradient is not finite in this step
 POWERSGD, TOPK, QUANT = mode in ("powersgd", "accordion"), mode == "topk", mode == "quantize"
 codec = {"powersgd": acc.PowerSGD(rank=2), "topk": acc.TopK(ratio=RATIO),
          "quantize": acc.Quantize(bits=8, chunk=CHUNK, min_numel=64),
@@ -72,6 +75,8 @@ def grads(r: int, t: int) -> dict[str, np.ndarray]:
         out = {n: (rs.standard_normal(s) * scale).astype(np.float32) for n, s in SHAPES.items()}
     if unused(r, t):
         out["b.sometimes"] = np.zeros(SHAPES["b.sometimes"], np.float32)
+    if mode == "accordion" and (r, t) == (1, NAN_STEP):
+        out["a.w2d"][0, 0] = np.nan  # row 0: shard 0's
     return out
 
 
@@ -129,26 +134,6 @@ def padded_shard(x: np.ndarray, n: str, j: int) -> np.ndarray:
     return out
 
 
-def orthogonalize(p: np.ndarray, eps: float) -> np.ndarray:
-    p = p.copy()
-    for i in range(p.shape[1]):
-        p[:, i] /= np.linalg.norm(p[:, i]) + eps
-        p[:, i + 1:] -= np.outer(p[:, i], p[:, i] @ p[:, i + 1:])
-    return p
-
-
-def quantize32(g: np.ndarray) -> np.ndarray:
-    qmax = np.float32(127)
-    chunks = -(-g.size // CHUNK)
-    padded = np.zeros(chunks * CHUNK, np.float32)
-    padded[:g.size] = g
-    padded = padded.reshape(chunks, CHUNK)
-    s = (np.abs(padded).max(axis=1) / qmax).astype(np.float32)
-    safe = np.where(s > 0, s, np.float32(1)).astype(np.float32)
-    q = np.clip(np.round(padded / safe[:, None]), -qmax, qmax)
-    return (q * s[:, None]).astype(np.float32).reshape(-1)[:g.size]
-
-
 ref_w = {n: v.copy() for n, v in initial.items()}
 ref_e, ref_q = {}, {}
 
@@ -184,7 +169,8 @@ def reference_step(t: int) -> dict[str, np.ndarray]:
                 total = np.zeros(s_nodes[0].size, np.float32)
                 for i, s in enumerate(s_nodes):
                     g = s.reshape(-1) + ref_e.get((i, j, n), np.float32(0))
-                    sent = quantize32(g)
+                    q, scales = quantize32(g, 8, CHUNK)
+                    sent = (q * np.repeat(scales, CHUNK)[:g.size]).astype(np.float32)
                     total = (total + sent).astype(np.float32)
                     ref_e[i, j, n] = (g - sent).astype(np.float32)
                 result = (total / np.float32(NODES)).reshape(s_nodes[0].shape)
@@ -208,6 +194,7 @@ def reference_step(t: int) -> dict[str, np.ndarray]:
 # --- train and compare -----------------------------------------------------------------------
 TOL = 1e-4 if POWERSGD else 1e-5
 worst = 0.0
+full_w = None
 seen = set()  # every level a layer held after some step
 for t in range(steps):
     mine = grads(rank, t)
@@ -215,8 +202,14 @@ for t in range(steps):
     model({n: torch.from_numpy(v) for n, v in mine.items() if not (n == "b.sometimes" and unused(rank, t))}).backward()
     applied = {n: params[n].grad.full_tensor().double().numpy() for n in SHAPES}
     opt.step()
-    full_w = {n: p.full_tensor().detach().double().numpy() for n, p in params.items()}
-    if mode != "accordion":
+    before, full_w = full_w if t else initial, {n: p.full_tensor().detach().double().numpy() for n, p in params.items()}
+    if mode == "accordion":
+        skipped = t == NAN_STEP
+        check(compression.step_skipped == skipped, f"step {t}: step_skipped is {compression.step_skipped}")
+        check(all(np.array_equal(before[n], full_w[n]) == skipped for n in SHAPES) and
+              all(np.isfinite(w).all() for w in full_w.values()),
+              f"step {t}: parameters {'changed in a skipped step' if skipped else 'not updated, or not finite'}")
+    else:
         expected = reference_step(t)
         for n in SHAPES:
             ref_w[n] = ref_w[n] - expected[n]
