@@ -199,6 +199,35 @@ def restore_if_(residual: torch.Tensor, indices: torch.Tensor, values: torch.Ten
     torch.ops.accordion.restore_if_.default(residual, indices, values, flag)
 
 
+def quantize_ef_(grad: torch.Tensor, residual: torch.Tensor, bits: int, chunk: int,
+                 finite: torch.Tensor | None = None) -> torch.Tensor:
+    """Quantize's encode, fused (csrc/cpu/quantize.cpp): ``residual`` (flat float32) becomes
+    ``g = grad + residual`` (not where ``finite`` is False), and this rank's payload is
+    returned as uint8 bytes: ``ceil(n / chunk)`` float32 scales ``max|g| / (2^(bits-1) - 1)``
+    per chunk, then ``round(g / s)`` half to even as int8 or int16, zero-padded to 4 bytes
+    (NaN scales where ``finite`` is False). Bit for bit ``reference.quantize_ef``'s."""
+    _check_dense_pair("accordion::quantize_ef_", grad, residual)
+    _check_int("accordion::quantize_ef_", "bits", bits)
+    _check_int("accordion::quantize_ef_", "chunk", chunk)
+    return torch.ops.accordion.quantize_ef_.default(grad, residual, bits, chunk, finite)
+
+
+def quantize_average(rows: torch.Tensor, numel: int, bits: int, chunk: int, dtype: torch.dtype) -> torch.Tensor:
+    """Quantize's decode: the mean over the rows (one rank's payload each, as ``quantize_ef_``
+    writes it) of ``q * s``, summed in rank order in float32, in ``dtype``. Bit for bit
+    ``reference.quantized_average``'s."""
+    if not isinstance(rows, torch.Tensor):
+        raise TypeError(f"accordion::quantize_average: rows must be a torch.Tensor, got {type(rows).__name__}")
+    for name, value in (("numel", numel), ("bits", bits), ("chunk", chunk)):
+        _check_int("accordion::quantize_average", name, value)
+    return torch.ops.accordion.quantize_average.default(rows, numel, bits, chunk, dtype)
+
+
+def quantize_payload_bytes(numel: int, bits: int, chunk: int) -> int:
+    """The bytes of one rank's payload (csrc/ops.h ``quantize_payload_bytes``)."""
+    return 4 * -(-numel // chunk) + -(-numel * bits // 32) * 4
+
+
 def _check_int(op: str, name: str, value) -> None:
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"{op}: {name} must be an int, got {type(value).__name__}")
@@ -267,3 +296,13 @@ def _fill_if_fake(tensors, flag, value):
 @torch.library.register_fake("accordion::restore_if_")
 def _restore_if_fake(residual, indices, values, flag):
     return None
+
+
+@torch.library.register_fake("accordion::quantize_ef_")
+def _quantize_ef_fake(grad, residual, bits, chunk, finite=None):
+    return residual.new_empty(quantize_payload_bytes(residual.numel(), bits, chunk), dtype=torch.uint8)
+
+
+@torch.library.register_fake("accordion::quantize_average")
+def _quantize_average_fake(rows, numel, bits, chunk, dtype):
+    return rows.new_empty(numel, dtype=dtype)

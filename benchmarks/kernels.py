@@ -98,12 +98,61 @@ def _sparse_case(ratio, world=4):
         bytes_moved=lambda n, dt: n * _bytes(dt) + 8 * world * max(1, math.ceil(ratio * n)))
 
 
+def _quantize_inputs(n, dtype, device):
+    grad, residual = _ef_add_inputs(n, dtype, device)
+    residual.mul_(0.1)
+    return grad, residual, residual.clone()  # the last: pristine residual, for restore
+
+
+def _torch_quantize(grad, residual, bits, chunk=512):
+    """What the codec computes in plain torch (codecs/quantize.py's unfused path): e += grad,
+    per-chunk absmax scales, round, the payload bytes."""
+    codec = acc.Quantize(bits, chunk=chunk)
+    g = residual.add_(grad)
+    q, scales = codec._quantize(g, bits, None)
+    pad = codec.payload_bytes(q.numel(), bits) - 4 * scales.numel() - q.numel() * q.element_size()
+    return torch.cat([scales.view(torch.uint8), q.view(torch.uint8), torch.zeros(pad, dtype=torch.uint8)])
+
+
+def _quantize_case(bits):
+    return Case(
+        f"quantize_ef_ {bits} bits", _quantize_inputs,
+        ours=lambda g, r, _: acc.ops.quantize_ef_(g, r, bits, 512),
+        torch_pipeline=lambda g, r, _: _torch_quantize(g, r, bits),
+        # read grad and residual, write residual, write the payload
+        bytes_moved=lambda n, dt: n * (_bytes(dt) + 8) + n * bits // 8 + 4 * -(-n // 512),
+        restore=lambda g, r, pristine: r.copy_(pristine))
+
+
+def _quantize_average_inputs(bits, world=4):
+    def make(n, dtype, device):
+        rows = torch.stack([acc.ops.quantize_ef_(torch.randn(n), torch.zeros(n), bits, 512) for _ in range(world)])
+        return rows.to(device), n, bits, dtype
+    return make
+
+
+def _quantize_average_case(bits, world=4):
+    def torch_average(rows, n, b, dt):
+        codec = acc.Quantize(b, chunk=512)
+        total = torch.zeros(n, device=rows.device)
+        for row in rows:
+            total += codec._dequantize(*codec._parts(row, n, b), n)
+        return (total / rows.shape[0]).to(dt)
+    return Case(
+        f"quantize_average {bits} bits x{world} ranks", _quantize_average_inputs(bits, world),
+        ours=lambda rows, n, b, dt: acc.ops.quantize_average(rows, n, b, 512, dt),
+        torch_pipeline=torch_average,
+        # read every rank's payload, write the dense output
+        bytes_moved=lambda n, dt: world * (n * bits // 8 + 4 * -(-n // 512)) + n * _bytes(dt))
+
+
 EF_ADD = Case("ef_add_ (grad -> fp32 residual)", _ef_add_inputs,  # in place: residual += grad
               ours=lambda g, r: acc.ops.ef_add_(g, r),
               torch_pipeline=lambda g, r: r.add_(g),
               bytes_moved=lambda n, dt: n * (_bytes(dt) + 4 + 4))
 CASES = {
-    "cpu": [EF_ADD, _topk_case(0.01), _topk_case(0.10), _sparse_case(0.01), _sparse_case(0.10)],
+    "cpu": [EF_ADD, _topk_case(0.01), _topk_case(0.10), _sparse_case(0.01), _sparse_case(0.10),
+            _quantize_case(8), _quantize_average_case(8)],
     # The GPU issue's grid: ratios 0.1% to 25%.
     "cuda": [EF_ADD] + [_topk_case(r) for r in (0.001, 0.01, 0.10, 0.25)]
             + [_sparse_case(0.01), _sparse_case(0.10)],

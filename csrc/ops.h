@@ -410,4 +410,44 @@ inline void check_restore_if_args(const at::Tensor& residual, const at::Tensor& 
   check_same_device(residual, flag, op, "residual and flag");
 }
 
+// quantize_ef_ and quantize_average: Quantize's encode and decode (accordion_hvd/codecs/
+// quantize.py; the plain-torch reference is reference.quantize_ef / quantized_average).
+// One rank's payload for a layer of n entries: ceil(n / chunk) float32 scales, then n int8
+// (bits 8) or int16 (bits 16), zero-padded to a multiple of 4 bytes.
+inline int64_t quantize_payload_bytes(int64_t numel, int64_t bits, int64_t chunk) {
+  const int64_t chunks = (numel + chunk - 1) / chunk;
+  return 4 * chunks + (numel * bits + 31) / 32 * 4;
+}
+
+inline void check_quantize_levels(int64_t bits, int64_t chunk, const char* op) {
+  TORCH_CHECK(bits == 8 || bits == 16, op, ": bits must be 8 or 16, got ", bits);
+  TORCH_CHECK(chunk >= 1, op, ": chunk must be >= 1, got ", chunk);
+}
+
+inline void check_quantize_ef_args(const at::Tensor& grad, const at::Tensor& residual, int64_t bits, int64_t chunk,
+                                   const std::optional<at::Tensor>& finite) {
+  constexpr const char* op = "accordion::quantize_ef_";
+  check_ef_add_args(grad, residual, op);
+  TORCH_CHECK(residual.scalar_type() == at::kFloat && residual.is_contiguous() && residual.dim() == 1, op,
+              ": residual must be a contiguous 1-d float32 tensor, got ", residual.scalar_type(), " ",
+              residual.sizes());
+  check_quantize_levels(bits, chunk, op);
+  check_finite_flag(finite, grad, op);
+}
+
+inline void check_quantize_average_args(const at::Tensor& rows, int64_t numel, int64_t bits, int64_t chunk,
+                                        at::ScalarType dtype) {
+  constexpr const char* op = "accordion::quantize_average";
+  check_quantize_levels(bits, chunk, op);
+  TORCH_CHECK(numel >= 0, op, ": numel must be >= 0, got ", numel);
+  TORCH_CHECK(rows.layout() == at::kStrided && rows.scalar_type() == at::kByte && rows.dim() == 2 &&
+              rows.stride(1) == 1, op, ": rows must be a 2-d uint8 tensor (ranks x payload bytes) whose rows are "
+              "contiguous, got ", rows.scalar_type(), " ", rows.sizes(), " with strides ", rows.strides());
+  TORCH_CHECK(rows.size(0) >= 1, op, ": rows must hold at least one rank's payload");
+  TORCH_CHECK(rows.size(1) == quantize_payload_bytes(numel, bits, chunk), op, ": each row must be a payload of ",
+              quantize_payload_bytes(numel, bits, chunk), " bytes for ", numel, " entries at ", bits,
+              " bits in chunks of ", chunk, ", got ", rows.size(1));
+  TORCH_CHECK(at::isFloatingType(dtype), op, ": dtype must be a floating-point type, got ", dtype);
+}
+
 }  // namespace accordion

@@ -23,6 +23,7 @@ DOCUMENTED = {  # heading in docs/api.md -> the object whose signature its argum
     "acc.TopK": acc.TopK,
     "acc.Quantize": acc.Quantize,
     "acc.register_ddp_hook": acc.register_ddp_hook,
+    "acc.compress_hsdp": acc.compress_hsdp,
     "acc.policies.Accordion": acc.policies.Accordion,
     "acc.policies.GraVAC": acc.policies.GraVAC,
     "acc.policies.LinkGate": acc.policies.LinkGate,

@@ -1,8 +1,9 @@
-"""The uncompressed baselines (none, fp16) with the face of ``AccordionCompressor``, so that
+"""The uncompressed baselines (none, fp16, bf16) with the face of ``AccordionCompressor``, so that
 the training loop treats every method alike: ``stats()``, ``seconds``, ``step_skipped``,
 ``epoch_end()``, ``state_dict()``/``load_state_dict()``. Under Horovod they are Horovod's
 own ``Compression.none``/``fp16``; under DDP, DDP's default allreduce or its
-``fp16_compress_hook``."""
+``fp16_compress_hook``; under FSDP (HSDP), FSDP's own all-reduce across nodes, in float32 or
+(bf16, FSDP only) ``MixedPrecisionPolicy(reduce_dtype=torch.bfloat16)``."""
 
 from __future__ import annotations
 
@@ -19,12 +20,12 @@ class Uncompressed(HorovodCompressor):
     non-finite gradient is in the average, as without compression).
 
     Args:
-        kind: "none" or "fp16".
+        kind: "none", "fp16" (Horovod and DDP) or "bf16" (FSDP).
     """
 
     def __init__(self, kind: str) -> None:
-        if kind not in ("none", "fp16"):
-            raise ValueError(f"kind must be 'none' or 'fp16', got {kind!r}")
+        if kind not in ("none", "fp16", "bf16"):
+            raise ValueError(f"kind must be 'none', 'fp16' or 'bf16', got {kind!r}")
         self.kind = kind
         self.seconds = {"compress": 0.0, "comm": 0.0}
         self.step_skipped = False
@@ -32,6 +33,14 @@ class Uncompressed(HorovodCompressor):
 
     def __repr__(self) -> str:
         return f"uncompressed ({self.kind})"
+
+    @property
+    def name(self) -> str:
+        return self.kind
+
+    def count(self, floats: int) -> None:
+        """Floats a front end without a per-gradient call (FSDP) sent this step."""
+        self._floats += floats
 
     @property
     def _horovod(self):

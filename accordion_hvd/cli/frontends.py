@@ -1,5 +1,5 @@
-"""The two ways the CLI trains data-parallel: Horovod (``horovodrun``, the default) and
-PyTorch DDP (``torchrun``, ``--launcher ddp``). The loop (cli/train.py) sees only this face:
+"""The ways the CLI trains data-parallel: Horovod (``horovodrun``, the default), PyTorch DDP
+(``torchrun``, ``--launcher ddp``) and FSDP2 as HSDP (``torchrun``, ``--launcher fsdp``). The loop (cli/train.py) sees only this face:
 ``rank``, ``size``, ``local_rank``, ``wrap`` (the model and optimizer with the compression on),
 ``step`` (apply the averaged gradients unless the compression skipped the step), ``sum``
 (a small reduction for the evaluation), ``close``."""
@@ -12,7 +12,7 @@ import torch
 
 from ..horovod.compressor import AccordionCompressor
 
-LAUNCHERS = ("horovod", "ddp")
+LAUNCHERS = ("horovod", "ddp", "fsdp")
 
 
 class HorovodFrontEnd:
@@ -97,7 +97,57 @@ class DDPFrontEnd:
         self.dist.destroy_process_group()
 
 
-def make_front_end(launcher: str, device_type: str, ours: bool = False):
+class FSDPFrontEnd(DDPFrontEnd):
+    """FSDP2 as HSDP on a ("replicate", "shard") mesh of ``nodes`` x ranks per node: each of
+    the model's ``blocks`` (if it has them) and the model sharded within a node. With our
+    compression, sharded over the ``shard`` dimension and our compressed all-reduce across
+    nodes (accordion_hvd/hsdp.py); otherwise PyTorch's own HSDP over the 2-D mesh, its
+    all-reduce in float32 (``--codec none``) or in bfloat16 (``--codec bf16``:
+    ``MixedPrecisionPolicy(reduce_dtype=torch.bfloat16)``)."""
+
+    name = "fsdp"
+
+    def __init__(self, device_type: str = "cpu", nodes: int | None = None) -> None:
+        super().__init__(device_type)
+        self.device_type = device_type
+        per_node = int(os.environ.get("LOCAL_WORLD_SIZE", self.size))
+        self.nodes = nodes if nodes is not None else self.size // per_node
+        if self.nodes < 1 or self.size % self.nodes:
+            raise SystemExit(f"--nodes {self.nodes} does not divide the {self.size} ranks")
+
+    def wrap(self, model: torch.nn.Module, opt: torch.optim.Optimizer, compression, device: torch.device):
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        mesh = init_device_mesh(self.device_type, (self.nodes, self.size // self.nodes),
+                                mesh_dim_names=("replicate", "shard"))
+        ours = isinstance(compression, AccordionCompressor)
+        kwargs = {"mesh": mesh["shard"] if ours else mesh}
+        if getattr(compression, "name", None) == "bf16":
+            kwargs["mp_policy"] = MixedPrecisionPolicy(reduce_dtype=torch.bfloat16)
+        names = {id(p): n for n, p in model.named_parameters()}
+        for block in getattr(model, "blocks", ()):
+            fully_shard(block, **kwargs)
+        fully_shard(model, **kwargs)
+        # FSDP replaced the parameters by sharded ones: the same optimizer, over those
+        sharded = dict(model.named_parameters())
+        opt = type(opt)([{**{k: v for k, v in group.items() if k != "params"},
+                          "params": [sharded[names[id(p)]] for p in group["params"]]} for group in opt.param_groups])
+        self.shard_floats = sum(p.to_local().numel() for p in sharded.values() if p.requires_grad)
+        if ours:
+            from ..hsdp import compress_hsdp
+            compress_hsdp(model, compression, mesh, optimizer=opt)
+        return model, opt
+
+    def step(self, opt, compression) -> None:
+        if not isinstance(compression, AccordionCompressor):
+            compression.count(self.shard_floats)  # FSDP's all-reduce across nodes: this rank's shards
+        super().step(opt, compression)
+
+
+def make_front_end(launcher: str, device_type: str, ours: bool = False, nodes: int | None = None):
     """``ours``: the job compresses with AccordionCompressor (no gradient through Horovod's
     loop, so Horovod's cycle is made long: comm/horovod.py ``quiet_horovod_cycle``)."""
+    if launcher == "fsdp":
+        return FSDPFrontEnd(device_type, nodes)
     return HorovodFrontEnd(quiet_cycle=ours) if launcher == "horovod" else DDPFrontEnd(device_type)

@@ -26,226 +26,27 @@ import sys
 import time
 import traceback
 from dataclasses import dataclass
-from pathlib import Path
 from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 
 from ..batch_size import AccordionBatchSize
-from ..codecs import PowerSGD, Quantize, TopK
 from ..comm.channel import CollectiveTimeout
-from ..horovod.compressor import AccordionCompressor
 from ..horovod.patches import install_polite_wait
-from ..policies import Accordion, GraVAC, LinkGate, NetworkAware
-from . import data, models
-from .baselines import Uncompressed
+from . import data, models, options
 from .checkpoints import load_checkpoint, read_checkpoint, save_checkpoint
-from .frontends import LAUNCHERS, make_front_end
+from .frontends import make_front_end
+from .options import OURS, make_compression
 from .metrics import progress
 
 log = logging.getLogger("accordion_hvd.train")
 
-CODECS = ("default", "none", "fp16", "powersgd", "topk", "quantize")
-OURS = ("powersgd", "topk", "quantize")  # codecs of ours chosen by flags (not "default")
-POLICIES = ("accordion", "static", "gravac", "network-aware", "link-gate")
-DATASETS = ("digits", "synthetic", "cifar10", "text")
-MODELS = ("cnn", "cnn-wide", "resnet18", "lstm", "transformer")
-LANGUAGE_MODELS = ("lstm", "transformer")
-OPTIMIZERS = ("sgd", "adamw")
-DEVICES = ("auto", "cpu", "cuda")
-
 __all__ = ["main", "make_compression", "parse_args", "progress_total", "read_checkpoint"]
 
 
-def make_codec(args):
-    """Our codec for --codec powersgd/topk (raises on bad levels), else None."""
-    if args.codec == "powersgd":
-        return PowerSGD(args.rank, args.critical_rank)
-    if args.codec == "topk":
-        return TopK(args.ratio, args.critical_ratio)
-    if args.codec == "quantize":
-        return Quantize(args.bits, args.critical_bits)
-    return None
-
-
-def make_compression(args):
-    """Ours for --codec default/powersgd/topk, else Horovod's own in the same face (baselines.py)."""
-    interval = None if args.interval == 0 else args.interval
-    if args.codec == "default":  # what acc.AccordionCompressor() does, with the run's detection window
-        return AccordionCompressor(policy=low_rate_policy(args, "link-gate"), eta=args.eta, interval=interval)
-    codec = make_codec(args)
-    if codec is None:
-        return Uncompressed(args.codec)
-    policy = low_rate_policy(args, args.policy)
-    if policy == "gravac":
-        policy = GraVAC(args.min_factor, args.max_factor, window=args.gravac_window, epsilon=args.epsilon)
-    elif policy == "network-aware":
-        policy = NetworkAware(args.eta, dense=args.dense)
-    return AccordionCompressor(codec, policy=policy, eta=args.eta, interval=interval)
-
-
-def low_rate_policy(args, name):
-    """``name`` as AccordionCompressor takes it, or with --low-rate an instance holding it."""
-    if args.low_rate is None:
-        return None if args.codec == "default" else name
-    accordion = Accordion(args.eta, low_rate=args.low_rate or None)
-    return LinkGate(accordion) if name == "link-gate" else accordion
-
-
-class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
-    """The module docstring as written, and every option's default after its help, so that
-    ``--help`` alone says what a bare run does. As argparse.ArgumentDefaultsHelpFormatter,
-    except that a help which states its default itself (one that depends on other options,
-    like --policy's) is left alone, and an unset default reads "none" (a flag's: "off")
-    rather than Python's None, [] or False."""
-
-    def _get_help_string(self, action):
-        text = action.help or ""
-        if not action.option_strings or action.default is argparse.SUPPRESS or "(default" in text:
-            return text
-        default = action.default
-        shown = ("off" if default is False else
-                 "none" if default is None or (isinstance(default, (str, list)) and not default) else "%(default)s")
-        return f"{text} (default: {shown})"
-
-
 def parse_args(argv=None) -> argparse.Namespace:
-    # Every option needs a help text: argparse prints no default for one without.
-    p = argparse.ArgumentParser(prog="python -m accordion_hvd.train", description=__doc__,
-                                formatter_class=_HelpFormatter)
-    p.add_argument("--launcher", choices=LAUNCHERS, default="horovod",
-                   help="horovod (start with horovodrun) or ddp (start with torchrun: "
-                        "DistributedDataParallel with our comm hook)")
-    p.add_argument("--codec", choices=CODECS, default="powersgd",
-                   help="gradient compression: default (acc.AccordionCompressor()'s codec and policy; the codec and "
-                        "policy flags are then ignored), none, 16-bit (Horovod's fp16 or DDP's fp16 hook), or ours")
-    p.add_argument("--rank", type=int, default=1, help="PowerSGD rank in normal regimes")
-    p.add_argument("--critical-rank", type=int, default=None,
-                   help="PowerSGD rank in critical regimes (default: none: --rank in every regime)")
-    p.add_argument("--ratio", type=float, default=0.05, help="TopK fraction kept in normal regimes")
-    p.add_argument("--critical-ratio", type=float, default=None,
-                   help="TopK fraction kept in critical regimes (default: none: --ratio in every regime)")
-    p.add_argument("--bits", type=int, default=8, help="Quantize: bits per entry in normal regimes (8 or 16)")
-    p.add_argument("--critical-bits", type=int, default=None,
-                   help="Quantize: bits in critical regimes (default: none: --bits in every regime)")
-    p.add_argument("--policy", choices=POLICIES, default=None,
-                   help="level policy (default: accordion when a critical level is given, else static)")
-    p.add_argument("--eta", type=float, default=0.5, help="Accordion threshold on the relative norm change")
-    p.add_argument("--low-rate", type=float, default=None,
-                   help="Accordion: every layer critical while the learning rate is at or below this fraction of "
-                        "its peak; 0: the paper's rule alone, as without the flag")
-    p.add_argument("--interval", type=int, default=0,
-                   help="detection window in optimizer steps; 0: one window per epoch")
-    p.add_argument("--dense", choices=("fp32", "fp16"), default="fp32",
-                   help="network-aware: how a layer goes when it goes whole, in the gradient's dtype (fp32) or "
-                        "in float16 through Horovod (half the bytes; the rounding error kept in error feedback)")
-    p.add_argument("--min-factor", type=float, default=10.0, help="GraVAC: smallest compression factor")
-    p.add_argument("--max-factor", type=float, default=1000.0, help="GraVAC: largest compression factor")
-    p.add_argument("--gravac-window", type=int, default=100, help="GraVAC: steps between candidate growths")
-    p.add_argument("--epsilon", type=float, default=0.7, help="GraVAC: the gain a factor must keep")
-    p.add_argument("--batch-mode", action="store_true",
-                   help="Accordion drives the batch size: --batch-size per step in critical regimes, "
-                        "--large-passes times that (gradient accumulation, lr scaled alike) otherwise")
-    p.add_argument("--large-passes", type=int, default=8,
-                   help="micro-batches per step in normal regimes with --batch-mode (8 at --batch-size 32: 256 "
-                        "samples a step)")
-    p.add_argument("--dataset", choices=DATASETS, default="digits",
-                   help="what to train on: digits, synthetic (generated), cifar10 (from --data-dir) or text "
-                        "(Python's standard library, for --model lstm or transformer)")
-    p.add_argument("--data-dir", type=Path, default=None, help="where cifar10 is (never downloaded)")
-    p.add_argument("--model", choices=MODELS, default=None,
-                   help="the network; cnn-wide: 2.2 M parameters, for bandwidth-bound runs; transformer: a small "
-                        "decoder-only language model (default: cnn, resnet18 for cifar10, lstm for text)")
-    p.add_argument("--seq-len", type=int, default=35,
-                   help="--dataset text: tokens per training sequence (the transformer's context)")
-    p.add_argument("--optimizer", choices=OPTIMIZERS, default="sgd",
-                   help="sgd (momentum 0.9) or adamw (weight decay 0.01 on matrices), at --lr")
-    p.add_argument("--folds", type=int, default=5, help="--dataset digits: cross-validation folds")
-    p.add_argument("--fold", type=int, default=0, help="--dataset digits: the fold that is the test set")
-    p.add_argument("--evals-per-epoch", type=int, default=1,
-                   help="score the validation split this many times per epoch, evenly spaced (the last at the "
-                        "epoch's end): finer time-to-quality curves")
-    p.add_argument("--target", type=float, default=None,
-                   help="a quality to reach (perplexity: at most; accuracy: at least): if the validation score "
-                        "has not reached it after --epochs, training goes on at the final learning rate, epoch "
-                        "after epoch, until it does or --time-cap (time-to-quality runs)")
-    p.add_argument("--time-cap", type=float, default=None,
-                   help="stop at the first evaluation after this many seconds of training (time-to-quality runs)")
-    p.add_argument("--max-steps", type=int, default=0,
-                   help="stop after this many optimizer steps (0: run every epoch), then evaluate; for smoke runs")
-    p.add_argument("--device", choices=DEVICES, default="auto",
-                   help="where to train: cuda if torch sees a GPU (auto), or the one named")
-    p.add_argument("--epochs", type=int, default=15,
-                   help="epochs to train (in all: a resumed run's earlier epochs count)")
-    p.add_argument("--batch-size", type=int, default=32, help="per-rank batch size")
-    p.add_argument("--lr", type=float, default=0.02,
-                   help="learning rate per rank (scaled by world size); 0.02 keeps the last epochs of a "
-                        "compressed run on digits steady, higher rates make them swing by several points")
-    p.add_argument("--lr-milestones", default="", help="epochs at which the lr is multiplied by --lr-gamma, "
-                                                       "comma-separated (e.g. 10,15)")
-    p.add_argument("--lr-gamma", type=float, default=0.1, help="the lr's factor at each of --lr-milestones")
-    p.add_argument("--seed", type=int, default=0, help="seed of the initial weights, the data's folds and shuffling")
-    p.add_argument("--logdir", type=Path, default=None, help="write steps.csv, eval.csv, TensorBoard events, PNGs")
-    p.add_argument("--checkpoint", type=Path, default=None, help="save here every epoch (PATH.rank<r> per rank)")
-    p.add_argument("--resume", type=Path, default=None, help="continue from this --checkpoint PATH")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    p.add_argument("--inject-nonfinite", type=_fault, action="append", default=[], metavar="STEP@RANK",
-                   help="fault injection (reliability tests): rank RANK's loss is NaN in optimizer step STEP "
-                        "(1-based), so all its gradients are; the step is skipped on every rank. Repeatable")
-    args = p.parse_args(argv)
-    for name in ("epochs", "batch_size"):
-        if getattr(args, name) < 1:
-            p.error(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
-    if args.lr <= 0:
-        p.error(f"--lr must be positive, got {args.lr}")
-    if args.large_passes < 1:
-        p.error(f"--large-passes must be at least 1, got {args.large_passes}")
-    if args.batch_mode and args.launcher != "horovod":
-        p.error("--batch-mode needs --launcher horovod (it sets Horovod's backward_passes_per_step)")
-    if args.interval < 0:
-        p.error(f"--interval must be 0 (per epoch) or a positive number of steps, got {args.interval}")
-    if args.low_rate is not None and not 0 <= args.low_rate < 1:
-        p.error(f"--low-rate must be 0 (off) or a fraction in (0, 1) of the peak learning rate, got {args.low_rate}")
-    if args.low_rate is not None and (args.codec not in ("default", *OURS) or
-                                      (args.codec != "default" and args.policy not in ("accordion", "link-gate"))):
-        p.error("--low-rate needs --codec default, or one of ours with --policy accordion or link-gate")
-    try:
-        args.lr_milestones = sorted(int(m) for m in args.lr_milestones.split(",") if m.strip())
-    except ValueError:
-        p.error(f"--lr-milestones must be comma-separated epoch numbers, got {args.lr_milestones!r}")
-    if args.dataset == "cifar10" and args.data_dir is None:
-        p.error("--dataset cifar10 needs --data-dir (it is never downloaded)")
-    args.model = args.model or {"cifar10": "resnet18", "text": "lstm"}.get(args.dataset, "cnn")
-    if (args.dataset == "text") != (args.model in LANGUAGE_MODELS):
-        p.error(f"--model lstm and --model transformer go with --dataset text and only with it, got --dataset "
-                f"{args.dataset} --model {args.model}")
-    if args.folds < 2 or not 0 <= args.fold < args.folds:
-        p.error(f"--fold must be in [0, --folds) with --folds >= 2, got --fold {args.fold} --folds {args.folds}")
-    if args.evals_per_epoch < 1 or (args.time_cap is not None and not args.time_cap > 0):
-        p.error(f"--evals-per-epoch must be at least 1 and --time-cap positive, got {args.evals_per_epoch} and "
-                f"{args.time_cap}")
-    if args.seq_len < 1 or args.max_steps < 0:
-        p.error(f"--seq-len must be at least 1 and --max-steps at least 0, got {args.seq_len} and {args.max_steps}")
-    if args.device == "cuda" and not torch.cuda.is_available():
-        p.error(f"--device cuda: torch {torch.__version__} sees no GPU (use --device cpu or auto)")
-    try:
-        make_codec(args)
-        if args.codec in OURS:
-            make_compression(args)
-    except (TypeError, ValueError) as exc:
-        p.error(str(exc))
-    return args
-
-
-def _fault(text: str) -> tuple[int, int]:
-    try:
-        step, rank = (int(part) for part in text.split("@"))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected STEP@RANK (e.g. 30@1), got {text!r}") from None
-    if step < 1 or rank < 0:
-        raise argparse.ArgumentTypeError(f"STEP must be >= 1 and RANK >= 0, got {text!r}")
-    return step, rank
+    return options.parse_args(argv, description=__doc__)
 
 
 def device_type(choice: str) -> str:
@@ -388,7 +189,7 @@ def run_cli(argv=None) -> None:
 
 def main(argv=None) -> float:
     args = parse_args(argv)
-    front = make_front_end(args.launcher, device_type(args.device), ours=args.codec in OURS)
+    front = make_front_end(args.launcher, device_type(args.device), ours=args.codec in OURS, nodes=args.nodes)
     rank0 = front.rank == 0
     logging.basicConfig(level=logging.INFO if rank0 else logging.WARNING,
                         format="%(asctime)s %(name)s: %(message)s")

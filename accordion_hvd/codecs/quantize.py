@@ -219,9 +219,19 @@ class Quantize(Codec):
     def settle_dense(state: QuantizeState, sent_dtype: torch.dtype, done: torch.Tensor) -> None:
         settle_sent(state.residual, sent_dtype, done)
 
+    def _fused(self, state: QuantizeState) -> bool:
+        """Whether the compiled kernels run this layer's step (ops.quantize_ef_): nearest
+        rounding, float32 error feedback, a device with kernels (the CPU; CUDA not yet)."""
+        return (self.rounding == "nearest" and state.residual.dtype == torch.float32
+                and state.residual.device.type == "cpu")
+
     def encode(self, state: QuantizeState, grad: torch.Tensor, finite: torch.Tensor) -> torch.Tensor:
         """g = grad + e into the residual (not if ``finite`` is False: then g = e and the
         scales sent are NaN); returns this rank's payload bytes: float32 scales, then q."""
+        if self._fused(state):  # one pass: csrc/cpu/quantize.cpp, bit for bit the lines below
+            payload = ops.quantize_ef_(grad.reshape(-1), state.residual, state.bits, self.chunk, finite)
+            state.sent = self._parts(payload, state.residual.numel(), state.bits)
+            return payload
         g = ops.ef_add_(grad.reshape(-1), state.residual, finite)
         q, scales = self._quantize(g, state.bits, self._generator(state))
         state.sent = (q, scales)
@@ -230,15 +240,21 @@ class Quantize(Codec):
         return torch.cat([scales.view(torch.uint8), q.view(torch.uint8),
                           torch.zeros(pad, dtype=torch.uint8, device=q.device)])
 
+    def _parts(self, payload: torch.Tensor, numel: int, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(q, scales): views of one rank's payload (each part 4-byte aligned: payload_bytes)."""
+        chunks = self.chunks(numel)
+        return (payload[4 * chunks:4 * chunks + numel * bits // 8].view(_INT[bits]),
+                payload[:4 * chunks].view(torch.float32))
+
     def decode(self, state: QuantizeState, rows: torch.Tensor, grad_dtype: torch.dtype) -> torch.Tensor:
         """Every rank's payload (a (ranks, bytes) uint8 block) -> their dequantized mean, in
         the gradient's dtype and shape."""
-        numel, chunks = state.residual.numel(), self.chunks(state.residual.numel())
+        numel = state.residual.numel()
+        if rows.device.type == "cpu" and rows.stride(-1) == 1:  # csrc/cpu/quantize.cpp, bit for bit the loop below
+            return ops.quantize_average(rows, numel, state.bits, self.chunk, grad_dtype).view(state.shape)
         total = torch.zeros(numel, dtype=torch.float32, device=rows.device)
-        width = numel * state.bits // 8
-        for row in rows:  # each row's payload starts 4-byte aligned (payload_bytes)
-            scales = row[:4 * chunks].view(torch.float32)
-            q = row[4 * chunks:4 * chunks + width].view(_INT[state.bits])
+        for row in rows:
+            q, scales = self._parts(row, numel, state.bits)
             total += self._dequantize(q, scales, numel)
         return (total / rows.shape[0]).to(grad_dtype).view(state.shape)
 

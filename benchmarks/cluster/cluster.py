@@ -179,12 +179,12 @@ class Cluster:
             t.join()
         return results
 
-    def torchrun(self, args: Sequence[str], *, timeout: float, port: int = 29533
+    def torchrun(self, args: Sequence[str], *, timeout: float, port: int = 29533, per_node: int = 1
                  ) -> dict[int, subprocess.CompletedProcess]:
-        """``torchrun ARGS...`` on every node, one process each, static rendezvous at node1,
-        Gloo on the cluster's interface; the results by node index."""
+        """``torchrun ARGS...`` on every node, ``per_node`` processes each, static rendezvous at
+        node1, Gloo on the cluster's interface; the results by node index."""
         torchrun = str(Path(self.python).parent / "torchrun")
-        return self.exec_everywhere(lambda k: [torchrun, "--nnodes", str(self.nodes), "--nproc_per_node", "1",
+        return self.exec_everywhere(lambda k: [torchrun, "--nnodes", str(self.nodes), "--nproc_per_node", str(per_node),
                                                "--node_rank", str(k), "--master_addr", "node1",
                                                "--master_port", str(port), *args],
                                     timeout=timeout, env={"GLOO_SOCKET_IFNAME": IFACE})

@@ -33,4 +33,11 @@ void powersgd_qt_cpu(const at::Tensor& p, const at::Tensor& residual, at::Tensor
 void powersgd_finish_cpu(const at::Tensor& p, const at::Tensor& qt_avg, at::Tensor& out);
 void powersgd_settle_cpu(const at::Tensor& residual, const at::Tensor& p, const at::Tensor& qt);
 
+// Quantize (cpu/quantize.cpp): e += grad (unless !add) and this rank's payload written (see
+// ops.h quantize_payload_bytes), its scales NaN when !add; and the mean over the rows' payloads,
+// dequantized, in float32.
+void quantize_ef_cpu(const at::Tensor& grad, const at::Tensor& residual, int64_t bits, int64_t chunk, bool add,
+                     at::Tensor& payload);
+at::Tensor quantize_average_cpu(const at::Tensor& rows, int64_t numel, int64_t bits, int64_t chunk);
+
 }  // namespace accordion

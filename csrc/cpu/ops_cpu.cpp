@@ -150,6 +150,23 @@ void restore_if_(const at::Tensor& residual, const at::Tensor& indices, const at
 
 }  // namespace
 
+at::Tensor quantize_ef_(const at::Tensor& grad, const at::Tensor& residual, int64_t bits, int64_t chunk,
+                        const std::optional<at::Tensor>& finite) {
+  check_quantize_ef_args(grad, residual, bits, chunk, finite);
+  at::Tensor payload = at::empty({quantize_payload_bytes(residual.numel(), bits, chunk)},
+                                 residual.options().dtype(at::kByte));
+  const bool add = !finite || finite->item<bool>();
+  quantize_ef_cpu(grad.contiguous(), residual, bits, chunk, add, payload);
+  return payload;
+}
+
+at::Tensor quantize_average(const at::Tensor& rows, int64_t numel, int64_t bits, int64_t chunk,
+                            at::ScalarType dtype) {
+  check_quantize_average_args(rows, numel, bits, chunk, dtype);
+  at::Tensor total = quantize_average_cpu(rows, numel, bits, chunk);
+  return dtype == at::kFloat ? total : total.to(dtype);
+}
+
 TORCH_LIBRARY_IMPL(accordion, CPU, m) {
   m.impl("ef_add", &ef_add<ef_add_out_cpu>);
   m.impl("ef_add_", &ef_add_<ef_add_out_cpu, grad_if_finite>);
@@ -165,6 +182,8 @@ TORCH_LIBRARY_IMPL(accordion, CPU, m) {
   m.impl("error_update_", &error_update_);
   m.impl("fill_if_", &fill_if_);
   m.impl("restore_if_", &restore_if_);
+  m.impl("quantize_ef_", &quantize_ef_);
+  m.impl("quantize_average", &quantize_average);
 }
 
 }  // namespace accordion

@@ -121,5 +121,17 @@ cudaError_t powersgd_settle(const PowerSGDLayer* layers, int count, const bool* 
 cudaError_t error_update(float* residual, const float* approx, int64_t n, void* out,
                          DType out_dtype, cudaStream_t stream);
 
+// --- Quantize (quantize.cu) -------------------------------------------------------------------
+// The CPU kernels' function (csrc/cpu/quantize.cpp), bit for bit. quantize_ef: residual
+// (float32, n entries) += grad (float32, float16 or bfloat16; not where *finite is false) and
+// this rank's payload written: ceil(n / chunk) float32 scales (NaN where *finite is false),
+// then n int8 (bits 8) or int16 (bits 16); the caller zeroes the padding. finite may be
+// nullptr. quantize_average: out (float32, n) = the mean over `ranks` payloads, row r at
+// rows + r * row_stride. Asynchronous on `stream`.
+cudaError_t quantize_ef(const void* grad, DType grad_dtype, float* residual, int64_t n, int bits, int64_t chunk,
+                        const bool* finite, void* payload, cudaStream_t stream);
+cudaError_t quantize_average(const void* rows, int64_t ranks, int64_t row_stride, int64_t n, int bits,
+                             int64_t chunk, float* out, cudaStream_t stream);
+
 }  // namespace cuda
 }  // namespace accordion

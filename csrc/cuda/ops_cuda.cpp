@@ -280,6 +280,30 @@ void restore_if_(const at::Tensor& residual, const at::Tensor& indices, const at
 
 }  // namespace
 
+at::Tensor quantize_ef_(const at::Tensor& grad, const at::Tensor& residual, int64_t bits, int64_t chunk,
+                        const std::optional<at::Tensor>& finite) {
+  check_quantize_ef_args(grad, residual, bits, chunk, finite);
+  const int64_t n = residual.numel();
+  // zeros: the padding after the integers is sent as zeros
+  at::Tensor payload = at::zeros({quantize_payload_bytes(n, bits, chunk)}, residual.options().dtype(at::kByte));
+  const at::Tensor g = grad.contiguous();
+  C10_CUDA_CHECK(cuda::quantize_ef(g.const_data_ptr(), to_kernel_dtype(g.scalar_type()),
+                                   residual.mutable_data_ptr<float>(), n, static_cast<int>(bits), chunk,
+                                   finite ? finite->const_data_ptr<bool>() : nullptr, payload.mutable_data_ptr(),
+                                   current_stream()));
+  return payload;
+}
+
+at::Tensor quantize_average(const at::Tensor& rows, int64_t numel, int64_t bits, int64_t chunk,
+                            at::ScalarType dtype) {
+  check_quantize_average_args(rows, numel, bits, chunk, dtype);
+  at::Tensor total = at::empty({numel}, rows.options().dtype(at::kFloat));
+  C10_CUDA_CHECK(cuda::quantize_average(rows.const_data_ptr(), rows.size(0), rows.stride(0), numel,
+                                        static_cast<int>(bits), chunk, total.mutable_data_ptr<float>(),
+                                        current_stream()));
+  return dtype == at::kFloat ? total : total.to(dtype);
+}
+
 TORCH_LIBRARY_IMPL(accordion, CUDA, m) {
   m.impl("ef_add", &ef_add<ef_add_out_cuda>);
   m.impl("ef_add_", &ef_add_<ef_add_out_cuda, grad_if_finite>);
@@ -295,6 +319,8 @@ TORCH_LIBRARY_IMPL(accordion, CUDA, m) {
   m.impl("error_update_", &error_update_);
   m.impl("fill_if_", &fill_if_);
   m.impl("restore_if_", &restore_if_);
+  m.impl("quantize_ef_", &quantize_ef_);
+  m.impl("quantize_average", &quantize_average);
 }
 
 }  // namespace accordion

@@ -72,7 +72,7 @@ import numpy as np
 import torch
 
 import accordion_hvd as acc
-from worker_util import checker, leave_torch_distributed, say
+from worker_util import checker, leave_torch_distributed, orthogonalize, quantize32, say
 
 mode, steps = sys.argv[1], int(sys.argv[2])
 front = sys.argv[3] if len(sys.argv) > 3 else "horovod"
@@ -181,14 +181,6 @@ else:
 
 
 # --- the NumPy reference, for all ranks ----------------------------------------------------
-def orthogonalize(p: np.ndarray, eps: float) -> np.ndarray:
-    p = p.copy()
-    for i in range(p.shape[1]):
-        p[:, i] /= np.linalg.norm(p[:, i]) + eps
-        p[:, i + 1:] -= np.outer(p[:, i], p[:, i] @ p[:, i + 1:])
-    return p
-
-
 def topk_keep(g: np.ndarray, k: int) -> np.ndarray:
     """Indices of the k largest |g|, ties towards the lower index (stable sort)."""
     return np.sort(np.argsort(-np.abs(g), kind="stable")[:k])
@@ -206,19 +198,6 @@ if POWERSGD:
     fresh_q = {n: codec.init_state(n, torch.zeros(SHAPES[n]), acc.levels.CRITICAL).q.double().numpy()
                for n in COMPRESSED}
 straddling_ties = {n: 0 for n in COMPRESSED}
-
-
-def quantize32(g: np.ndarray, bits: int) -> tuple[np.ndarray, np.ndarray]:
-    """(q, scales) of flat float32 g: per chunk s = max|g| / (2^(bits-1) - 1), q = round(g / s)
-    half to even, all in float32 as the codec computes it, so the result is exact."""
-    qmax = np.float32(2 ** (bits - 1) - 1)
-    chunks = -(-g.size // CHUNK)
-    padded = np.zeros(chunks * CHUNK, np.float32)
-    padded[:g.size] = g
-    padded = padded.reshape(chunks, CHUNK)
-    s = (np.abs(padded).max(axis=1) / qmax).astype(np.float32)
-    safe = np.where(s > 0, s, np.float32(1)).astype(np.float32)
-    return np.clip(np.round(padded / safe[:, None]), -qmax, qmax).reshape(-1)[:g.size], s
 
 
 def reference_step(t: int) -> dict[str, np.ndarray]:
@@ -244,7 +223,7 @@ def reference_step(t: int) -> dict[str, np.ndarray]:
             total = np.zeros(math.prod(SHAPES[n]), np.float32)
             for r in range(size):
                 g = grads(r, t)[n].reshape(-1) + ref_e[r, n]
-                q, scales = quantize32(g, bits)
+                q, scales = quantize32(g, bits, CHUNK)
                 sent = (q.astype(np.float32) * np.repeat(scales, CHUNK)[:g.size]).astype(np.float32)
                 total = (total + sent).astype(np.float32)
                 ref_e[r, n] = (g - sent).astype(np.float32)

@@ -32,3 +32,30 @@ def leave_torch_distributed(dist) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+def orthogonalize(p, eps: float):
+    """Gram-Schmidt on the columns of a NumPy matrix, eps added to each column norm: the
+    NumPy references' PowerSGD orthogonalization (a copy; ``p`` is not changed)."""
+    import numpy as np
+
+    p = p.copy()
+    for i in range(p.shape[1]):
+        p[:, i] /= np.linalg.norm(p[:, i]) + eps
+        p[:, i + 1:] -= np.outer(p[:, i], p[:, i] @ p[:, i + 1:])
+    return p
+
+
+def quantize32(g, bits: int, chunk: int):
+    """(q, scales) of flat float32 NumPy g: per chunk s = max|g| / (2^(bits-1) - 1), q =
+    round(g / s) half to even, all in float32 as the codec computes it, so the result is exact."""
+    import numpy as np
+
+    qmax = np.float32(2 ** (bits - 1) - 1)
+    chunks = -(-g.size // chunk)
+    padded = np.zeros(chunks * chunk, np.float32)
+    padded[:g.size] = g
+    padded = padded.reshape(chunks, chunk)
+    s = (np.abs(padded).max(axis=1) / qmax).astype(np.float32)
+    safe = np.where(s > 0, s, np.float32(1)).astype(np.float32)
+    return np.clip(np.round(padded / safe[:, None]), -qmax, qmax).reshape(-1)[:g.size], s

@@ -1,0 +1,277 @@
+"""The FSDP2 front end: our compressed all-reduce across nodes for HSDP.
+
+    mesh = init_device_mesh("cuda", (nodes, gpus_per_node), mesh_dim_names=("replicate", "shard"))
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh["shard"])
+    fully_shard(model, mesh=mesh["shard"])
+    hook = acc.compress_hsdp(model, acc.AccordionCompressor(), mesh, optimizer=opt)
+
+HSDP shards a model within a node over the fast links and all-reduces the shards across
+nodes over the slow network. PyTorch compresses nothing there. Sharded over the ``shard``
+dimension alone, FSDP2 reduce-scatters each module's gradients within the node and hands the
+flat reduce-scatter output to the module's all-reduce hook (``set_all_reduce_hook``) before
+it makes the gradients views of that buffer. Our hook is that all-reduce, across the
+``replicate`` dimension, through the same engine, codecs, policies and kernels as the Horovod
+and DDP front ends:
+
+1. **In the hook** (during backward, module by module): each parameter's local shard is a
+   layer, under the parameter's name, with the shard's padded shape. The padding (FSDP pads
+   dim 0 to a multiple of the ranks per node) is zero, so every rank of a layer sees the same
+   shape, however unevenly the rows divide, and the codecs' results there are zero. The
+   engine routes it and its exchange starts the rounds while backward goes on. Layers the
+   engine hands back (sent whole this step) are averaged on our data plane, one collective
+   per module and dtype.
+2. **At the end of backward** (an autograd final callback, queued at the first hook): the
+   step's results are collected, and one flag over every rank says whether any rank's
+   results were not finite (a non-finite gradient skips the step on every rank, in every
+   shard group: the shard groups are separate worlds for the data). The engine ends the
+   step, and the results are written into FSDP's buffer, which its sharded gradients view.
+
+Communication: the data plane is the replicate group of this rank's shard (the ranks that
+hold the same shard on every node), made at registration, with a second group for
+PowerSGD's Q rounds; the control plane (window norms, learning rates, faults) is a Gloo
+group of every rank, so levels are decided alike on every rank of the job.
+
+What FSDP must leave alone for the results to land: the gradients must be views of the
+reduce-scatter output, so the reduce dtype is the parameters' (float32 or bfloat16; no
+cast after the hook), no CPU offload, and gradients set to None before each backward
+(``zero_grad()``'s default), since FSDP adds a new gradient into an existing one at once.
+Registration refuses the rest with a clear error, the same on every rank.
+
+Checkpoints: ``hook.state_dict()`` / ``load_state_dict()`` (the ``Stateful`` protocol), for
+``torch.distributed.checkpoint`` beside the model and optimizer: every rank's own state
+under a key of its rank and the mesh. On the same mesh a resumed run continues bit for bit;
+on another mesh (load with ``DefaultLoadPlanner(allow_partial_load=True)``) the compressor
+starts again from zero error feedback, with a warning.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import io
+import logging
+
+import torch
+
+from .comm.channel import collective_timeout
+from .comm.control import ProcessGroupControlPlane
+from .comm.process_group import ProcessGroupChannel, timeout_delta
+from .engine import DENSE, settings
+from .horovod.compressor import AccordionCompressor
+
+log = logging.getLogger("accordion_hvd.hsdp")
+
+MESH_DIMS = ("replicate", "shard")
+FLOAT_REDUCE = (torch.float32, torch.bfloat16)  # FSDP divides other reduce dtypes after the hook
+
+
+def compress_hsdp(model, compressor: AccordionCompressor, mesh, *, optimizer=None,
+                  timeout: float | None = None) -> "HSDPHook":
+    """Compress ``model``'s cross-node all-reduce with ``compressor``; returns the hook.
+
+    Args:
+        model: the root module, after ``fully_shard(..., mesh=mesh["shard"])`` of it and of
+            any submodules, before its first backward.
+        compressor: an ``acc.AccordionCompressor`` not bound to another model.
+        mesh: the 2-D ``DeviceMesh`` with dimensions ("replicate", "shard") whose ``shard``
+            dimension the model was sharded over.
+        optimizer: the model's optimizer, whose learning rates policies read (else call
+            ``compressor.report_lr``).
+        timeout: seconds a collective may take; default $ACCORDION_COLLECTIVE_TIMEOUT, else 300.
+    """
+    import torch.distributed as dist
+
+    if not isinstance(compressor, AccordionCompressor):
+        raise TypeError(f"compressor must be an acc.AccordionCompressor, got {type(compressor).__name__}")
+    _check_mesh(mesh)
+    world = dist.get_world_size()
+    if mesh.mesh.numel() != world:
+        raise ValueError(f"mesh must span every rank of the job ({world}), got {mesh.mesh.numel()} ranks")
+    groups = _fsdp_groups(model, mesh)
+    timeout = collective_timeout(timeout)
+    delta = timeout_delta(timeout)
+    # Every rank makes every group, in the same order (new_group is collective).
+    control_group = dist.new_group(list(range(world)), timeout=delta, backend="gloo")
+    control = ProcessGroupControlPlane(control_group, dist.get_rank(), world, timeout)
+    _agree(control_group, model, compressor, mesh, timeout)
+    backend = dist.get_backend(mesh.get_group("replicate"))
+    shard_index = mesh.get_local_rank("shard")
+    mine = None
+    for column in mesh.mesh.transpose(0, 1).tolist():  # one replicate group per shard index
+        # the data, PowerSGD's Q rounds and the uncompressed layers' round: lanes that pair apart
+        made = [dist.new_group(column, timeout=delta, backend=backend) for _ in range(3)]
+        if column == mesh.mesh[:, shard_index].tolist():
+            mine = made
+    channel = ProcessGroupChannel(mine[0], mesh.get_local_rank("replicate"), mesh.size(0), timeout,
+                                  lanes={"q": mine[1], "dense": mine[2]})
+    compressor.bind(model, channel=channel, control=control, optimizer=optimizer)
+    hook = HSDPHook(compressor, channel, control, mesh)
+    for module, layout in groups:
+        module.set_reduce_scatter_unused_params(True, recurse=False)  # a fixed buffer layout every step
+        module.set_all_reduce_hook(hook.for_module(layout))
+    return hook
+
+
+def _check_mesh(mesh) -> None:
+    from torch.distributed.device_mesh import DeviceMesh
+
+    if not isinstance(mesh, DeviceMesh) or mesh.ndim != 2 or tuple(mesh.mesh_dim_names or ()) != MESH_DIMS:
+        got = (f"a {mesh.ndim}-D DeviceMesh with dimensions {mesh.mesh_dim_names}" if isinstance(mesh, DeviceMesh)
+               else type(mesh).__name__)
+        raise ValueError(f"mesh must be a 2-D DeviceMesh with dimensions {MESH_DIMS} (init_device_mesh(device, "
+                         f"(nodes, ranks_per_node), mesh_dim_names={MESH_DIMS})), got {got}")
+
+
+def _fsdp_groups(model, mesh) -> list[tuple]:
+    """(module, layout) of every FSDP2 module of ``model``; layout: (name, FSDPParam) of each
+    parameter FSDP reduces, in the order of its reduce-scatter buffer."""
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.fsdp._fully_shard._fsdp_param_group import DDPMeshInfo
+
+    modules = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    if not modules:
+        raise TypeError(f"model must be sharded with FSDP2's fully_shard(module, mesh=mesh['shard']); no module of "
+                        f"the {type(model).__name__} given is an FSDPModule")
+    names = {id(p): n for n, p in model.named_parameters()}
+    shard_ranks = mesh["shard"].mesh.tolist()
+    out = []
+    for module in modules:
+        for group in module._get_fsdp_state()._fsdp_param_groups:
+            where = type(module).__name__
+            if isinstance(group.mesh_info, DDPMeshInfo):
+                raise ValueError(f"{where} was sharded over the 2-D mesh: FSDP would all-reduce it across nodes "
+                                 f"itself, uncompressed; shard with fully_shard(module, mesh=mesh['shard'])")
+            if group.mesh_info.mesh.mesh.tolist() != shard_ranks:
+                raise ValueError(f"{where} was sharded over ranks {group.mesh_info.mesh.mesh.tolist()}, not over "
+                                 f"the mesh's shard dimension {shard_ranks}")
+            layout = []
+            for fsdp_param in group.fsdp_params:
+                param = fsdp_param.sharded_param
+                name = names.get(id(param))
+                if name is None:
+                    raise ValueError(f"a parameter of {where} is not one of the model's named parameters")
+                _check_param(name, fsdp_param, group.mp_policy)
+                if param.requires_grad:
+                    layout.append((name, fsdp_param))
+            out.append((module, layout))
+    return out
+
+
+def _check_param(name: str, fsdp_param, mp_policy) -> None:
+    dtype = mp_policy.param_dtype or fsdp_param.sharded_param.dtype
+    reduce = mp_policy.reduce_dtype or dtype
+    if reduce != fsdp_param.sharded_param.dtype or reduce not in FLOAT_REDUCE:
+        raise ValueError(f"{name}: reduce dtype {reduce} with parameters in {fsdp_param.sharded_param.dtype}; "
+                         f"the compressed all-reduce needs the reduce dtype to be the parameters' (float32 or "
+                         f"bfloat16): FSDP casts or divides the reduced gradient after the hook")
+    if fsdp_param.offload_to_cpu:
+        raise ValueError(f"{name}: CPU offload (CPUOffloadPolicy) is not supported: FSDP copies the reduced "
+                         f"gradient to the host before the compressed all-reduce ends")
+    if fsdp_param.fsdp_placement.dim != 0:
+        raise ValueError(f"{name}: sharded on dim {fsdp_param.fsdp_placement.dim}; only dim 0 (FSDP's default)")
+
+
+def _agree(group, model, compressor, mesh, timeout: float) -> None:
+    """Every rank's mesh, parameters and compressor settings compared at registration: the
+    same ValueError on every rank if any differ (engine/settings.py)."""
+    import torch.distributed as dist
+
+    shapes = settings.canonical([[n, list(p.shape), p.requires_grad] for n, p in model.named_parameters()])
+    channel = ProcessGroupChannel(group, dist.get_rank(), dist.get_world_size(), timeout)
+    settings.agree(channel, {**compressor.engine.config(), "mesh": list(mesh.shape),
+                             "parameters (sha256 of names, shapes, requires_grad)":
+                                 hashlib.sha256(shapes.encode()).hexdigest()[:16]})
+
+
+class HSDPHook:
+    """One step of the compressed all-reduce (module doc); ``state_dict``/``load_state_dict``
+    for ``torch.distributed.checkpoint``."""
+
+    def __init__(self, compressor: AccordionCompressor, channel: ProcessGroupChannel, control, mesh) -> None:
+        import torch.distributed as dist
+
+        self.compressor, self.engine, self.channel, self.control = compressor, compressor.engine, channel, control
+        self.mesh_key = "x".join(map(str, mesh.shape))  # replicate x shard
+        self.rank_key = f"accordion.{self.mesh_key}.rank{dist.get_rank()}"
+        self._groups = mesh.size(1) > 1  # several shard groups: faults are agreed across them
+        self._entries: list[tuple] = []  # this step: (view, name, route, (hook call, dtype, index) or None)
+        self._dense: list[dict] = []     # this step, per hook call: dtype -> handle of its average
+        self._queued = False
+
+    def for_module(self, layout: list[tuple]):
+        """The all-reduce hook of one FSDP module (``layout``: see ``_fsdp_groups``)."""
+        return functools.partial(self._reduced, layout=list(layout))
+
+    def _reduced(self, reduce_output: torch.Tensor, layout: list[tuple]) -> None:
+        """FSDP's all-reduce hook for one module: every shard into the engine (module doc)."""
+        if not self._queued:
+            torch.autograd.Variable._execution_engine.queue_callback(self._finish_step)
+            self._queued = True
+        expected = sum(fsdp_param.padded_sharded_param_size.numel() for _, fsdp_param in layout)
+        if reduce_output.numel() != expected or not reduce_output.is_contiguous():
+            raise RuntimeError(f"compress_hsdp: FSDP's reduce-scatter output has {reduce_output.numel()} elements, "
+                               f"its parameters {expected}: a layout this front end does not know")
+        dense: dict[torch.dtype, list[torch.Tensor]] = {}
+        call = len(self._dense)
+        offset = 0
+        for name, fsdp_param in layout:
+            shape = fsdp_param.padded_sharded_param_size
+            view = reduce_output[offset:offset + shape.numel()].view(shape)
+            offset += shape.numel()
+            if fsdp_param.sharded_param.grad is not None:
+                raise RuntimeError(f"compress_hsdp: {name} has a gradient from an earlier backward; set gradients "
+                                   f"to None before each backward (optimizer.zero_grad() does by default)")
+            view[fsdp_param.sharded_size[0]:].zero_()  # the padding rows (FSDP pads with zeros; made sure)
+            out, route = self.engine.add(name, view, uncompressed_here=True)
+            where = None
+            if route == DENSE:
+                tensors = dense.setdefault(out.dtype, [])
+                tensors.append(out)
+                where = (call, out.dtype, len(tensors) - 1)
+            self._entries.append((view, name, route, where))
+        # every rank of the group issues the same averages in the same order (levels agree)
+        self._dense.append({dtype: self.channel.allreduce_mean_async(
+            tensors, name=f"acc.hsdp.dense.{call}.{str(dtype).removeprefix('torch.')}.{len(tensors)}")
+            for dtype, tensors in sorted(dense.items(), key=lambda item: str(item[0]))})
+
+    def _finish_step(self) -> None:
+        """The end of backward: collect, agree on faults, end the step, write the results."""
+        entries, dense, self._entries, self._dense, self._queued = self._entries, self._dense, [], [], False
+        averages = [{dtype: self.channel.wait(handle) for dtype, handle in handles.items()} for handles in dense]
+        results = []
+        for view, name, route, where in entries:
+            average = None if where is None else averages[where[0]][where[1]][where[2]]
+            results.append((view, self.engine.finish(route, name, average)))
+        if self._groups:
+            self._agree_faults(results[0][1].device if results else torch.device("cpu"))
+        self.engine.end_step()
+        for view, result in results:  # after end_step: a skipped step zeroed its results
+            if result.data_ptr() != view.data_ptr():
+                view.copy_(result.view_as(view))
+
+    def _agree_faults(self, device: torch.device) -> None:
+        """Whether any rank's step is to be skipped, on every rank: each shard group finds the
+        faults in its own data (the engine's step flag); one reduction over all makes every
+        group skip alike. (It reads the flag on the host: on a GPU, one small wait per step.)"""
+        bad = self.engine.faults.bad
+        total = self.control.allreduce([0.0 if bad is None else float(bad)], name="acc.hsdp.fault", op="sum")
+        self.engine.faults.seen(torch.tensor(bool(total[0] > 0), device=device))
+
+    # --- torch.distributed.checkpoint --------------------------------------------------------
+    def state_dict(self) -> dict:
+        """This rank's compressor state, under a key of its rank and the mesh, as one
+        serialized value: DCP loads into the structure this returns, and a fresh compressor's
+        has no layers yet, so a nested state would come back without them."""
+        buffer = io.BytesIO()
+        torch.save(self.compressor.state_dict(), buffer)
+        return {"accordion.mesh": self.mesh_key, self.rank_key: buffer.getvalue()}
+
+    def load_state_dict(self, state: dict) -> None:
+        mine = state.get(self.rank_key)
+        if state.get("accordion.mesh") != self.mesh_key or not isinstance(mine, bytes):
+            log.warning("compress_hsdp: the checkpoint's compressor state is of mesh %s, this job's %s: the "
+                        "compressor starts again (error feedback from zero)", state.get("accordion.mesh"),
+                        self.mesh_key)
+            return
+        self.compressor.load_state_dict(torch.load(io.BytesIO(mine), weights_only=True))

@@ -1,0 +1,243 @@
+"""Worker run by tests/test_hsdp.py under torchrun (Gloo), on every rank: the FSDP2 (HSDP)
+front end (accordion_hvd/hsdp.py) against a NumPy reference of the whole data path.
+
+The world is NODES "nodes" of the rest: a 2-D mesh ("replicate", "shard"), rank r at node
+r // per_node, shard r % per_node. The model's parameters W and loss = sum(W * G[r, t]) (as
+tests/workers/numpy_reference_check.py), so the gradient on rank r at step t is G[r, t],
+seeded, and SGD with lr=1.0 makes W_t - W_{t+1} the applied update. The reference, for every
+rank:
+
+  FSDP within a node: shard j of node i gets S[i, j] = mean over the node's ranks of their
+      G's rows of shard j (torch.chunk's rows; padded with zero rows to the even size);
+  ours across nodes, per shard j, on the padded shard exactly as on a layer of that shape:
+      PowerSGD  M_i = S_i + e_i; P = orth(mean_i(M_i Q)); Q = mean_i(M_i^T P); update P Q^T;
+      TopK      g_i = S_i + e_i; the k = ceil(ratio * numel) largest, ties to the lower index;
+      Quantize  per chunk s = max|g| / 127, q = round(g / s); the mean of q s; e = g - q s;
+      1-D       the mean over nodes.
+
+Modules ``a`` and ``b`` are each ``fully_shard``ed (two hook calls per backward), ``b.odd``
+has 13 rows (shards of 7 and 6 rows: a padding row), ``b.frozen`` does not train,
+``b.sometimes`` is unused on rank 1 in even steps (FSDP then reduces zeros for it). Parameters must
+match within rtol=atol=1e-4 (PowerSGD) or 1e-5, TopK's and Quantize's updates bit for bit,
+the parameters be identical on the ranks of every node pair, the frozen one unchanged.
+Mode ``accordion``: PowerSGD(1, 4) under Accordion, windows of 2 steps, with gradient scales
+that change by rank and step: no reference, but every rank must hold the same levels after
+every step and every replica the same parameters. In step 5 rank 1's gradient has a NaN in a
+row of shard 0: only shard group 0 sees it in its data, and every rank must skip the step
+(parameters unchanged, ``step_skipped``), the run going on finite after it.
+
+Usage: hsdp_reference_check.py MODE STEPS
+"""
+
+import math
+import sys
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+
+import accordion_hvd as acc
+from worker_util import checker, leave_torch_distributed, orthogonalize, quantize32, say
+
+mode, steps = sys.argv[1], int(sys.argv[2])
+dist.init_process_group("gloo")
+rank, size = dist.get_rank(), dist.get_world_size()
+NODES = 2
+PER_NODE = size // NODES
+node, shard = divmod(rank, PER_NODE)
+check = checker(rank)
+mesh = init_device_mesh("cpu", (NODES, PER_NODE), mesh_dim_names=("replicate", "shard"))
+
+SHAPES = {"a.w2d": (24, 40), "a.bias": (24,), "b.conv": (16, 3, 5, 5), "b.odd": (13, 40), "b.sometimes": (10, 40)}
+FROZEN = {"b.frozen": (6, 10)}
+COMPRESSED = ("a.w2d", "b.conv", "b.odd", "b.sometimes")
+
+
+def unused(r: int, t: int) -> bool:
+    """b.sometimes is not used by rank 1 in even steps (FSDP reduces a zero gradient for it)."""
+    return r == 1 and t % 2 == 0
+CHUNK, RATIO = 64, 0.1
+NAN_STEP = 5  # mode accordion: rank 1's gradient is not finite in this step
+POWERSGD, TOPK, QUANT = mode in ("powersgd", "accordion"), mode == "topk", mode == "quantize"
+codec = {"powersgd": acc.PowerSGD(rank=2), "topk": acc.TopK(ratio=RATIO),
+         "quantize": acc.Quantize(bits=8, chunk=CHUNK, min_numel=64),
+         "accordion": acc.PowerSGD(rank=1, critical_rank=4)}[mode]
+
+
+def grads(r: int, t: int) -> dict[str, np.ndarray]:
+    rs = np.random.RandomState(1000 * t + r)
+    if TOPK:  # multiples of 1/4: exact sums and means of two, many ties
+        out = {n: (rs.randint(-8, 9, size=s) / 4).astype(np.float32) for n, s in SHAPES.items()}
+    else:
+        scale = (1.0 if t < 4 else 0.1) * (3.0 if r % 2 and t % 3 == 0 else 1.0) if mode == "accordion" else 1.0
+        out = {n: (rs.standard_normal(s) * scale).astype(np.float32) for n, s in SHAPES.items()}
+    if unused(r, t):
+        out["b.sometimes"] = np.zeros(SHAPES["b.sometimes"], np.float32)
+    if mode == "accordion" and (r, t) == (1, NAN_STEP):
+        out["a.w2d"][0, 0] = np.nan  # row 0: shard 0's
+    return out
+
+
+class Part(torch.nn.Module):
+    def __init__(self, shapes, seed, frozen=None):
+        super().__init__()
+        rs = np.random.RandomState(seed)
+        for n, s in shapes.items():
+            setattr(self, n, torch.nn.Parameter(torch.from_numpy(rs.standard_normal(s).astype(np.float32))))
+        for n, s in (frozen or {}).items():
+            setattr(self, n, torch.nn.Parameter(torch.ones(s), requires_grad=False))
+        self.trained = list(shapes)
+
+    def forward(self, g):  # FSDP gathers a module's parameters for its own forward
+        return sum((getattr(self, n) * g[n]).sum() for n in self.trained if n in g) + \
+            sum(p.sum() for p in self.parameters() if not p.requires_grad)
+
+
+class Model(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = Part({n[2:]: s for n, s in SHAPES.items() if n.startswith("a.")}, 7)
+        self.b = Part({n[2:]: s for n, s in SHAPES.items() if n.startswith("b.")}, 8,
+                      {n[2:]: s for n, s in FROZEN.items()})
+
+    def forward(self, g):
+        return sum(part({n[2:]: v for n, v in g.items() if n.startswith(f"{name}.")})
+                   for name, part in (("a", self.a), ("b", self.b)))
+
+
+model = Model()
+initial = {n: p.detach().double().numpy().copy() for n, p in model.named_parameters()}
+fully_shard(model.a, mesh=mesh["shard"])
+fully_shard(model.b, mesh=mesh["shard"])
+fully_shard(model, mesh=mesh["shard"])
+opt = torch.optim.SGD(model.parameters(), lr=1.0)
+policy = dict(interval=2, eta=0.5) if mode == "accordion" else {}
+compression = acc.AccordionCompressor(codec, **policy)
+hook = acc.compress_hsdp(model, compression, mesh, optimizer=opt)
+params = dict(model.named_parameters())
+
+
+# --- the reference ---------------------------------------------------------------------------
+def rows_of(n: str, j: int) -> slice:
+    rows = SHAPES[n][0]
+    per = -(-rows // PER_NODE)
+    return slice(min(j * per, rows), min((j + 1) * per, rows))
+
+
+def padded_shard(x: np.ndarray, n: str, j: int) -> np.ndarray:
+    per = -(-SHAPES[n][0] // PER_NODE)
+    out = np.zeros((per, *SHAPES[n][1:]), dtype=x.dtype)
+    part = x[rows_of(n, j)]
+    out[:part.shape[0]] = part
+    return out
+
+
+ref_w = {n: v.copy() for n, v in initial.items()}
+ref_e, ref_q = {}, {}
+
+
+def reference_step(t: int) -> dict[str, np.ndarray]:
+    g_all = [grads(r, t) for r in range(size)]
+    update = {}
+    for n in SHAPES:
+        full = np.zeros(SHAPES[n], np.float64)
+        for j in range(PER_NODE):
+            # FSDP's reduce-scatter (AVG) within each node, in float32
+            s_nodes = []
+            for i in range(NODES):
+                total = np.zeros_like(padded_shard(g_all[0][n], n, j))
+                for jj in range(PER_NODE):
+                    total = (total + padded_shard(g_all[i * PER_NODE + jj][n], n, j)).astype(np.float32)
+                s_nodes.append((total / np.float32(PER_NODE)).astype(np.float32))
+            if n not in COMPRESSED:
+                result = sum(s.astype(np.float64) for s in s_nodes) / NODES
+            elif POWERSGD:
+                shape = (s_nodes[0].shape[0], math.prod(s_nodes[0].shape[1:]))
+                if (n, j) not in ref_q:
+                    ref_q[n, j] = codec.init_state(n, torch.zeros(s_nodes[0].shape)).q.double().numpy()
+                ms = [s.reshape(shape).astype(np.float64) + ref_e.get((i, j, n), 0.0) for i, s in enumerate(s_nodes)]
+                p = orthogonalize(sum(m @ ref_q[n, j] for m in ms) / NODES, codec.eps)
+                q = sum(m.T @ p for m in ms) / NODES
+                m_hat = p @ q.T
+                for i in range(NODES):
+                    ref_e[i, j, n] = ms[i] - m_hat
+                ref_q[n, j] = q
+                result = m_hat.reshape(s_nodes[0].shape)
+            elif QUANT:
+                total = np.zeros(s_nodes[0].size, np.float32)
+                for i, s in enumerate(s_nodes):
+                    g = s.reshape(-1) + ref_e.get((i, j, n), np.float32(0))
+                    q, scales = quantize32(g, 8, CHUNK)
+                    sent = (q * np.repeat(scales, CHUNK)[:g.size]).astype(np.float32)
+                    total = (total + sent).astype(np.float32)
+                    ref_e[i, j, n] = (g - sent).astype(np.float32)
+                result = (total / np.float32(NODES)).reshape(s_nodes[0].shape)
+            else:  # TopK
+                numel = s_nodes[0].size
+                k = math.ceil(RATIO * numel)
+                total = np.zeros(numel)
+                for i, s in enumerate(s_nodes):
+                    g = s.reshape(-1).astype(np.float64) + ref_e.get((i, j, n), 0.0)
+                    keep = np.sort(np.argsort(-np.abs(g), kind="stable")[:k])
+                    total[keep] += g[keep]
+                    ref_e[i, j, n] = g.copy()
+                    ref_e[i, j, n][keep] = 0.0
+                result = (total / NODES).reshape(s_nodes[0].shape)
+            rows = rows_of(n, j)
+            full[rows] = result[:rows.stop - rows.start]
+        update[n] = full
+    return update
+
+
+# --- train and compare -----------------------------------------------------------------------
+TOL = 1e-4 if POWERSGD else 1e-5
+worst = 0.0
+full_w = None
+seen = set()  # every level a layer held after some step
+for t in range(steps):
+    mine = grads(rank, t)
+    opt.zero_grad()
+    model({n: torch.from_numpy(v) for n, v in mine.items() if not (n == "b.sometimes" and unused(rank, t))}).backward()
+    applied = {n: params[n].grad.full_tensor().double().numpy() for n in SHAPES}
+    opt.step()
+    before, full_w = full_w if t else initial, {n: p.full_tensor().detach().double().numpy() for n, p in params.items()}
+    if mode == "accordion":
+        skipped = t == NAN_STEP
+        check(compression.step_skipped == skipped, f"step {t}: step_skipped is {compression.step_skipped}")
+        check(all(np.array_equal(before[n], full_w[n]) == skipped for n in SHAPES) and
+              all(np.isfinite(w).all() for w in full_w.values()),
+              f"step {t}: parameters {'changed in a skipped step' if skipped else 'not updated, or not finite'}")
+    else:
+        expected = reference_step(t)
+        for n in SHAPES:
+            ref_w[n] = ref_w[n] - expected[n]
+            err = max(np.abs(full_w[n] - ref_w[n]).max(), np.abs(applied[n] - expected[n]).max())
+            worst = max(worst, err)
+            check(np.allclose(full_w[n], ref_w[n], rtol=TOL, atol=TOL) and
+                  np.allclose(applied[n], expected[n], rtol=TOL, atol=TOL),
+                  f"step {t} {n}: differs from the NumPy reference by {err:.3g} (tol {TOL})")
+            if (TOPK or QUANT) and n in COMPRESSED:
+                check(np.array_equal(applied[n].astype(np.float32), expected[n].astype(np.float32)),
+                      f"step {t} {n}: update not bit-identical to the exact reference")
+    for n in FROZEN:
+        check(np.array_equal(full_w[n], initial[n]), f"step {t} {n}: the frozen parameter changed")
+    flat = torch.cat([torch.from_numpy(full_w[n]).float().reshape(-1) for n in sorted(full_w)])
+    everyone = [torch.empty_like(flat) for _ in range(size)]
+    dist.all_gather(everyone, flat)
+    check(all(torch.equal(everyone[0], e) for e in everyone), f"step {t}: parameters differ across ranks")
+    levels = [layer["level"] for _, layer in sorted(compression.stats()["layers"].items())]
+    gathered = [None] * size
+    dist.all_gather_object(gathered, levels)
+    check(all(g == levels for g in gathered), f"step {t}: ranks hold different levels: {gathered}")
+    seen.update(levels)
+
+stats = compression.stats()
+check(stats["steps"] == steps, f"stats() counted {stats['steps']} steps, not {steps}")
+compressed = sorted(n for n, layer in stats["layers"].items() if layer["level"] != "dense")
+check(compressed == sorted(COMPRESSED), f"compressed layers {compressed}, expected {sorted(COMPRESSED)}")
+seen = sorted(seen)
+say(f"rank {rank}: OK {mode} {codec!r} through hsdp, mesh {NODES}x{PER_NODE}, {steps} steps, "
+    f"max |error| {worst:.2e}, levels {seen}")
+leave_torch_distributed(dist)
