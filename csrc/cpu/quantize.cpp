@@ -29,6 +29,14 @@ namespace {
 
 constexpr int64_t kGrain = 16;  // chunks per parallel task (512 entries each by default)
 
+// Round half to even of |x| < 2^22 in float arithmetic: adding 1.5 * 2^23 rounds x to an
+// integer by the addition's own nearest-even rounding, and subtracting it is exact. Unlike
+// nearbyint (a libm call), the loop around it vectorizes. Here |g / s| <= qmax.
+inline float round_half_even(float x) {
+  constexpr float kMagic = 12582912.0f;  // 1.5 * 2^23 (IEEE arithmetic: built without -ffast-math)
+  return (x + kMagic) - kMagic;
+}
+
 template <typename G, typename Q>
 void quantize_chunks(const G* grad, float* e, int64_t n, int64_t chunk, float qmax, bool add, float* scales, Q* q) {
   const int64_t chunks = (n + chunk - 1) / chunk;
@@ -47,7 +55,7 @@ void quantize_chunks(const G* grad, float* e, int64_t n, int64_t chunk, float qm
       const float s = nan ? std::numeric_limits<float>::quiet_NaN() : amax / qmax;
       const float safe = s > 0.f ? s : 1.f;  // as torch.where(s > 0, s, 1): a NaN scale divides by 1
       for (int64_t i = lo; i < hi; ++i) {
-        const float x = std::min(std::max(std::nearbyint(e[i] / safe), -qmax), qmax);
+        const float x = std::min(std::max(round_half_even(e[i] / safe), -qmax), qmax);
         q[i] = static_cast<Q>(x);
       }
       scales[c] = add ? s : std::numeric_limits<float>::quiet_NaN();  // a non-finite gradient: NaN scales
