@@ -39,7 +39,7 @@ def test_quantize_ef_is_the_reference_bit_for_bit(bits, numel, chunk, dtype):
 
 
 def test_ties_round_half_to_even_like_torch():
-    # g / s lands exactly on .5 for these entries: 127 * (k + 0.5) / 127 ... use s = 1 (max |g| = 127)
+    # max |g| = 127 makes s = 1, so g / s is g itself: the halves must round to the even neighbour
     g = torch.tensor([127.0, 0.5, 1.5, 2.5, -0.5, -1.5, -2.5, 3.5])
     payload = ops.quantize_ef_(torch.zeros(8), g.clone(), 8, 8)
     q, s = parts(payload, 8, 8, 8)

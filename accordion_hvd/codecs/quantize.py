@@ -106,8 +106,8 @@ class Quantize(Codec):
     def payload_bytes(self, numel: int, bits: int) -> int:
         """One rank's payload for a layer: its float32 scales, then its integers, padded to a
         multiple of 4 bytes (so that every layer's scales in a gathered bucket can be read in
-        place as float32)."""
-        return 4 * self.chunks(numel) + -(-numel * bits // 32) * 4
+        place as float32): ``ops.quantize_payload_bytes``, the layout the kernels write."""
+        return ops.quantize_payload_bytes(numel, bits, self.chunk)
 
     def floats_sent(self, state: QuantizeState) -> int:
         """In float32 equivalents (the payload's bytes over 4, rounded up)."""
