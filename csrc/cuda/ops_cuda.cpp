@@ -278,8 +278,6 @@ void restore_if_(const at::Tensor& residual, const at::Tensor& indices, const at
   const_cast<at::Tensor&>(residual).index_put_({index}, at::where(flag, values, residual.index({index})));
 }
 
-}  // namespace
-
 at::Tensor quantize_ef_(const at::Tensor& grad, const at::Tensor& residual, int64_t bits, int64_t chunk,
                         const std::optional<at::Tensor>& finite) {
   check_quantize_ef_args(grad, residual, bits, chunk, finite);
@@ -303,6 +301,8 @@ at::Tensor quantize_average(const at::Tensor& rows, int64_t numel, int64_t bits,
                                         current_stream()));
   return dtype == at::kFloat ? total : total.to(dtype);
 }
+
+}  // namespace
 
 TORCH_LIBRARY_IMPL(accordion, CUDA, m) {
   m.impl("ef_add", &ef_add<ef_add_out_cuda>);
