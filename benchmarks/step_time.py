@@ -19,9 +19,11 @@ every run, and the per-run JSON under a folder of the same name.
 On a GPU machine (no emulated links: ``--local`` runs the workers as processes of this
 machine, ``--nodes`` of them, and ``--rates`` is ignored):
 
-    python benchmarks/step_time.py --local --device cuda --models resnet18,lstm --nodes 2 \
-        --methods floor,ddp-fp16,ddp-r1,ours-r1,ddp-r4,ours-r4,ours-accordion,ours-topk1 \
-        --out benchmarks/results/gpu/step-time.md
+    python benchmarks/step_time.py --local --device cuda --models resnet18 --nodes 2 \
+        --methods floor,ddp-fp16,ddp-r4,ddp-ours-r4,ddp-r1,ddp-ours-r1 --out benchmarks/results/gpu/step-time.md
+
+(the ours-* methods run under horovodrun: not on a machine without Horovod; ddp-ours-* is our
+DDP hook under torchrun.)
 
 Each worker takes GPU local rank mod the GPU count; with fewer GPUs than workers they share
 one, and DDP runs on Gloo instead of NCCL (NCCL needs a GPU per rank): say so with the figures.

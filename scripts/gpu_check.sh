@@ -5,7 +5,7 @@
 #                                    no host sync, the NumPy reference through the DDP hook on
 #                                    CUDA tensors), compute-sanitizer memcheck on the bucket ops
 #   scripts/gpu_check.sh --phase 2   the kernel bars (benchmarks/kernels.py) and a GPU training
-#                                    step against DDP's hook (benchmarks/step_time.py --local);
+#                                    step, our DDP hook against DDP's (benchmarks/step_time.py --local);
 #                                    builds first if phase 1's build is not there (phase 1 leaves
 #                                    the built extension in $OUT: copy it to accordion_hvd/ and
 #                                    carry it, and phase 2 skips the build)
@@ -77,29 +77,32 @@ tests/test_powersgd_ops.py tests/test_powersgd_many.py tests/test_no_host_sync.p
 if [ "$phase" = 1 ]; then
   # ccache, where the image has one, makes a rebuild on a warm machine take seconds
   command -v ccache >/dev/null && export CC="ccache ${CC:-gcc}" CXX="ccache $CXX"
-  step build 190 "$IMPORT" -- $BUILD
+  step build 120 "$IMPORT" -- $BUILD
   step with-cuda 10 - -- $py -c "$WITH_CUDA"
   step tests 90 "$py -m pytest -q --collect-only -p no:cacheprovider $CUDA_TESTS" -- \
     $py -m pytest -q -p no:cacheprovider $CUDA_TESTS
-  step reference 60 "$py -m pytest -q --collect-only -p no:cacheprovider tests/test_ddp_hook.py -k numpy" -- \
+  # six torchrun launches of about 16 s each on an H200 (2026-11-27: 60 s cut it short)
+  step reference 120 "$py -m pytest -q --collect-only -p no:cacheprovider tests/test_ddp_hook.py -k numpy" -- \
     env ACCORDION_TEST_DEVICE=cuda $py -m pytest -q -p no:cacheprovider tests/test_ddp_hook.py -k numpy_reference
   step memcheck 45 "$IMPORT" -- \
     compute-sanitizer --tool memcheck --error-exitcode 3 $py scripts/cuda_sanitize.py --only buckets
   # the build, for phase 2's call to carry if the machine went back in between (16 MiB come back)
   for so in accordion_hvd/_C*.so; do [ -f "$so" ] && [ "$(stat -c %s "$so")" -lt 16000000 ] && cp "$so" "$out/"; done
 else
-  kernels_s=200 train_s=150
+  kernels_s=100 train_s=280
   if [ $dry = 1 ] || ! built; then  # a fresh machine: build first, and the rest gets less time
-    step build 190 "$IMPORT" -- $BUILD
+    step build 120 "$IMPORT" -- $BUILD
     step with-cuda 10 - -- $py -c "$WITH_CUDA"
-    kernels_s=110 train_s=90
+    kernels_s=60 train_s=190
   fi
   step kernels $kernels_s "$py benchmarks/kernels.py --help" -- \
     $py benchmarks/kernels.py --device cuda --dtypes float32 --reps "${BENCH_REPS:-15}" \
       --out "$out/kernels-cuda.md"
+  # our DDP hook against DDP's own, both under torchrun: the image has no Horovod (horovodrun),
+  # and each launch costs about 15 s there, so one model, pairs side by side, a limit per run
   step train $train_s "$py benchmarks/step_time.py --help" -- \
-    $py benchmarks/step_time.py --local --device cuda --models resnet18,lstm --nodes 2 --rounds 2 \
-      --methods floor,ddp-fp16,ddp-r1,ours-r1,ddp-r4,ours-r4 --out "$out/step-time-gpu.md"
+    $py benchmarks/step_time.py --local --device cuda --models resnet18 --nodes 2 --rounds 2 --timeout 60 \
+      --methods floor,ddp-fp16,ddp-r4,ddp-ours-r4,ddp-r1,ddp-ours-r1 --out "$out/step-time-gpu.md"
 fi
 echo "== phase $phase done, status $status" | tee -a "$log"
 exit $status

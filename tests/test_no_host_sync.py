@@ -123,11 +123,12 @@ class SyncFreeOutsideCollectives:
         return getattr(self._channel, name)
 
     def wait(self, handle):
+        mode = torch.cuda.get_sync_debug_mode()  # back to it after: steps before the checked one stay unchecked
         torch.cuda.set_sync_debug_mode(0)
         try:
             return self._channel.wait(handle)
         finally:
-            torch.cuda.set_sync_debug_mode("error")
+            torch.cuda.set_sync_debug_mode(mode)
 
 
 @pytest.mark.cuda

@@ -85,8 +85,8 @@ CUDA = pytest.mark.skipif(not (torch.cuda.is_available() and __import__("accordi
 @pytest.mark.parametrize("bits", [8, 16])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 def test_the_cuda_kernels_are_the_cpu_kernels_bit_for_bit(bits, dtype):
-    """csrc/cuda/quantize.cu (the codec uses it once this has run on a GPU: codecs/quantize.py
-    ``_fused``)."""
+    """csrc/cuda/quantize.cu, which the codec uses on CUDA tensors (codecs/quantize.py
+    ``_fused``, ``decode``; passed on an H200, benchmarks/results/gpu/2026-11-27-h200)."""
     numel, chunk = 100_003, 512
     torch.manual_seed(bits)
     grad, residual = (torch.randn(numel) * 3).to(dtype), torch.randn(numel) * 0.1

@@ -174,7 +174,9 @@ def test_cuda_matches_cpu(grad_dtype):
     gpu = acc.ops.topk_ef_many(*on_gpu, torch.tensor(finite, device="cuda"))
     assert torch.equal(cpu[0], gpu[0].cpu())  # bytes: both write the quiet NaN 0x7fc00000 for the poisoned layer
     assert all(torch.equal(a, b.cpu()) for a, b in zip(on_cpu[1], on_gpu[1]))
-    torch.testing.assert_close(gpu[1].cpu(), cpu[1], rtol=1e-12, atol=0)
+    # g_sq: the CPU kernel adds squares in float lanes within a block (csrc/cpu/topk_pass1.h,
+    # relative error below 2e-5, as test_topk_ef.py holds it to the reference); CUDA in double
+    torch.testing.assert_close(gpu[1].cpu(), cpu[1], rtol=2e-5, atol=0)
     torch.testing.assert_close(gpu[2].cpu(), cpu[2], rtol=1e-12, atol=0)
     flags = [True, False, False, True, True, True]
     acc.ops.restore_many_if_(on_cpu[1], cpu[0], on_cpu[2], torch.tensor(flags))
@@ -192,8 +194,8 @@ def test_cuda_more_layers_than_one_launch_holds():
     grads = [torch.randn(int(n), generator=gen) for n in torch.randint(1, 20_000, (100,), generator=gen)]
     residuals = [torch.zeros_like(g) for g in grads]
     ks = [max(0, g.numel() // 20) for g in grads]
+    gpu_res = [r.cuda() for r in residuals]  # before the CPU call, which updates `residuals`
     cpu = acc.ops.topk_ef_many(grads, residuals, ks)
-    gpu_res = [r.cuda() for r in residuals]
     gpu = acc.ops.topk_ef_many([g.cuda() for g in grads], gpu_res, ks)
     assert torch.equal(cpu[0], gpu[0].cpu())
     assert all(torch.equal(a, b.cpu()) for a, b in zip(residuals, gpu_res))

@@ -183,7 +183,11 @@ class Quantize(Codec):
         qmax = 2 ** (bits - 1) - 1
         n, chunks = g.numel(), self.chunks(g.numel())
         padded = torch.nn.functional.pad(g.float(), (0, chunks * self.chunk - n)).view(chunks, self.chunk)
-        scales = padded.abs().amax(dim=1) / qmax
+        amax = padded.abs().amax(dim=1)
+        # over a tensor on the device, not the number: CUDA torch divides by a Python number
+        # as a multiply by its reciprocal, which rounds differently from the kernels and the
+        # reference (seen on an H200: 123 entries of a layer off by one step)
+        scales = amax / torch.full((), qmax, dtype=amax.dtype, device=amax.device)
         safe = torch.where(scales > 0, scales, torch.ones_like(scales))
         x = padded / safe[:, None]
         if generator is None:
@@ -221,9 +225,9 @@ class Quantize(Codec):
 
     def _fused(self, state: QuantizeState) -> bool:
         """Whether the compiled kernels run this layer's step (ops.quantize_ef_): nearest
-        rounding, float32 error feedback, a device with kernels (the CPU; CUDA not yet)."""
+        rounding, float32 error feedback, a device with kernels (the CPU; CUDA when built)."""
         return (self.rounding == "nearest" and state.residual.dtype == torch.float32
-                and state.residual.device.type == "cpu")
+                and ops.has_kernel(state.residual))
 
     def encode(self, state: QuantizeState, grad: torch.Tensor, finite: torch.Tensor) -> torch.Tensor:
         """g = grad + e into the residual (not if ``finite`` is False: then g = e and the
@@ -250,13 +254,14 @@ class Quantize(Codec):
         """Every rank's payload (a (ranks, bytes) uint8 block) -> their dequantized mean, in
         the gradient's dtype and shape."""
         numel = state.residual.numel()
-        if rows.device.type == "cpu" and rows.stride(-1) == 1:  # csrc/cpu/quantize.cpp, bit for bit the loop below
+        if ops.has_kernel(rows) and rows.stride(-1) == 1:  # csrc/*/quantize.*, bit for bit the loop below
             return ops.quantize_average(rows, numel, state.bits, self.chunk, grad_dtype).view(state.shape)
         total = torch.zeros(numel, dtype=torch.float32, device=rows.device)
         for row in rows:
             q, scales = self._parts(row, numel, state.bits)
             total += self._dequantize(q, scales, numel)
-        return (total / rows.shape[0]).to(grad_dtype).view(state.shape)
+        ranks = torch.full((), rows.shape[0], dtype=total.dtype, device=total.device)  # see _quantize
+        return (total / ranks).to(grad_dtype).view(state.shape)
 
     def settle(self, state: QuantizeState, done: torch.Tensor) -> None:
         """End of step: where it went through (``done``), e = g - q * s; else e keeps g."""

@@ -65,7 +65,9 @@ __global__ void quantize_average_kernel(const uint8_t* __restrict__ rows, int64_
     for (int64_t r = 0; r < ranks; ++r) {
       const uint8_t* row = rows + r * row_stride;
       const float s = reinterpret_cast<const float*>(row)[i / chunk];
-      total += static_cast<float>(reinterpret_cast<const Q*>(row + 4 * chunks)[i]) * s;
+      // _rn: no fused multiply-add (nvcc contracts a * b + c by default), as the CPU and
+      // the reference round the product and then the sum
+      total = __fadd_rn(total, __fmul_rn(static_cast<float>(reinterpret_cast<const Q*>(row + 4 * chunks)[i]), s));
     }
     out[i] = total / static_cast<float>(ranks);
   }
