@@ -68,6 +68,8 @@ METHODS = {  # name -> CLI arguments
     "default-a1": ["--codec", "default", "--interval", "100", "--low-rate", "0"],
     # amendment 2: the same, critical from a tenth of the peak rate down (amendment 3: not the default)
     "default-a2": ["--codec", "default", "--interval", "100", "--low-rate", "0.1"],
+    # amendment 4: the 8-bit candidate, inside the default's link gate
+    "quantize8-gate": ["--codec", "quantize", "--bits", "8", "--policy", "link-gate", "--interval", "100"],
 }
 QUALITY = "perplexity"  # lower is better, in every setting of this protocol
 
