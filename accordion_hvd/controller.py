@@ -125,7 +125,7 @@ class RegimeController:
     def window_ends(self, epoch_end: bool = False) -> bool:
         """Whether the next ``end_step`` (``epoch_end``, with ``epoch_end``) closes a detection
         window whose report needs the network probe's inputs (the engine then hands them over)."""
-        if self.probe is None or not self.policy.uses_norms:
+        if self.probe is None:  # (made for a policy that uses the network, norms or not)
             return False
         if epoch_end:
             return self.interval is None and self._window_steps > 0
@@ -209,18 +209,20 @@ class RegimeController:
     def _end_window(self, control: Any, layers: list[str]) -> dict[str, Level]:
         steps, self._window_steps = self._window_steps, 0
         self.windows += 1
-        if not self.policy.uses_norms:
+        if not self.policy.uses_norms and not self.policy.uses_network:
             return self.policy.end_window(WindowReport({layer: 0.0 for layer in layers}, steps,
                                                        lr_fraction=self._lr_fraction()))
         # The collectives' names carry a digest of the layer list: ranks that compress
         # different layers fail by name instead of comparing the wrong numbers.
         digest = zlib.crc32("\0".join(layers).encode())
         try:
-            local = np.asarray(self._local_norms(layers), dtype=np.float64)
-            total = control.allreduce(local, name=f"acc.window.{len(layers)}.{digest:08x}", op="sum") / control.size
-            norms = {layer: float(v) for layer, v in zip(layers, total)}
-            self._seen.update(layer for layer, v in norms.items() if v != 0)
-            self._known = set(layers)
+            norms = {layer: 0.0 for layer in layers}
+            if self.policy.uses_norms:  # (a link gate around a static policy measures steps alone)
+                local = np.asarray(self._local_norms(layers), dtype=np.float64)
+                total = control.allreduce(local, name=f"acc.window.{len(layers)}.{digest:08x}", op="sum") / control.size
+                norms = {layer: float(v) for layer, v in zip(layers, total)}
+                self._seen.update(layer for layer, v in norms.items() if v != 0)
+                self._known = set(layers)
             probe = self.probe if self.policy.uses_network else None
             network = measure = None
             if probe is not None and probe.levels:

@@ -129,8 +129,8 @@ class NetworkProbe:
 
     def network(self, control, layers: list[str]) -> NetworkReport | None:
         """The window's NetworkReport, the same on every rank (two or three control
-        collectives); None when the exchange has not agreed its buckets yet. Resets the
-        window's timings."""
+        collectives); its ``buckets`` are empty while the exchange has agreed none. Resets
+        the window's timings."""
         local = [self._ready.get(n, 0.0) / self._counts[n] if self._counts.get(n) else 0.0 for n in layers]
         local.append(self._backward / self._steps if self._steps else 0.0)
         local.extend([self._math / self._math_steps, 1.0] if self._math_steps else [0.0, 0.0])  # [math, measured]
@@ -142,8 +142,9 @@ class NetworkProbe:
         math_s = float(mean[-4]) if mean[-3] == 1.0 and self._seconds is not None else None
         mean = mean[:-4]
         link, buckets, self._link, self._buckets = self._link, self._buckets, None, ()
-        if not buckets:
-            return None
+        # No buckets yet (the exchange has issued none: every layer went whole so far, as in
+        # the link gate's dense trial with TopK or Quantize) still reports the measured step;
+        # a policy that predicts from buckets finds them empty and says so.
         states = self.states
         wire = {n: {level: self.codec.wire(states[n].shape, level, states[n].residual.element_size())
                     for level in self.levels} for n in layers}
