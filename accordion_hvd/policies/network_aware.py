@@ -98,15 +98,14 @@ from __future__ import annotations
 import logging
 import math
 import zlib
-from dataclasses import replace
 
-from ..costmodel import Bucket, Link, Round, step_s
 from ..levels import CRITICAL, DENSE, DENSE16, Level
+from . import level_search
 from .accordion import Accordion
 from .base import NetworkReport, Policy, WindowReport
+from .level_search import unusable_network, unusable_errors, wire_bytes
 
 log = logging.getLogger("accordion_hvd.policies")
-_SLACK = 1e-9  # relative: float noise in sums of errors and in simulated times
 _MIN_EXTRA_BYTES = 0.1  # a trial teaches the host cost of a byte if it sent this fraction more than the budget
 _DENSE_LEVELS = {"fp32": DENSE, "fp16": DENSE16}
 
@@ -190,14 +189,14 @@ class NetworkAware(Policy):
         if self._window <= self.warmup:  # a short job stays Accordion: no search, no trial (module doc)
             self.last = {"kept": f"warm-up: Accordion's levels for the first {self.warmup} windows"}
             return self._decided(dict(budget), report)
-        why = _unusable(report.network, budget)
+        why = unusable_network(report.network, budget)
         if not why and self.verify:
             settled = self._settled(budget)
             if settled is not None:  # Accordion's levels, decided without the level errors
                 return self._decided(settled, report)
         if not why:
             errors = report.level_errors()  # measured only now that the search needs them
-            why = _unusable_errors(errors, budget)
+            why = unusable_errors(errors, budget)
         if why:  # the safe choice: every layer gentle, whatever Accordion's regimes say
             log.warning("NetworkAware: every layer at the gentle level for this window: %s", why)
             self.last = {"kept": why}
@@ -209,7 +208,7 @@ class NetworkAware(Policy):
             self.last["verified"] = "trying its own levels against Accordion's measured step"
             self._trial_of = _signature(budget)
             self._trial_model = [self.last["accordion_s"], self.last["predicted_s"],
-                                 _wire_bytes(budget, report.network), _wire_bytes(chosen, report.network)]
+                                 wire_bytes(budget, report.network), wire_bytes(chosen, report.network)]
         return self._decided(chosen, report)
 
     def _decided(self, levels: dict[str, Level], report: WindowReport) -> dict[str, Level]:
@@ -281,101 +280,16 @@ class NetworkAware(Policy):
             return None
         return dict(budget)
 
-    # --- the search -----------------------------------------------------------------------------
+    # --- the search (level_search.py) -------------------------------------------------------
     def choose(self, budget: dict[str, Level], errors: dict[str, dict[Level, float]],
                network: NetworkReport) -> dict[str, Level]:
         """The levels of the fastest predicted step within the budget (see module doc)."""
-        link = network.link
-        network = replace(network, link=Link(alpha=link.alpha * self.headroom, beta=link.beta * self.headroom))
-        layers = sorted(budget, key=lambda n: (network.ready_s[n], n))
-        # each layer's candidates, gentlest (least error) first; ties keep the cheaper wire; a
-        # level with an infinite error cannot carry the layer (float16 for values beyond its range)
-        order = {n: sorted((lv for lv in errors[n] if math.isfinite(errors[n][lv])),
-                           key=lambda lv: (errors[n][lv], _bytes(network.wire[n][lv]), str(lv)))
-                 for n in layers}
-        limit = sum(errors[n][budget[n]] for n in layers) * (1 + _SLACK)
-        levels = dict(budget)
-        reference = self.predict(levels, network, self._host)
-        ceiling = reference * (1 + self.tolerance) + _SLACK * reference
-
-        def error(lv):
-            return sum(errors[n][lv[n]] for n in layers)
-
-        def gentler():
-            for n in layers:
-                for candidate in order[n]:  # gentlest first: take the first that costs no time
-                    if errors[n][candidate] >= errors[n][levels[n]]:
-                        break
-                    trial = {**levels, n: candidate}
-                    if self.predict(trial, network, self._host) <= ceiling:
-                        levels[n] = candidate
-                        break
-
-        gentler()
-        free = dict(levels)  # gentler where it costs nothing: kept unless the trades below gain enough
-        now = self.predict(levels, network, self._host)
-        while True:  # spend the saved error where it buys the most time
-            best, best_rate = None, 0.0
-            spare = limit - error(levels)
-            for n in layers:
-                for candidate in order[n]:
-                    extra = errors[n][candidate] - errors[n][levels[n]]
-                    if extra <= 0 or extra > spare:
-                        continue
-                    trial = {**levels, n: candidate}
-                    saved = now - self.predict(trial, network, self._host)
-                    if saved > _SLACK * now and saved / extra > best_rate:
-                        best, best_rate = (n, candidate), saved / extra
-            if best is None:
-                break
-            levels[best[0]] = best[1]
-            now = self.predict(levels, network, self._host)
-        ceiling = min(ceiling, now * (1 + self.tolerance) + _SLACK * now)
-        gentler()
-        chosen = self.predict(levels, network, self._host)
-        if chosen > reference * (1 - self.min_gain):  # a gain within the model's error: not worth a trade
-            levels, chosen = free, self.predict(free, network, self._host)
-        self.last = {"predicted_s": chosen, "accordion_s": reference, "error": error(levels), "budget": error(budget),
-                     "changed": sum(levels[n] != budget[n] for n in layers), "host_s_per_byte": self._host,
-                     "moved": {n: str(levels[n]) for n in layers if levels[n] != budget[n]}}
-        log.info("NetworkAware: predicted step %.4f s (Accordion's levels: %.4f s), error %.4g of a budget of %.4g, "
-                 "%d of %d layers away from Accordion's level", chosen, reference, self.last["error"],
-                 self.last["budget"], self.last["changed"], len(layers))
+        levels, self.last = level_search.choose(budget, errors, network, headroom=self.headroom,
+                                                tolerance=self.tolerance, min_gain=self.min_gain,
+                                                host_s_per_byte=self._host)
         return levels
 
-    @staticmethod
-    def predict(levels: dict[str, Level], network: NetworkReport, host_s_per_byte: float = 0.0) -> float:
-        """Predicted seconds from the step's first ready gradient to its end, with ``levels``
-        (the cost model's step: buckets issued when complete, one collective at a time, each
-        round after its layers' math on the main thread, each bucket finished by theirs; a
-        layer sent dense is an allreduce of its own, issued when it is ready).
-        ``host_s_per_byte``: main-thread seconds charged before each round per byte it sends."""
-        host = host_s_per_byte
-        buckets = []
-        for names in network.buckets:
-            rounds: list[list] = []  # [kind, bytes, math seconds before it]
-            finish = 0.0
-            for n in names:
-                wire = network.wire[n][levels[n]]
-                kernel = network.kernel_s.get(n, {}).get(levels[n]) or (0.0,) * (len(wire) + 1)
-                if wire[0][0] == "dense":  # outside the buckets: its own allreduce when ready
-                    buckets.append(Bucket(network.ready_s[n], [Round("allreduce", wire[0][1],
-                                                                           kernel[0] + host * wire[0][1])],
-                                          finish_s=kernel[-1]))
-                    continue
-                for i, (kind, nbytes) in enumerate(wire):
-                    if i == len(rounds):
-                        rounds.append([kind, 0, 0.0])
-                    rounds[i][1] += nbytes
-                    rounds[i][2] += kernel[i]
-                finish += kernel[-1]
-            if rounds:
-                ready = max(network.ready_s[n] for n in names)
-                buckets.append(Bucket(ready, [Round(kind, nbytes, math_s + host * nbytes)
-                                              for kind, nbytes, math_s in rounds], finish_s=finish))
-        buckets.sort(key=lambda b: b.ready_s)
-        backward = max([network.backward_s, *(b.ready_s for b in buckets)])
-        return step_s(0.0, backward, buckets, network.link, network.world)
+    predict = staticmethod(level_search.predict)
 
     # --- state --------------------------------------------------------------------------------
     def state_dict(self) -> dict:
@@ -406,51 +320,10 @@ def _signature(levels: dict[str, Level]) -> str:
     return f"{zlib.crc32(';'.join(f'{n}={levels[n]}' for n in sorted(levels)).encode()):08x}"
 
 
-def _bytes(wire) -> int:
-    return sum(nbytes for _, nbytes in wire)
-
-
-def _wire_bytes(levels: dict[str, Level], network: NetworkReport) -> int:
-    """Bytes one rank issues per step with ``levels``."""
-    return sum(_bytes(network.wire[n][levels[n]]) for n in levels)
-
-
 def _fraction(name: str, value) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < 1:
         raise ValueError(f"{name} must be a number in [0, 1), got {value!r}")
     return float(value)
-
-
-def _unusable(network: NetworkReport | None, budget: dict[str, Level]) -> str | None:
-    """Why this window's timings cannot predict a step, or None."""
-    if network is None:
-        return "no timings in this window (no exchange yet)"
-    if network.link is None:
-        return "no link measured in this window"
-    missing = sorted(n for n in budget if n not in network.ready_s or n not in network.wire)
-    if missing:
-        return f"no measurements for {', '.join(missing[:3])}"
-    timings = [network.backward_s, *(network.ready_s[n] for n in budget)]
-    timings += [t for n in budget for kernel in network.kernel_s.get(n, {}).values() for t in kernel]
-    if not all(isinstance(t, (int, float)) and math.isfinite(t) and t >= 0 for t in timings):
-        return "a timing is negative or not finite"
-    if not network.buckets:
-        return "no exchange in this window"
-    return None
-
-
-def _unusable_errors(errors: dict[str, dict[Level, float]] | None, budget: dict[str, Level]) -> str | None:
-    """Why this window's level errors cannot bound a choice, or None."""
-    if errors is None:
-        return "no level errors in this window"
-    missing = sorted(n for n in budget if n not in errors)
-    if missing:
-        return f"no level errors for {', '.join(missing[:3])}"
-    if not all(e >= 0 for n in budget for e in errors[n].values()):  # NaN fails too
-        return "a level error is negative or not a number"
-    if not all(math.isfinite(errors[n].get(budget[n], math.nan)) for n in budget):
-        return "a level Accordion chose has no finite error"
-    return None
 
 
 __all__ = ["NetworkAware"]
