@@ -70,6 +70,8 @@ METHODS = {  # name -> CLI arguments
     "default-a2": ["--codec", "default", "--interval", "100", "--low-rate", "0.1"],
     # amendment 4: the 8-bit candidate, inside the default's link gate
     "quantize8-gate": ["--codec", "quantize", "--bits", "8", "--policy", "link-gate", "--interval", "100"],
+    # amendment 6: the same codec without the gate (whose 1.25x threshold kept it dense)
+    "quantize8": ["--codec", "quantize", "--bits", "8", "--policy", "static", "--interval", "100"],
 }
 QUALITY = "perplexity"  # lower is better, in every setting of this protocol
 
