@@ -247,7 +247,7 @@ def plot(setting: str, runs: dict, target: float) -> None:
 
     fig, ax = plt.subplots(figsize=(8, 5))
     styles = ["-", "--", ":", "-."]
-    for i, (method, got) in enumerate(runs.items()):
+    for i, (method, got) in enumerate((m, got) for m, got in runs.items() if got):  # colours: the methods run
         for j, (seed, r) in enumerate(sorted(got.items())):
             xs = [float(e["wall_s"]) for e in r["evals"]]
             ys = [float(e[QUALITY]) for e in r["evals"]]
