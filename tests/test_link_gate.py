@@ -94,7 +94,10 @@ def test_the_default_configuration_and_what_a_chosen_codec_keeps():
     chosen = acc.AccordionCompressor(acc.PowerSGD(rank=1, critical_rank=4))
     assert isinstance(chosen.policy, Accordion)  # a codec given: Accordion, as before
     gated = acc.AccordionCompressor(acc.TopK(0.01), policy="link-gate").policy
-    assert isinstance(gated, LinkGate) and isinstance(gated.inner, Static)
+    assert isinstance(gated, LinkGate) and isinstance(gated.inner, Static) and gated.pays == 1.25
+    # 8 bits lose no steps: the gate keeps them for any step measurably shorter than dense's
+    assert acc.AccordionCompressor(acc.Quantize(8), policy="link-gate").policy.pays == 1.05
+    assert acc.AccordionCompressor(acc.Quantize(8), policy=LinkGate(Static(), pays=1.5)).policy.pays == 1.5
 
 
 CODECS = {"default": None, "topk": lambda: acc.TopK(0.01), "quantize": lambda: acc.Quantize(8)}

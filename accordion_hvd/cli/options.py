@@ -159,7 +159,9 @@ def parse_args(argv=None, description: str | None = None) -> argparse.Namespace:
     p.add_argument("--lr-gamma", type=float, default=0.1, help="the lr's factor at each of --lr-milestones")
     p.add_argument("--seed", type=int, default=0, help="seed of the initial weights, the data's folds and shuffling")
     p.add_argument("--logdir", type=Path, default=None, help="write steps.csv, eval.csv, TensorBoard events, PNGs")
-    p.add_argument("--checkpoint", type=Path, default=None, help="save here every epoch (PATH.rank<r> per rank)")
+    p.add_argument("--checkpoint", type=Path, default=None,
+                   help="save here every epoch (PATH.rank<r> per rank; under --launcher fsdp a "
+                        "torch.distributed.checkpoint directory PATH)")
     p.add_argument("--resume", type=Path, default=None, help="continue from this --checkpoint PATH")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--inject-nonfinite", type=_fault, action="append", default=[], metavar="STEP@RANK",
@@ -176,9 +178,6 @@ def parse_args(argv=None, description: str | None = None) -> argparse.Namespace:
     if (args.codec == "bf16") != (args.launcher == "fsdp" and args.codec in ("bf16", "fp16")):
         p.error("--codec bf16 is FSDP's reduce in bfloat16 (--launcher fsdp only); --codec fp16 is Horovod's or "
                 "DDP's (under --launcher fsdp use bf16)")
-    if args.launcher == "fsdp" and (args.checkpoint or args.resume):
-        p.error("--checkpoint and --resume are not supported with --launcher fsdp yet (use "
-                "torch.distributed.checkpoint with acc.compress_hsdp's hook in your own loop)")
     if args.nodes is not None and (args.launcher != "fsdp" or args.nodes < 1):
         p.error(f"--nodes is for --launcher fsdp and at least 1, got {args.nodes}")
     if args.batch_mode and args.launcher != "horovod":

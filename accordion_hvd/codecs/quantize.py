@@ -60,6 +60,10 @@ class Quantize(Codec):
 
     levels = (NORMAL, CRITICAL)
     measures_gain = False
+    # 8 bits lose no steps against 16-bit dense (evidence-v2, 3 seeds each: validation after
+    # the standard epochs 27.99 against 27.92 on the transformer, 31.85 against 31.83 on the
+    # LSTM): a compressed step need only beat dense's by more than a measurement's noise.
+    gate_pays = 1.05
 
     def __init__(self, bits: int = 8, critical_bits: int | None = None, *, chunk: int = 512,
                  rounding: str = "nearest", min_numel: int = 1024, seed: int = 0) -> None:

@@ -17,16 +17,17 @@ __all__ = ["Accordion", "GraVAC", "LinkGate", "NetworkAware", "NetworkReport", "
            "make_policy"]
 
 
-def make_policy(policy, *, eta: float, codec_adaptive: bool) -> Policy:
+def make_policy(policy, *, eta: float, codec_adaptive: bool, gate_pays: float = 1.25) -> Policy:
     """``policy`` as given to AccordionCompressor: None (Accordion when the codec has two
     levels, else Static), a name ("accordion", "static", "gravac", "network-aware",
-    "link-gate": LinkGate around what None gives: the library's default), or a Policy instance."""
+    "link-gate": LinkGate around what None gives, with the codec's ``gate_pays``: the
+    library's default), or a Policy instance."""
     if policy is None:
         return Accordion(eta) if codec_adaptive else Static()
     if isinstance(policy, str):
         choices = {"accordion": lambda: Accordion(eta), "static": Static, "gravac": GraVAC,
                    "network-aware": lambda: NetworkAware(eta),
-                   "link-gate": lambda: LinkGate(Accordion(eta) if codec_adaptive else Static())}
+                   "link-gate": lambda: LinkGate(Accordion(eta) if codec_adaptive else Static(), pays=gate_pays)}
         if policy not in choices:
             raise ValueError(f"policy must be one of {sorted(choices)} or a Policy instance, got {policy!r}")
         return choices[policy]()
