@@ -5,11 +5,18 @@ file and what is wrong with it.
 Resuming with another number of ranks works: every rank reads rank 0's file (parameters,
 optimizer state, levels, warm-start Q, the controller's and policy's state and the counters
 are the same on every rank), and the error feedback, which is each old rank's own unsent
-gradient and has no owner in the new world, starts from zero, with a warning saying so."""
+gradient and has no owner in the new world, starts from zero, with a warning saying so.
+
+Under ``--launcher fsdp`` the parameters and optimizer state are sharded: PATH is then a
+``torch.distributed.checkpoint`` directory (the model's and optimizer's sharded state, the
+compressed all-reduce's per-rank state through its ``Stateful`` hook, the counters), written
+into PATH.tmp and moved into place once every rank has written; another mesh reshards the
+model and optimizer on load, and the compressor starts again with a warning (accordion_hvd/hsdp.py)."""
 
 from __future__ import annotations
 
 import logging
+import shutil
 from pathlib import Path
 
 import torch
@@ -22,6 +29,8 @@ def checkpoint_path(base: Path, rank: int) -> Path:
 
 
 def save_checkpoint(path: Path, front, epoch: int, step: int, model, opt, compression, batch) -> None:
+    if front.name == "fsdp":
+        return _save_sharded(path, front, epoch, step, model, opt, compression)
     state = {"epoch": epoch, "step": step, "world_size": front.size, "model": model.state_dict(),
              "optimizer": opt.state_dict(), "compression": compression.state_dict(),
              "batch": batch.state_dict() if batch is not None else None}
@@ -46,6 +55,8 @@ def read_checkpoint(path: Path, source: Path, device: torch.device | None = None
 
 def load_checkpoint(path: Path, front, model, opt, compression, batch, device: torch.device) -> tuple[int, int]:
     """Restore everything ``save_checkpoint`` wrote; returns (epoch, step) to continue from."""
+    if front.name == "fsdp":
+        return _load_sharded(path, front, model, opt, compression)
     source = checkpoint_path(path, front.rank)
     first = checkpoint_path(path, 0)
     if not first.is_file():
@@ -72,3 +83,58 @@ def load_checkpoint(path: Path, front, model, opt, compression, batch, device: t
             raise SystemExit(f"--resume {path}: that run had no --batch-mode")
         batch.load_state_dict(state["batch"])
     return state["epoch"], state["step"]
+
+
+# --- --launcher fsdp: torch.distributed.checkpoint ----------------------------------------------
+
+def _sharded_state(front, model, opt, compression, meta: dict) -> dict:
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model_sd, opt_sd = get_state_dict(model, opt)
+    state = {"model": model_sd, "optimizer": opt_sd, "meta": meta}
+    if front.hook is not None:  # ours: each rank's compressor state under its own key (hsdp.py)
+        state["accordion"] = front.hook
+    else:  # FSDP's own all-reduce: the floats counted, the same on every rank
+        state["meta"]["compression"] = compression.state_dict()
+    return state
+
+
+def _save_sharded(path: Path, front, epoch: int, step: int, model, opt, compression) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    tmp = path.with_name(path.name + ".tmp")
+    if front.rank == 0 and tmp.exists():
+        shutil.rmtree(tmp)
+    front.dist.barrier()
+    meta = {"epoch": epoch, "step": step, "world_size": front.size, "mesh": f"{front.nodes}x{front.size // front.nodes}"}
+    dcp.save(_sharded_state(front, model, opt, compression, meta), checkpoint_id=str(tmp))
+    front.dist.barrier()  # every rank has written its shards and DCP its metadata
+    if front.rank == 0:  # never a half-written checkpoint at PATH (the old one goes first)
+        if path.exists():
+            shutil.rmtree(path)
+        tmp.replace(path)
+    front.dist.barrier()
+
+
+def _load_sharded(path: Path, front, model, opt, compression) -> tuple[int, int]:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import DefaultLoadPlanner
+    from torch.distributed.checkpoint.state_dict import set_state_dict
+
+    if not (path / ".metadata").is_file():
+        raise SystemExit(f"--resume {path}: not a checkpoint written by --checkpoint under --launcher fsdp "
+                         f"(a torch.distributed.checkpoint directory with its .metadata)")
+    meta = {"epoch": 0, "step": 0, "world_size": 0, "mesh": ""}
+    state = _sharded_state(front, model, opt, compression, meta)
+    try:  # another mesh: the model and optimizer reshard; our hook warns and starts again
+        dcp.load(state, checkpoint_id=str(path), planner=DefaultLoadPlanner(allow_partial_load=True))
+    except Exception as exc:
+        raise SystemExit(f"--resume {path}: cannot load it: {type(exc).__name__}: {exc}") from None
+    set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+    meta = state["meta"]
+    if front.hook is None:
+        try:
+            compression.load_state_dict(meta.get("compression"))
+        except ValueError as exc:
+            raise SystemExit(f"--resume {path}: {exc}") from None
+    return int(meta["epoch"]), int(meta["step"])

@@ -114,6 +114,7 @@ class FSDPFrontEnd(DDPFrontEnd):
         self.nodes = nodes if nodes is not None else self.size // per_node
         if self.nodes < 1 or self.size % self.nodes:
             raise SystemExit(f"--nodes {self.nodes} does not divide the {self.size} ranks")
+        self.hook = None  # our compressed all-reduce's hook (checkpoints), once wrapped
 
     def wrap(self, model: torch.nn.Module, opt: torch.optim.Optimizer, compression, device: torch.device):
         from torch.distributed.device_mesh import init_device_mesh
@@ -136,7 +137,7 @@ class FSDPFrontEnd(DDPFrontEnd):
         self.shard_floats = sum(p.to_local().numel() for p in sharded.values() if p.requires_grad)
         if ours:
             from ..hsdp import compress_hsdp
-            compress_hsdp(model, compression, mesh, optimizer=opt)
+            self.hook = compress_hsdp(model, compression, mesh, optimizer=opt)
         return model, opt
 
     def step(self, opt, compression) -> None:
