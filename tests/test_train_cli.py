@@ -104,6 +104,26 @@ def test_gravac_policy_trains_and_records_its_choices(tmp_path):
     assert accuracy > 0.9, out
 
 
+def test_resume_is_exact_with_dropout(tmp_path):
+    """The LSTM language model draws dropout masks: the checkpoint carries the random
+    streams, so a run resumed after epoch 1 ends epoch 2 with the parameters of the run that
+    never stopped, bit for bit (without them, the masks after the resume differ)."""
+    lstm = ["--dataset", "text", "--model", "lstm", "--lr", "0.5", "--batch-size", "256", "--codec", "powersgd",
+            "--rank", "2", "--no-progress"]
+    whole, half, resumed = tmp_path / "whole", tmp_path / "half", tmp_path / "resumed"
+    run_module("accordion_hvd.train", *lstm, "--epochs", "2", "--checkpoint", str(whole), np=2, backend="gloo")
+    run_module("accordion_hvd.train", *lstm, "--epochs", "1", "--checkpoint", str(half), np=2, backend="gloo")
+    out = run_module("accordion_hvd.train", *lstm, "--epochs", "2", "--resume", str(half), "--checkpoint",
+                     str(resumed), np=2, backend="gloo")
+    assert "resumed from" in out and "at epoch 1" in out, out
+    for rank in range(2):
+        a = torch.load(f"{whole}.rank{rank}", weights_only=False)
+        b = torch.load(f"{resumed}.rank{rank}", weights_only=False)
+        assert a["step"] == b["step"] and torch.equal(a["rng"]["cpu"], b["rng"]["cpu"])
+        for name in a["model"]:
+            assert torch.equal(a["model"][name], b["model"][name]), f"rank {rank}: {name} differs"
+
+
 def test_resume_with_another_number_of_ranks_keeps_all_but_the_error_feedback(tmp_path):
     """2 ranks checkpoint, 3 ranks resume: each new rank starts from rank 0's parameters,
     optimizer state, levels, Q and counters (the error feedback restarts at zero, with a

@@ -33,7 +33,7 @@ def save_checkpoint(path: Path, front, epoch: int, step: int, model, opt, compre
         return _save_sharded(path, front, epoch, step, model, opt, compression)
     state = {"epoch": epoch, "step": step, "world_size": front.size, "model": model.state_dict(),
              "optimizer": opt.state_dict(), "compression": compression.state_dict(),
-             "batch": batch.state_dict() if batch is not None else None}
+             "batch": batch.state_dict() if batch is not None else None, "rng": _rng_state()}
     target = checkpoint_path(path, front.rank)
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = target.with_name(target.name + ".tmp")
@@ -82,7 +82,24 @@ def load_checkpoint(path: Path, front, model, opt, compression, batch, device: t
         if state.get("batch") is None:
             raise SystemExit(f"--resume {path}: that run had no --batch-mode")
         batch.load_state_dict(state["batch"])
+    if state.get("rng") is not None:  # (checkpoints from before it have none: dropout then differs)
+        _set_rng_state(state["rng"])
     return state["epoch"], state["step"]
+
+
+def _rng_state() -> dict:
+    """The random streams training draws from (dropout): every rank seeds them alike and draws
+    alike, so any rank's state is every rank's."""
+    state = {"cpu": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def _set_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["cpu"].cpu())
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"].cpu())
 
 
 # --- --launcher fsdp: torch.distributed.checkpoint ----------------------------------------------
@@ -91,7 +108,7 @@ def _sharded_state(front, model, opt, compression, meta: dict) -> dict:
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
     model_sd, opt_sd = get_state_dict(model, opt)
-    state = {"model": model_sd, "optimizer": opt_sd, "meta": meta}
+    state = {"model": model_sd, "optimizer": opt_sd, "meta": meta, "rng": _rng_state()}
     if front.hook is not None:  # ours: each rank's compressor state under its own key (hsdp.py)
         state["accordion"] = front.hook
     else:  # FSDP's own all-reduce: the floats counted, the same on every rank
@@ -131,6 +148,7 @@ def _load_sharded(path: Path, front, model, opt, compression) -> tuple[int, int]
     except Exception as exc:
         raise SystemExit(f"--resume {path}: cannot load it: {type(exc).__name__}: {exc}") from None
     set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+    _set_rng_state(state["rng"])
     meta = state["meta"]
     if front.hook is None:
         try:
