@@ -143,7 +143,7 @@ class NetworkProbe:
         mean = mean[:-4]
         link, buckets, self._link, self._buckets = self._link, self._buckets, None, ()
         # No buckets yet (the exchange has issued none: every layer went whole so far, as in
-        # the link gate's dense trial with TopK or Quantize) still reports the measured step;
+        # the link gate's dense trial with a single-level codec) still reports the measured step;
         # a policy that predicts from buckets finds them empty and says so.
         states = self.states
         wire = {n: {level: self.codec.wire(states[n].shape, level, states[n].residual.element_size())
