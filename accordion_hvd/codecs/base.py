@@ -45,8 +45,8 @@ class Codec:
     measures_gain: bool = False
     # The link gate's threshold for this codec (policies/link_gate.py ``pays``): how much
     # shorter than a 16-bit dense step its compressed step must be to be kept, i.e. how many
-    # more steps than dense it may need to reach a quality. Lossy codecs: 1.25.
-    gate_pays: float = 1.25
+    # more steps than dense it may need to reach a quality. None: the gate's own default.
+    gate_pays: float | None = None
 
     def compressible(self, shape: torch.Size) -> bool:
         """Whether a gradient of this shape is compressed (else it is sent as it is)."""

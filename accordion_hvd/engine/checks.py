@@ -24,7 +24,7 @@ def resolve(codec, policy: Any, eta: float, interval: int | None):
     exchange_for(codec)
     eta = float(positive_number("eta", eta))
     interval = None if interval is None else positive_number("interval", interval, integer=True)
-    policy = make_policy(policy, eta=eta, codec_adaptive=codec.adaptive, gate_pays=getattr(codec, "gate_pays", 1.25))
+    policy = make_policy(policy, eta=eta, codec_adaptive=codec.adaptive, gate_pays=getattr(codec, "gate_pays", None))
     if policy.needs_two_levels and not codec.adaptive:
         raise ValueError(f"policy {policy!r} switches each layer between the codec's two levels, but {codec!r} "
                          f"has one; give the codec a gentler critical level (PowerSGD(rank=1, critical_rank=4), "

@@ -17,7 +17,7 @@ __all__ = ["Accordion", "GraVAC", "LinkGate", "NetworkAware", "NetworkReport", "
            "make_policy"]
 
 
-def make_policy(policy, *, eta: float, codec_adaptive: bool, gate_pays: float = 1.25) -> Policy:
+def make_policy(policy, *, eta: float, codec_adaptive: bool, gate_pays: float | None = None) -> Policy:
     """``policy`` as given to AccordionCompressor: None (Accordion when the codec has two
     levels, else Static), a name ("accordion", "static", "gravac", "network-aware",
     "link-gate": LinkGate around what None gives, with the codec's ``gate_pays``: the
@@ -27,7 +27,8 @@ def make_policy(policy, *, eta: float, codec_adaptive: bool, gate_pays: float = 
     if isinstance(policy, str):
         choices = {"accordion": lambda: Accordion(eta), "static": Static, "gravac": GraVAC,
                    "network-aware": lambda: NetworkAware(eta),
-                   "link-gate": lambda: LinkGate(Accordion(eta) if codec_adaptive else Static(), pays=gate_pays)}
+                   "link-gate": lambda: LinkGate(Accordion(eta) if codec_adaptive else Static(),
+                                                 **({} if gate_pays is None else {"pays": gate_pays}))}
         if policy not in choices:
             raise ValueError(f"policy must be one of {sorted(choices)} or a Policy instance, got {policy!r}")
         return choices[policy]()
