@@ -114,3 +114,40 @@ def quantized_average(payloads: list[tuple[torch.Tensor, torch.Tensor]], chunk: 
     for q, scales in payloads:
         total = total + q.float() * scales.repeat_interleave(chunk)[:q.numel()]
     return total / len(payloads)
+
+
+def quantize_chunks_ef(grad: torch.Tensor, residual: torch.Tensor, bits: int, chunk: int, k: int, skip: float):
+    """One step of Quantize with sparse chunks (``skip_energy``; codecs/quantize_chunks.py), as
+    the codec must compute it: ``g = grad + residual``; the chunks ordered by their energy
+    (sum of squares in float64), largest first, ties by position; the first ``k`` of them
+    quantized as ``quantize_ef`` does (the last chunk zero-padded); ``k_next``, the fewest of
+    that order holding at least ``1 - skip`` of the energy. Returns ``(indices (ascending),
+    q, scales, k_next, new_residual)``, the new residual being g less what was sent."""
+    g = residual.reshape(-1) + grad.reshape(-1).to(residual.dtype)
+    n = g.numel()
+    parts = [torch.cat([g[s:s + chunk].float(), torch.zeros(max(0, s + chunk - n))]) for s in range(0, n, chunk)]
+    energy = [float(part.double().square().sum()) for part in parts]
+    order = sorted(range(len(parts)), key=lambda c: (-energy[c], c))
+    total, cum, k_next = sum(energy[c] for c in order), 0.0, 0  # summed in that order, as the codec's cumsum
+    for c in order:
+        if cum >= (1.0 - skip) * total:
+            break
+        cum += energy[c]
+        k_next += 1
+    indices = sorted(order[:k])
+    q, scales, _ = quantize_ef(torch.cat([parts[c] for c in indices]), torch.zeros(k * chunk), bits, chunk)
+    sent = torch.zeros(len(parts) * chunk)
+    for i, c in enumerate(indices):
+        sent[c * chunk:(c + 1) * chunk] = q[i * chunk:(i + 1) * chunk].float() * scales[i]
+    return torch.tensor(indices), q, scales, max(1, k_next), g - sent[:n].to(g.dtype)
+
+
+def quantized_chunks_average(payloads: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], numel: int,
+                             chunk: int) -> torch.Tensor:
+    """What every rank gets from sparse chunks: the mean over ranks of each rank's
+    ``(indices, q, scales)`` dequantized in place, in float32."""
+    total = torch.zeros(-(-numel // chunk) * chunk)
+    for indices, q, scales in payloads:
+        for i, c in enumerate(indices.tolist()):
+            total[c * chunk:(c + 1) * chunk] += q[i * chunk:(i + 1) * chunk].float() * scales[i]
+    return total[:numel] / len(payloads)

@@ -27,6 +27,7 @@ import torch
 
 import accordion_hvd as acc
 from accordion_hvd import reference
+from accordion_hvd.codecs.quantize import dequantize_flat, quantize_flat
 from machine import cpu_model
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -109,7 +110,7 @@ def _torch_quantize(grad, residual, bits, chunk=512):
     per-chunk absmax scales, round, the payload bytes."""
     codec = acc.Quantize(bits, chunk=chunk)
     g = residual.add_(grad)
-    q, scales = codec._quantize(g, bits, None)
+    q, scales = quantize_flat(g, bits, chunk)
     pad = codec.payload_bytes(q.numel(), bits) - 4 * scales.numel() - q.numel() * q.element_size()
     return torch.cat([scales.view(torch.uint8), q.view(torch.uint8), torch.zeros(pad, dtype=torch.uint8)])
 
@@ -136,7 +137,7 @@ def _quantize_average_case(bits, world=4):
         codec = acc.Quantize(b, chunk=512)
         total = torch.zeros(n, device=rows.device)
         for row in rows:
-            total += codec._dequantize(*codec._parts(row, n, b), n)
+            total += dequantize_flat(*codec._parts(row, n, b), n, codec.chunk)
         return (total / rows.shape[0]).to(dt)
     return Case(
         f"quantize_average {bits} bits x{world} ranks", _quantize_average_inputs(bits, world),

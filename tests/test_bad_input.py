@@ -152,6 +152,42 @@ def topk_min_compression_rate_zero():
 
 
 @case
+def quantize_bits_unsupported():
+    return refused(ValueError, "bits", "(8, 16)", action=lambda: acc.Quantize(bits=4))
+
+
+@case
+def quantize_bits_float():
+    return refused(ValueError, "bits", "8.0", action=lambda: acc.Quantize(bits=8.0))
+
+
+@case
+def quantize_critical_bits_below_bits():
+    return refused(ValueError, "critical_bits", action=lambda: acc.Quantize(bits=16, critical_bits=8))
+
+
+@case
+def quantize_chunk_zero():
+    return refused(ValueError, "chunk", "positive", action=lambda: acc.Quantize(chunk=0))
+
+
+@case
+def quantize_rounding_unknown():
+    return refused(ValueError, "rounding", "stochastic", action=lambda: acc.Quantize(rounding="floor"))
+
+
+@case
+def codec_lacking_the_protocol():
+    class HalfACodec:  # a user's codec with only some of codecs/base.py's methods
+        levels = ()
+
+        def compressible(self, shape):
+            return True
+    return refused(TypeError, "HalfACodec lacks", "init_state", "codecs/base.py",
+                   action=lambda: compressor(HalfACodec()))
+
+
+@case
 def compressor_codec_name_instead_of_codec():
     return refused(TypeError, "codec", action=lambda: acc.AccordionCompressor("powersgd"))
 
@@ -541,6 +577,29 @@ def load_state_dict_nan_residual():
         state["layers"]["w"]["residual"][0] = float("nan")
         return refused(ValueError, "not finite", "'w'", action=lambda: c.load_state_dict(state))
     return twin_check(lambda: acc.TopK(0.05), bad)
+
+
+@case
+def load_state_dict_unknown_codec():
+    def bad(c):
+        state = trained(acc.Quantize(8)).state_dict()
+        state["config"]["codec"] = "fp4-magic"
+        return refused(ValueError, "codec", "'fp4-magic'", action=lambda: c.load_state_dict(state))
+    return twin_check(lambda: acc.Quantize(8), bad)
+
+
+@case
+def quantize_gradient_with_nan():
+    comp = compressor(acc.Quantize(8))
+    step(comp, {"w": torch.randn(64, 48)})
+    grad = torch.randn(64, 48)
+    grad[5, 7] = float("nan")
+    out = step(comp, {"w": grad})
+    assert comp.step_skipped and torch.count_nonzero(out["w"]) == 0
+    assert torch.isfinite(comp.engine.layers["w"].residual).all()
+    after = step(comp, {"w": torch.randn(64, 48)})
+    assert not comp.step_skipped and torch.isfinite(after["w"]).all()
+    return "output: step skipped (zero gradients), error feedback finite, next step normal"
 
 
 @case

@@ -28,7 +28,7 @@ def _run(mode, backend, np, env=None, steps=STEPS):
 
 
 @pytest.mark.parametrize("backend,np", WORLDS)
-@pytest.mark.parametrize("mode", ["powersgd", "topk", "quantize"])
+@pytest.mark.parametrize("mode", ["powersgd", "topk", "quantize", "quantize-sparse"])
 def test_matches_numpy_reference(mode, backend, np):
     _run(mode, backend, np)
 

@@ -32,7 +32,7 @@ def make_codec(args):
     if args.codec == "topk":
         return TopK(args.ratio, args.critical_ratio)
     if args.codec == "quantize":
-        return Quantize(args.bits, args.critical_bits)
+        return Quantize(args.bits, args.critical_bits, skip_energy=args.skip_energy)
     return None
 
 
@@ -101,6 +101,9 @@ def parse_args(argv=None, description: str | None = None) -> argparse.Namespace:
     p.add_argument("--bits", type=int, default=8, help="Quantize: bits per entry in normal regimes (8 or 16)")
     p.add_argument("--critical-bits", type=int, default=None,
                    help="Quantize: bits in critical regimes (default: none: --bits in every regime)")
+    p.add_argument("--skip-energy", type=float, default=0.0,
+                   help="Quantize: the share of a step's energy that may wait in error feedback, whole chunks at a "
+                        "time (sparse chunks; default 0: every chunk is sent)")
     p.add_argument("--policy", choices=POLICIES, default=None,
                    help="level policy (default: accordion when a critical level is given, else static)")
     p.add_argument("--eta", type=float, default=0.5, help="Accordion threshold on the relative norm change")

@@ -71,6 +71,10 @@ class Codec:
         bytes on the wire with it, and a network-aware policy prices a level with it."""
         raise NotImplementedError
 
+    # Optional: ``bytes_sent(state)``, the bytes a layer put on the wire in the step just
+    # encoded, for a codec whose payload's size is not a function of the layer's level alone
+    # (Quantize's sparse chunks); without it, ``stats()`` counts ``wire``'s.
+
     def state_to_dict(self, state) -> dict:
         """A layer's state as plain values and tensors (copies)."""
         raise NotImplementedError
@@ -91,7 +95,7 @@ def check_codec(codec) -> None:
     if not missing:
         missing = [name for name in REQUIRED if _unimplemented(codec, name)]
     if missing:
-        raise TypeError(f"codec must be acc.PowerSGD(...), acc.TopK(...) or another implementation of the codec "
+        raise TypeError(f"codec must be acc.PowerSGD(...), acc.TopK(...), acc.Quantize(...) or another implementation of the codec "
                         f"protocol (accordion_hvd/codecs/base.py): {type(codec).__name__} lacks {', '.join(missing)}")
 
 

@@ -11,7 +11,9 @@ Per layer, with the gradient viewed as an n x m matrix (shape[0] x the rest):
     e = M - M_hat    (once the step is known not to be skipped)
 
 The codec does the math of each phase (``start``, ``middle``, ``finish``, ``settle``); the
-engine does the two averaging rounds for all layers at once in between. Nothing here reads
+engine does the two averaging rounds for all layers at once in between. Two parts of the
+class have files of their own: the same phases for a whole bucket in one kernel call each
+(powersgd_bucket.py) and what a level costs and loses (powersgd_cost.py). Nothing here reads
 a tensor on the host: a non-finite gradient is handled with 0-d bool flags on the device.
 """
 
@@ -26,7 +28,9 @@ import torch
 from .. import ops, reference
 from ..levels import CRITICAL, DENSE, DENSE16, NORMAL, UNCOMPRESSED, Level, check_level, positive_number
 from .base import Codec
-from ._common import flush_whole, residual_dtype, rounding_error, settle_sent, whole_layer_work, wire_dtype
+from .powersgd_bucket import PowerSGDBucketPhases
+from .powersgd_cost import PowerSGDCosts
+from ._common import flush_whole, residual_dtype, settle_sent
 
 
 @dataclass
@@ -43,7 +47,7 @@ class PowerSGDState:
     factors: tuple[torch.Tensor, torch.Tensor] | None = None  # (P, Q^T) of M_hat, from ``finish`` to ``settle``
 
 
-class PowerSGD(Codec):
+class PowerSGD(PowerSGDCosts, PowerSGDBucketPhases, Codec):
     """Low-rank codec: ``rank`` in normal regimes, ``critical_rank`` in critical ones.
 
     Args:
@@ -108,72 +112,6 @@ class PowerSGD(Codec):
     def floats_sent(self, state: PowerSGDState) -> int:
         n, m = state.residual.shape
         return n * m if state.level in UNCOMPRESSED else (n + m) * state.rank
-
-    # --- what a level costs and loses (the network-aware policy) -----------------------------
-    def wire(self, shape: torch.Size, level: Level, itemsize: int = 4) -> tuple[tuple[str, int], ...]:
-        """The collectives one layer of ``shape`` costs at ``level``: (kind, bytes per rank)
-        for P (n x r) and for Q (m x r), both averaged; at DENSE, M (n x m) in the P round;
-        at DENSE16, M in float16 through Horovod's allreduce, outside the buckets ("dense")."""
-        n, m = self.matrix_shape(shape)
-        if level == DENSE:  # M itself, in its bucket's P round; no Q round
-            return (("allreduce", itemsize * n * m),)
-        if level == DENSE16:
-            return (("dense", min(itemsize, 2) * n * m),)
-        r = self.level_rank(level, shape)
-        return ("allreduce", itemsize * n * r), ("allreduce", itemsize * m * r)
-
-    def kernel_work(self, shape: torch.Size, level: Level, itemsize: int = 4) -> tuple[float, ...]:
-        """The math one layer of ``shape`` costs at ``level``, in work units (a byte of memory
-        read or written, or a multiply-add, counted alike: the kernels are memory-bound on
-        the CPU, and one rate, which the network-aware probe measures, prices both): the work
-        before each of ``wire``'s rounds can be issued, then the finishing work (result and
-        error feedback).
-
-        At rank r, n x m: M = grad + e and P = M Q (3 passes over M, nmr); orthogonalization
-        and Q^T = P^T M (1 pass, nmr); M_hat = P Q^T into the result (1 pass, nmr) and
-        e -= M_hat (3 passes). Sent whole: ``_common.whole_layer_work``."""
-        n, m = self.matrix_shape(shape)
-        nm = n * m
-        if level in UNCOMPRESSED:
-            return whole_layer_work(nm, level, itemsize)
-        r = self.level_rank(level, shape)
-        return 3.0 * nm * itemsize + nm * r, nm * itemsize + nm * r + n * r * r, 4.0 * nm * itemsize + nm * r
-
-    @torch.no_grad()
-    def level_errors(self, state: PowerSGDState, grad: torch.Tensor, levels: tuple[Level, ...]) -> list[float]:
-        """Squared error ``||M - M_hat||^2`` of compressing ``M = grad + e`` at each of ``levels``.
-
-        Two subspace iterations from the layer's seeded start: P = orth(M Q0), P = orth(M M^T P);
-        then ``M_hat = P P^T M`` is the projection onto P, whose error is ``||M||^2 - ||P^T M||^2``.
-        Orthogonalization keeps a column's span independent of the columns after it, so one run
-        at the largest rank gives every smaller rank's error from its first columns. This is what
-        PowerSGD's warm-started power iteration approaches after a few steps (and never below the
-        best rank-r error, the tail of M's singular values); it costs four n x m x r products.
-
-        The products run in the residual's precision (float32 for 16- and 32-bit gradients) and
-        only the sums of squares in float64: in float64 throughout they cost 3x as much (0.40 s
-        against 0.14 s per window for ResNet-18 on one core) for a relative change of the errors
-        of at most 1e-7 (benchmarks/results/level-errors.md)."""
-        n, m = state.residual.shape
-        M = grad.reshape(n, m).to(state.residual.dtype) + state.residual
-        ranks = [self.level_rank(level, state.shape) for level in levels]
-        if max(ranks) == 0:
-            return [self._whole_error(M, level, grad.dtype) for level in levels]
-        top = max(ranks)
-        start = self._fresh_columns(state.name, m, 0, top, M.dtype, M.device)
-        p = torch.linalg.qr(M @ start).Q
-        p = torch.linalg.qr(M @ (M.t() @ p)).Q
-        kept = torch.cumsum((p.t() @ M).square().sum(dim=1, dtype=torch.float64), 0)
-        total = float(M.square().sum(dtype=torch.float64))
-        # rank 0: sent whole, exact but for what float16 rounds away at DENSE16
-        return [max(0.0, total - float(kept[r - 1])) if r > 0 else self._whole_error(M, level, grad.dtype)
-                for level, r in zip(levels, ranks)]
-
-    @staticmethod
-    def _whole_error(M: torch.Tensor, level: Level, grad_dtype: torch.dtype) -> float:
-        """The error of sending M whole: none at DENSE (in the float32 P round), float16's
-        rounding at DENSE16."""
-        return rounding_error(M, wire_dtype(level, grad_dtype)) if level == DENSE16 else 0.0
 
     # --- state ------------------------------------------------------------------------------
     def init_state(self, name: str, grad: torch.Tensor, level: Level = NORMAL) -> PowerSGDState:
@@ -312,58 +250,6 @@ class PowerSGD(Codec):
             return grad
         return (p @ qt_avg).to(grad.dtype).view(state.shape)
 
-    # --- the same phases for a whole bucket, one kernel call each ---------------------------
-    @staticmethod
-    def encodes_many(state: PowerSGDState) -> bool:
-        """Whether the layer goes through the bucket ops (``start_many`` ... ``settle_many``):
-        compressed, a float32 residual on a device with kernels, a rank they take. (float64
-        layers and ranks above ``ops.MAX_BUCKET_RANK`` go layer by layer; so does a DENSE
-        layer, whose M itself is its P.)"""
-        e = state.residual
-        return (state.level not in UNCOMPRESSED and e.dtype == torch.float32 and ops.has_kernel(e)
-                and state.rank <= ops.MAX_BUCKET_RANK)
-
-    @staticmethod
-    def start_many(states: list[PowerSGDState], grads: list[torch.Tensor], finite: torch.Tensor) -> torch.Tensor:
-        """``start`` for a bucket in one call: M = grad + e into each residual and every P,
-        one after the other in one flat float32 tensor (the bucket's P payload). ``finite``
-        (1-d bool, one flag per layer): a layer flagged False keeps its e and sends NaN."""
-        return ops.powersgd_p_many([g.contiguous() for g in grads], [s.residual for s in states],
-                                   [s.q.t() for s in states], finite)
-
-    def middle_many(self, states: list[PowerSGDState], p_avgs: list[torch.Tensor]) -> torch.Tensor:
-        """``middle`` for a bucket: orthogonalizes every averaged P (one call), keeps it for
-        ``finish_many``, and returns every layer's Q^T = P^T M (r x m) in one flat float32
-        tensor (the bucket's Q^T payload)."""
-        ops.orthogonalize_(p_avgs, self.eps)
-        for state, p in zip(states, p_avgs):
-            state.p = p
-        return ops.powersgd_qt_many(p_avgs, [s.residual for s in states])
-
-    @staticmethod
-    def finish_many(states: list[PowerSGDState], qt_avgs: list[torch.Tensor], grads: list[torch.Tensor],
-                    ok: torch.Tensor | None) -> list[torch.Tensor]:
-        """``finish`` for a bucket: each M_hat = P Q^T in one call, written into the gradient's
-        memory where it can be (as ``finish``), and each Q^T (the next step's warm start) set to
-        the average in place; with ``ok`` (0-d bool) False the results are zero and every Q is
-        kept. ``settle_many`` needs ``ok`` again."""
-        outs = [g if g.is_contiguous() and not g.requires_grad and g.dtype in _BUCKET_OUT_DTYPES
-                else torch.empty(g.shape, dtype=g.dtype, device=g.device) for g in grads]
-        ps, qts = [s.p for s in states], [s.q.t() for s in states]
-        ops.powersgd_finish_many_([s.residual for s in states], outs, qts, ps, qt_avgs, ok)
-        for state, p, qt in zip(states, ps, qts):
-            state.p, state.factors = None, (p, qt)
-        return outs
-
-    @staticmethod
-    def settle_many(states: list[PowerSGDState], done: torch.Tensor) -> None:
-        """``settle`` for a bucket: e = M - M_hat in every residual when ``done`` (0-d bool:
-        the step went through, and no rank's gradient was non-finite), in one call."""
-        factors = [s.factors for s in states]
-        for state in states:
-            state.factors = None
-        ops.powersgd_settle_many_([s.residual for s in states], [f[0] for f in factors], [f[1] for f in factors], done)
-
     @staticmethod
     def settle(state: PowerSGDState, done: torch.Tensor | None = None) -> None:
         """e = M - M_hat when the step went through (``done``, 0-d bool, True; None: it did);
@@ -375,9 +261,6 @@ class PowerSGD(Codec):
             return
         p, qt = factors
         state.residual.addmm_(p, qt if done is None else qt * done, alpha=-1)
-
-
-_BUCKET_OUT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)  # what powersgd_finish_many_ writes
 
 
 def _as_transposed(q: torch.Tensor) -> torch.Tensor:

@@ -17,6 +17,10 @@ is ``reference.quantize_ef``.
 Levels: NORMAL is ``bits``, CRITICAL ``critical_bits`` (``None``: static). 8 and 16 are the
 widths the integer payloads have. A layer of fewer than ``min_numel`` entries is not worth
 its scales and goes dense.
+
+With ``skip_energy`` above 0, a step sends only the chunks that hold all but that share of
+its energy, the others waiting in error feedback (quantize_chunks.py: the layout, the rule,
+and why: an embedding's gradient lives in a few rows).
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ import torch
 from .. import ops
 from ..levels import CRITICAL, DENSE16, NORMAL, Level, check_level, positive_number
 from ._common import flush_whole, residual_dtype, rounding_error, settle_sent, whole_layer_work, wire_dtype
+from . import quantize_chunks as sparse
 from .base import Codec
 
 BITS = (8, 16)
@@ -44,8 +49,10 @@ class QuantizeState:
     level: Level
     bits: int
     residual: torch.Tensor   # e, flat; holds g = grad + e from ``encode`` to ``settle``
-    sent: tuple[torch.Tensor, torch.Tensor] | None = None  # (q, scales) of the step in flight
+    sent: tuple[torch.Tensor, ...] | None = None  # (q, scales) of the step in flight; sparse: (indices, q, scales)
     generator: torch.Generator | None = None  # stochastic rounding's, made at the first step
+    k: int | None = None      # sparse chunks (skip_energy): how many this step sends, agreed by every rank
+    nbytes: int | None = None  # sparse chunks: the bytes of the last payload sent
 
 
 class Quantize(Codec):
@@ -56,6 +63,9 @@ class Quantize(Codec):
         rounding: "nearest" (deterministic) or "stochastic" (unbiased: floor(g / s + u), u
             uniform in [0, 1), from a generator seeded per layer name and ``seed``).
         min_numel: layers with fewer entries are sent dense (1024).
+        skip_energy: the share of a step's energy (of g = grad + e) that may wait in error
+            feedback, whole chunks at a time (quantize_chunks.py); 0 (the default): every
+            chunk is sent.
     """
 
     levels = (NORMAL, CRITICAL)
@@ -66,10 +76,10 @@ class Quantize(Codec):
     gate_pays = 1.05
 
     def __init__(self, bits: int = 8, critical_bits: int | None = None, *, chunk: int = 512,
-                 rounding: str = "nearest", min_numel: int = 1024, seed: int = 0) -> None:
-        if bits not in BITS or isinstance(bits, bool):
+                 rounding: str = "nearest", min_numel: int = 1024, seed: int = 0, skip_energy: float = 0.0) -> None:
+        if not _is_int(bits) or bits not in BITS:
             raise ValueError(f"bits must be one of {BITS} (the integer widths of the payload), got {bits!r}")
-        if critical_bits is not None and (critical_bits not in BITS or isinstance(critical_bits, bool)):
+        if critical_bits is not None and (not _is_int(critical_bits) or critical_bits not in BITS):
             raise ValueError(f"critical_bits must be one of {BITS} or None, got {critical_bits!r}")
         self.bits = bits
         self.critical_bits = bits if critical_bits is None else critical_bits
@@ -84,13 +94,16 @@ class Quantize(Codec):
         if not isinstance(seed, int) or isinstance(seed, bool):
             raise TypeError(f"seed must be an int, got {type(seed).__name__}")
         self.seed = seed
+        self.skip_energy = sparse.check_skip_energy(skip_energy)
 
     def __repr__(self) -> str:
-        return f"Quantize(bits={self.bits}, critical_bits={self.critical_bits})"
+        skip = f", skip_energy={self.skip_energy}" if self.skip_energy else ""
+        return f"Quantize(bits={self.bits}, critical_bits={self.critical_bits}{skip})"
 
     def config(self) -> dict:
         return {"codec": "quantize", "bits": self.bits, "critical_bits": self.critical_bits, "chunk": self.chunk,
-                "rounding": self.rounding, "min_numel": self.min_numel, "seed": self.seed}
+                "rounding": self.rounding, "min_numel": self.min_numel, "seed": self.seed,
+                **({"skip_energy": self.skip_energy} if self.skip_energy else {})}  # (older checkpoints lack it)
 
     @property
     def adaptive(self) -> bool:
@@ -118,12 +131,22 @@ class Quantize(Codec):
         numel = state.residual.numel()
         if state.level == DENSE16:
             return numel
-        return -(-self.payload_bytes(numel, state.bits) // 4)
+        return -(-self.bytes_sent(state) // 4)
+
+    def bytes_sent(self, state: QuantizeState) -> int:
+        """The bytes a layer put on the wire in its last step (with sparse chunks, its payload
+        for that step's k; else ``wire``'s)."""
+        if state.level != DENSE16 and state.nbytes is not None:
+            return state.nbytes
+        return sum(nbytes for _, nbytes in self.wire(state.shape, state.level, state.residual.element_size()))
 
     def wire(self, shape: torch.Size, level: Level, itemsize: int = 4) -> tuple[tuple[str, int], ...]:
+        """Per step; with sparse chunks, at most this (every chunk sent: its first step's)."""
         numel = math.prod(shape)
         if level == DENSE16:
             return (("dense", min(itemsize, 2) * numel),)
+        if self.skip_energy:
+            return (("allgather", sparse.payload_bytes(self.chunks(numel), self.chunk, self.level_bits(level))),)
         return (("allgather", self.payload_bytes(numel, self.level_bits(level))),)
 
     def kernel_work(self, shape: torch.Size, level: Level, itemsize: int = 4) -> tuple[float, ...]:
@@ -145,8 +168,8 @@ class Quantize(Codec):
             if level == DENSE16:
                 out.append(rounding_error(g, wire_dtype(level, grad.dtype)))
                 continue
-            q, scales = self._quantize(g, self.level_bits(level), None)
-            out.append(float((g - self._dequantize(q, scales, g.numel())).double().square().sum()))
+            q, scales = quantize_flat(g, self.level_bits(level), self.chunk)
+            out.append(float((g - dequantize_flat(q, scales, g.numel(), self.chunk)).double().square().sum()))
         return out
 
     # --- state --------------------------------------------------------------------------------
@@ -163,6 +186,8 @@ class Quantize(Codec):
 
     def state_to_dict(self, state: QuantizeState) -> dict:
         d = {"shape": list(state.shape), "level": state.level.to_state(), "residual": state.residual.clone()}
+        if state.k is not None:  # sparse chunks: the count every rank agreed for the next step
+            d["k"] = state.k
         if state.generator is not None:  # stochastic rounding resumes where it was: bit for bit
             d["generator"] = state.generator.get_state()
         return d
@@ -173,6 +198,12 @@ class Quantize(Codec):
             raise ValueError(f"Quantize state of {name!r} does not fit this codec: level {level!r}, residual "
                              f"{tuple(residual.shape)} (expected {(math.prod(shape),)})")
         state = QuantizeState(name, shape, level, self._bits_at(level), residual.clone())
+        if self.skip_energy and "k" in d:
+            k = d["k"]
+            if not isinstance(k, int) or not 1 <= k <= self.chunks(residual.numel()):
+                raise ValueError(f"Quantize state of {name!r}: its chunk count k={k!r} does not fit "
+                                 f"{self.chunks(residual.numel())} chunks")
+            state.k = k
         saved = d.get("generator")
         if saved is not None and self.rounding == "stochastic":  # (a nearest-rounding codec has no use for it)
             if not isinstance(saved, torch.Tensor) or saved.dtype != torch.uint8:
@@ -182,30 +213,6 @@ class Quantize(Codec):
         return state
 
     # --- a step -------------------------------------------------------------------------------
-    def _quantize(self, g: torch.Tensor, bits: int, generator) -> tuple[torch.Tensor, torch.Tensor]:
-        """(q, float32 scales) of flat ``g``."""
-        qmax = 2 ** (bits - 1) - 1
-        n, chunks = g.numel(), self.chunks(g.numel())
-        padded = torch.nn.functional.pad(g.float(), (0, chunks * self.chunk - n)).view(chunks, self.chunk)
-        amax = padded.abs().amax(dim=1)
-        # over a tensor on the device, not the number: CUDA torch divides by a Python number
-        # as a multiply by its reciprocal, which rounds differently from the kernels and the
-        # reference (seen on an H200: 123 entries of a layer off by one step)
-        scales = amax / torch.full((), qmax, dtype=amax.dtype, device=amax.device)
-        safe = torch.where(scales > 0, scales, torch.ones_like(scales))
-        x = padded / safe[:, None]
-        if generator is None:
-            x = x.round()
-        else:
-            x = (x + torch.rand(x.shape, generator=generator, device=x.device)).floor()
-        q = x.clamp_(-qmax, qmax).to(_INT[bits]).reshape(-1)[:n]
-        return q, scales
-
-    def _dequantize(self, q: torch.Tensor, scales: torch.Tensor, numel: int) -> torch.Tensor:
-        chunks = scales.numel()
-        padded = torch.nn.functional.pad(q.float(), (0, chunks * self.chunk - numel)).view(chunks, self.chunk)
-        return (padded * scales[:, None]).reshape(-1)[:numel]
-
     def _generator(self, state: QuantizeState):
         if self.rounding == "nearest":
             return None
@@ -235,13 +242,16 @@ class Quantize(Codec):
 
     def encode(self, state: QuantizeState, grad: torch.Tensor, finite: torch.Tensor) -> torch.Tensor:
         """g = grad + e into the residual (not if ``finite`` is False: then g = e and the
-        scales sent are NaN); returns this rank's payload bytes: float32 scales, then q."""
+        scales sent are NaN); returns this rank's payload bytes: float32 scales, then q (with
+        sparse chunks: quantize_chunks.py's layout)."""
+        if self.skip_energy:
+            return self._encode_chunks(state, grad, finite)
         if self._fused(state):  # one pass: csrc/cpu/quantize.cpp, bit for bit the lines below
             payload = ops.quantize_ef_(grad.reshape(-1), state.residual, state.bits, self.chunk, finite)
             state.sent = self._parts(payload, state.residual.numel(), state.bits)
             return payload
         g = ops.ef_add_(grad.reshape(-1), state.residual, finite)
-        q, scales = self._quantize(g, state.bits, self._generator(state))
+        q, scales = quantize_flat(g, state.bits, self.chunk, self._generator(state))
         state.sent = (q, scales)
         scales = torch.where(finite, scales, float("nan"))
         pad = self.payload_bytes(q.numel(), state.bits) - 4 * scales.numel() - q.numel() * q.element_size()
@@ -254,22 +264,74 @@ class Quantize(Codec):
         return (payload[4 * chunks:4 * chunks + numel * bits // 8].view(_INT[bits]),
                 payload[:4 * chunks].view(torch.float32))
 
+    def _encode_chunks(self, state: QuantizeState, grad: torch.Tensor, finite: torch.Tensor) -> torch.Tensor:
+        g = ops.ef_add_(grad.reshape(-1), state.residual, finite)
+        chunks = sparse.as_chunks(g, self.chunk)
+        if state.k is None:  # the first step: every chunk
+            state.k = chunks.shape[0]
+        indices, k_next = sparse.choose(chunks, state.k, self.skip_energy)
+        q, scales = quantize_flat(chunks.index_select(0, indices).reshape(-1), state.bits, self.chunk,
+                                  self._generator(state))
+        state.sent = (indices, q, scales)
+        payload = sparse.pack(k_next, indices, torch.where(finite, scales, float("nan")), q)
+        state.nbytes = payload.numel()
+        return payload
+
     def decode(self, state: QuantizeState, rows: torch.Tensor, grad_dtype: torch.dtype) -> torch.Tensor:
         """Every rank's payload (a (ranks, bytes) uint8 block) -> their dequantized mean, in
-        the gradient's dtype and shape."""
+        the gradient's dtype and shape (with sparse chunks, also the next step's k)."""
         numel = state.residual.numel()
+        if self.skip_energy:
+            mean, state.k = sparse.average(rows, numel, state.k, self.chunk, state.bits)
+            return mean.to(grad_dtype).view(state.shape)
         if ops.has_kernel(rows) and rows.stride(-1) == 1:  # csrc/*/quantize.*, bit for bit the loop below
             return ops.quantize_average(rows, numel, state.bits, self.chunk, grad_dtype).view(state.shape)
         total = torch.zeros(numel, dtype=torch.float32, device=rows.device)
         for row in rows:
             q, scales = self._parts(row, numel, state.bits)
-            total += self._dequantize(q, scales, numel)
+            total += dequantize_flat(q, scales, numel, self.chunk)
         ranks = torch.full((), rows.shape[0], dtype=total.dtype, device=total.device)  # see _quantize
         return (total / ranks).to(grad_dtype).view(state.shape)
 
     def settle(self, state: QuantizeState, done: torch.Tensor) -> None:
         """End of step: where it went through (``done``), e = g - q * s; else e keeps g."""
-        q, scales = state.sent
-        sent = self._dequantize(q, scales, state.residual.numel()).to(state.residual.dtype)
+        if len(state.sent) == 3:  # sparse chunks
+            sent = sparse.scattered(*state.sent, state.residual.numel(), self.chunk).to(state.residual.dtype)
+        else:
+            q, scales = state.sent
+            sent = dequantize_flat(q, scales, state.residual.numel(), self.chunk).to(state.residual.dtype)
         state.residual.sub_(torch.where(done, sent, torch.zeros_like(sent)))
         state.sent = None
+
+
+def quantize_flat(g: torch.Tensor, bits: int, chunk: int, generator=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q, float32 scales) of flat ``g``, per chunk of ``chunk`` entries (the module doc's
+    rule; ``generator``: stochastic rounding's, else nearest)."""
+    qmax = 2 ** (bits - 1) - 1
+    n, chunks = g.numel(), -(-g.numel() // chunk)
+    padded = torch.nn.functional.pad(g.float(), (0, chunks * chunk - n)).view(chunks, chunk)
+    amax = padded.abs().amax(dim=1)
+    # over a tensor on the device, not the number: CUDA torch divides by a Python number
+    # as a multiply by its reciprocal, which rounds differently from the kernels and the
+    # reference (seen on an H200: 123 entries of a layer off by one step)
+    scales = amax / torch.full((), qmax, dtype=amax.dtype, device=amax.device)
+    safe = torch.where(scales > 0, scales, torch.ones_like(scales))
+    x = padded / safe[:, None]
+    if generator is None:
+        x = x.round()
+    else:
+        x = (x + torch.rand(x.shape, generator=generator, device=x.device)).floor()
+    q = x.clamp_(-qmax, qmax).to(_INT[bits]).reshape(-1)[:n]
+    return q, scales
+
+
+def dequantize_flat(q: torch.Tensor, scales: torch.Tensor, numel: int, chunk: int) -> torch.Tensor:
+    """``q * s`` per chunk, flat float32 of ``numel``."""
+    chunks = scales.numel()
+    padded = torch.nn.functional.pad(q.float(), (0, chunks * chunk - numel)).view(chunks, chunk)
+    return (padded * scales[:, None]).reshape(-1)[:numel]
+
+
+def _is_int(value) -> bool:
+    """An int, not a bool or a float equal to one (8.0 would reach the checkpoint as 8.0)."""
+    return isinstance(value, int) and not isinstance(value, bool)

@@ -15,7 +15,9 @@ One step, numbered as the engine sees it:
    or skipped (a rank's non-finite gradient: every result zero, on the device), counted,
    and the controller sets the levels of the next step on every rank alike.
 
-``abort()`` drops a step in flight (Horovod Elastic). Settings are agreed across ranks once,
+``abort()`` drops a step in flight (Horovod Elastic). Two parts of the engine have files of
+their own: its planes and exchanges (engine/planes.py) and what it does between steps
+(engine/between_steps.py: settings, levels, the link). Settings are agreed across ranks once,
 before the first collective that depends on them (engine/settings.py); checkpoints are
 engine/state.py; the counters (accordion_hvd/counters.py) are one object the exchanges
 count into. Lower layers get values and read-only views, never a call back into the engine.
@@ -23,7 +25,6 @@ count into. Lower layers get values and read-only views, never a call back into 
 
 from __future__ import annotations
 
-import logging
 import time
 from typing import Any
 
@@ -31,26 +32,25 @@ import torch
 
 from .. import ops
 from ..codecs import Codec
-from ..comm.link import LinkMeasurement, describe, measure_link
-from ..comm.planes import default_control_plane, default_data_plane
+from ..comm.link import LinkMeasurement
 from ..controller import RegimeController
 from ..counters import Counters
-from ..exchange import BUCKET_BYTES, FIRST_BUCKET_BYTES, Round1, exchange_for, lane, make_exchange
+from ..exchange import BUCKET_BYTES
 from ..flags import finite_flag
-from ..levels import Level, check_level, positive_number
+from ..levels import positive_number
 from ..network_probe import NetworkProbe
 from ..step_faults import StepFaults
-from . import announce, checks, settings, state
+from . import announce, checks
+from .between_steps import BetweenSteps
+from .planes import Planes
 from .learning_rates import LearningRates
 
 # Who carries a layer this step: the front end (Horovod's allreduce, DDP's bucket collective),
 # our codec's exchange, or our uncompressed round.
 DENSE, COMPRESSED, UNCOMPRESSED = "dense", "compressed", "uncompressed"
 
-log = logging.getLogger("accordion_hvd.engine")
 
-
-class StepEngine:
+class StepEngine(Planes, BetweenSteps):
     """See the module doc; ``AccordionCompressor`` (accordion_hvd/horovod/compressor.py)
     documents the arguments."""
 
@@ -92,47 +92,6 @@ class StepEngine:
         self._rounds: set[str] = set()           # which of our rounds carry layers this step
         self._dtypes: dict[str, torch.dtype] = {}  # a layer's gradient dtype where its round may change it
         self._step_planned = False               # a per-step policy's levels handed to the exchange
-
-    # --- planes and exchanges ----------------------------------------------------------------
-    @property
-    def channel(self):
-        """The data plane: the one given, else comm/planes.py's default for the device."""
-        if self._channel is None:
-            self._channel = default_data_plane(self.device_type)
-        return self._channel
-
-    @property
-    def control(self):
-        if self._control is None:
-            self._control = default_control_plane(self.channel)
-        return self._control
-
-    def use_planes(self, channel, control=None) -> None:
-        """A front end's own planes (the DDP hook's process groups), before the first step;
-        without ``control``, the one that goes with ``channel`` (comm/planes.py)."""
-        if self.in_flight or self._exchange is not None or self._dense_round is not None:  # (a loaded state is fine)
-            raise ValueError("AccordionCompressor: bind it before its first step (it has exchanged gradients already)")
-        self._channel, self._channel_given = channel, True
-        self._control, self._control_given = control, control is not None
-        self._exchange = self._dense_round = None
-
-    @property
-    def exchange(self):
-        """The codec's exchange on the data plane (built at the first compressed layer)."""
-        if self._exchange is None:
-            self._exchange = make_exchange(self.codec, self.channel, first_cap=min(FIRST_BUCKET_BYTES, self.bucket_cap),
-                                           cap=self.bucket_cap, counters=self.counters, per_step=self.policy.per_step)
-        return self._exchange
-
-    @property
-    def dense_round(self) -> Round1:
-        """The uncompressed layers' round: one averaging allreduce per bucket, on the data
-        plane's "dense" lane (its buckets fill at other times than the compressed layers')."""
-        if self._dense_round is None:
-            self._dense_round = Round1(lane(self.channel, "dense"), "allreduce", "acc.D",
-                                       first_cap=min(FIRST_BUCKET_BYTES, self.bucket_cap), cap=self.bucket_cap,
-                                       layers="uncompressed")
-        return self._dense_round
 
     # --- 1. add ------------------------------------------------------------------------------
     @torch.no_grad()
@@ -230,8 +189,12 @@ class StepEngine:
         return tensor
 
     def _wire_bytes(self, layer) -> int:
-        """Bytes a compressed layer puts on the wire per step at its level (``codec.wire``),
-        worked out once per layer and level: not every step."""
+        """Bytes a compressed layer put on the wire this step: the codec's ``bytes_sent`` where
+        it has one (a payload whose size changes from step to step), else ``codec.wire`` at its
+        level, worked out once per layer and level: not every step."""
+        bytes_sent = getattr(self.codec, "bytes_sent", None)
+        if bytes_sent is not None:
+            return bytes_sent(layer)
         key = (layer.name, str(layer.level))
         if key not in self._wire_cache:
             wire = self.codec.wire(layer.shape, layer.level, layer.residual.element_size())
@@ -311,84 +274,3 @@ class StepEngine:
         self.faults.forget()
         self.lrs.take()
         self._new_step()
-
-    def world_changed(self) -> None:
-        """The world was re-formed (Elastic): forget collectives in flight, rebuild the planes
-        that were not given for the new ranks, agree on the settings again."""
-        self.settings_agreed = False
-        self._exchange = self._dense_round = None  # layouts are agreed again by the new world
-        if not self._control_given:
-            self._control = None
-        if not self._channel_given:  # ours is a group of the old world's ranks
-            close = getattr(self._channel, "close", None)
-            if close is not None:
-                close()
-            self._channel = None
-        forget = getattr(self._channel, "forget_handles", None)
-        if forget is not None:
-            forget()
-
-    # --- settings, levels, the link ----------------------------------------------------------
-    def config(self) -> dict:
-        """The settings that must be equal on every rank (plain JSON values)."""
-        return {**self.codec.config(), "eta": self.eta, **self.controller.config(),
-                "bucket_cap_mb": self.bucket_cap / 2**20}  # every rank must cut the same buckets
-
-    def agree_settings(self) -> None:
-        """Once (again after ``world_changed``): every rank's settings and the front end's
-        compared, one blocking allgather (engine/settings.py)."""
-        if self.settings_agreed:
-            return
-        state.check_loaded_owner(self)
-        settings.agree(self.channel, {**self.config(), **self.front_end})
-        self.settings_agreed = True
-
-    def between_steps(self, what: str) -> None:
-        if self.in_flight:
-            raise RuntimeError(f"AccordionCompressor: {what} must be called between optimizer steps "
-                               f"(layers still in flight: {sorted(self.in_flight)[:3]})")
-
-    def set_level(self, name: str, level: Level) -> None:
-        check_level("level", level)
-        if name not in self.layers:
-            raise KeyError(f"AccordionCompressor: no compressed layer named {name!r} (known: {sorted(self.layers)})")
-        self.between_steps("set_level")
-        self.codec.set_level(self.layers[name], level)
-        self.controller.levels[name] = level
-
-    def epoch_end(self) -> None:
-        self.between_steps("epoch_end")
-        self._probe_window(epoch_end=True)
-        self.apply_levels(self.controller.epoch_end(self.control, sorted(self.layers)))
-
-    def apply_levels(self, changed: dict[str, Level] | None) -> None:
-        applied: dict[str, list[str]] = {}
-        for name, level in (changed or {}).items():
-            if name in self.layers:
-                self.codec.set_level(self.layers[name], level)
-                applied.setdefault(str(level), []).append(name)
-        if self.channel.rank == 0:  # every rank switches alike: one line for the job
-            self.announcer.levels(self.counters.steps, applied, self.controller)
-
-    def measure_link(self) -> LinkMeasurement:
-        self.between_steps("measure_link")
-        measured = measure_link(self.channel, self.control)
-        if measured.link is None:
-            log.info("rank %d: no link measured at step %d: %s", self.channel.rank, self.counters.steps,
-                     measured.reason)
-        else:
-            log.info("rank %d: link at step %d: %s (%d collectives)", self.channel.rank, self.counters.steps,
-                     describe(measured.link), measured.collectives)
-            self.link = measured
-        return measured
-
-    def _probe_window(self, epoch_end: bool = False) -> None:
-        """Before a window closes, what the network probe's report needs from the engine: this
-        window's link (else the last one measured; every rank holds the same) and the
-        exchange's agreed buckets."""
-        if not self.controller.window_ends(epoch_end):
-            return
-        measured = self.measure_link()
-        link = measured.link if measured.link is not None else (self.link.link if self.link is not None else None)
-        buckets = self._exchange.round1.buckets if self._exchange is not None else None
-        self.probe.window(link, [b.names for b in buckets or []])

@@ -42,6 +42,13 @@ Modes (argv[1]):
              (per chunk s = max|g| / 127 or 32767, q = round(g / s) half to even, the mean of
              the dequantized payloads, e = g - q s): the applied update must equal it BIT FOR
              BIT.
+  quantize-sparse
+             Quantize(bits=8, chunk=64, skip_energy=0.2): each rank sends only the chunks of
+             g = grad + e that hold 80% of its energy, largest first; the count is the largest
+             any rank needed in the last step (every chunk in the first). The reference orders
+             chunks by float64 energy (ties to the lower index), scatters every rank's
+             dequantized chunks in rank order, and must equal the update BIT FOR BIT; it also
+             checks that the count went below every chunk (the sparse path really ran).
   topk-full  TopK(ratio=1.0, min_compression_rate=0.5): the layers count as compressed
              (asserted through stats()), but at a level keeping every entry they go
              through Horovod's dense allreduce with the error feedback folded in, so the
@@ -94,6 +101,7 @@ COMPRESSED = ("w2d", "conv")  # stated here, not asked from the codec: bias is 1
 SWITCH = mode.endswith("-switch")
 POWERSGD, TOPK = mode.startswith("powersgd"), mode in ("topk", "topk-switch")
 QUANT = mode.startswith("quantize")
+SKIP = 0.2  # quantize-sparse's skip_energy
 CHUNK = 64  # Quantize's chunk here: several per layer, the last one short (960 = 15 x 64, 600 = 9 x 64 + 24)
 RATIO = {"topk": 0.1, "topk-switch": 0.1, "topk-full": 1.0}.get(mode)
 CRITICAL_RATIO, CRITICAL_RANK = 0.2, 4
@@ -132,6 +140,8 @@ elif mode == "quantize":
     codec = acc.Quantize(bits=8, chunk=CHUNK, min_numel=256)
 elif mode == "quantize-switch":
     codec = acc.Quantize(bits=8, critical_bits=16, chunk=CHUNK, min_numel=256)
+elif mode == "quantize-sparse":
+    codec = acc.Quantize(bits=8, chunk=CHUNK, min_numel=256, skip_energy=SKIP)
 elif mode == "topk-full":
     codec = acc.TopK(ratio=RATIO, min_compression_rate=0.5)  # so that ratio 1.0 is still "compressed"
 else:
@@ -198,6 +208,25 @@ if POWERSGD:
     fresh_q = {n: codec.init_state(n, torch.zeros(SHAPES[n]), acc.levels.CRITICAL).q.double().numpy()
                for n in COMPRESSED}
 straddling_ties = {n: 0 for n in COMPRESSED}
+ref_k = {n: -(-math.prod(SHAPES[n]) // CHUNK) for n in COMPRESSED}  # quantize-sparse: chunks sent, every one first
+fewest_k = dict(ref_k)
+
+
+def sparse_chunks(g: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray, int]:
+    """quantize-sparse, one rank: (what it sends, dequantized in place; e after; its k_next)."""
+    chunks = -(-g.size // CHUNK)
+    padded = np.zeros(chunks * CHUNK, np.float32)
+    padded[:g.size] = g
+    energy = (padded.reshape(chunks, CHUNK).astype(np.float64) ** 2).sum(axis=1)
+    order = np.argsort(-energy, kind="stable")
+    cum = np.cumsum(energy[order])
+    k_next = int((cum < (1.0 - SKIP) * cum[-1]).sum()) + 1
+    keep = np.sort(order[:k])
+    q, scales = quantize32(padded.reshape(chunks, CHUNK)[keep].reshape(-1), 8, CHUNK)
+    sent = np.zeros((chunks, CHUNK), np.float32)
+    sent[keep] = (q.reshape(k, CHUNK).astype(np.float32) * scales[:, None]).astype(np.float32)
+    sent = sent.reshape(-1)[:g.size]
+    return sent, (g - sent).astype(np.float32), min(k_next, chunks)
 
 
 def reference_step(t: int) -> dict[str, np.ndarray]:
@@ -218,6 +247,15 @@ def reference_step(t: int) -> dict[str, np.ndarray]:
                 ref_e[r, n] = ms[r] - m_hat
             ref_q[n] = q  # warm start
             update[n] = m_hat.reshape(SHAPES[n])
+        elif mode == "quantize-sparse":  # float32, in the codec's order: exact
+            total, needs = np.zeros(math.prod(SHAPES[n]), np.float32), []
+            for r in range(size):
+                sent, ref_e[r, n], k_next = sparse_chunks(grads(r, t)[n].reshape(-1) + ref_e[r, n], ref_k[n])
+                total = (total + sent).astype(np.float32)
+                needs.append(k_next)
+            ref_k[n] = max(1, max(needs))
+            fewest_k[n] = min(fewest_k[n], ref_k[n])
+            update[n] = (total / np.float32(size)).reshape(SHAPES[n])
         elif QUANT:  # float32 throughout, in the codec's order: exact
             bits = 16 if critical_at(t) else 8
             total = np.zeros(math.prod(SHAPES[n]), np.float32)
@@ -286,6 +324,9 @@ for n in SHAPES:
     check(layers[n]["level"] == want, f"{n} went {layers[n]['level']!r}, expected {want!r}")
 if SWITCH:
     check(steps >= 6, "the switch modes need 6 steps or more (levels 1, 4, 1)")
+if mode == "quantize-sparse":
+    full = {n: -(-math.prod(SHAPES[n]) // CHUNK) for n in COMPRESSED}
+    check(all(fewest_k[n] < full[n] for n in COMPRESSED), f"the chunks sent never went below all: {fewest_k} of {full}")
 if TOPK:
     check(all(straddling_ties.values()), f"no tie straddled the k-th place in some layer: {straddling_ties}")
 ties = f", ties straddling the k-th place {straddling_ties}" if TOPK else ""

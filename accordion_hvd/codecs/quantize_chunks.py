@@ -1,0 +1,103 @@
+"""Quantize's sparse chunks (``Quantize(skip_energy=s)``): a step sends only the chunks that
+hold most of its energy; the others wait in error feedback.
+
+Why: a layer's gradient is not always spread evenly. An embedding's (vocabulary x width) is
+concentrated in the rows of the tokens a batch holds (benchmarks/results/gradient-energy.md:
+its top 10% of entries leave nothing of its energy out, on the transformer language model),
+and it is most of a language model's bytes. Quantizing every chunk of it to 8 bits sends a
+million near-zero entries a step. This is TopK with memory (Stich et al., NeurIPS 2018) at the
+granularity of Quantize's chunks, each sent in 8 bits with its scale (QSGD's buckets).
+
+Per layer and step, with g = grad + e viewed as chunks c of ``chunk`` entries:
+
+    E_c = sum of g_c^2 (float64)          order the chunks by E, largest first (stable)
+    send the first k of that order        k: agreed by every rank at the end of the last step
+    k_next = 1 + #{j : cumsum(E sorted)_j < (1 - s) * sum(E)}   this rank's need, sent with them
+
+so that k_next chunks hold at least 1 - s of this step's energy. Every rank reads every other
+rank's k_next from the gathered payloads, and the next step sends k = max over ranks (1 at
+least, every chunk at most). The first step sends every chunk. Chunks never sent keep
+accumulating in e until they are among the largest: nothing is dropped, only delayed.
+
+One rank's payload (bytes, each part 4-byte aligned):
+
+    k_next (int32) | k chunk indices (int32, ascending) | k scales (float32) | k x chunk integers
+
+The mean of the ranks' dequantized chunks, scattered into place, is every rank's result. The
+plain-torch reference is ``reference.quantize_chunks_ef`` and
+``reference.quantized_chunks_average``. This path runs in torch ops on every device (the
+compiled kernels cover the dense layout) and reads two integers a step on the host (k_next and
+the agreed k): on a GPU, two synchronizations per layer.
+"""
+
+from __future__ import annotations
+
+import torch
+
+_INT = {8: torch.int8, 16: torch.int16}
+
+
+def check_skip_energy(value) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value < 1.0:
+        raise ValueError(f"skip_energy must be a number in [0, 1) (the share of a step's energy that may wait in "
+                         f"error feedback; 0: every chunk is sent), got {value!r}")
+    return float(value)
+
+
+def payload_bytes(k: int, chunk: int, bits: int) -> int:
+    """One rank's payload for ``k`` chunks: the header, the indices, the scales, the integers
+    (padded to 4 bytes)."""
+    return 4 + 4 * k + 4 * k + -(-k * chunk * bits // 32) * 4
+
+
+def as_chunks(g: torch.Tensor, chunk: int) -> torch.Tensor:
+    """Flat ``g`` as (chunks, chunk) float32, the last chunk zero-padded."""
+    chunks = -(-g.numel() // chunk)
+    return torch.nn.functional.pad(g.float(), (0, chunks * chunk - g.numel())).view(chunks, chunk)
+
+
+def choose(chunks: torch.Tensor, k: int, skip: float) -> tuple[torch.Tensor, int]:
+    """(the k chunks of largest energy, as ascending int64 indices; this rank's k_next)."""
+    energy = chunks.double().square().sum(dim=1)
+    order = torch.sort(energy, descending=True, stable=True).indices
+    cum = torch.cumsum(energy[order], 0)
+    k_next = int((cum < (1.0 - skip) * cum[-1]).sum()) + 1
+    return torch.sort(order[:k]).values, min(k_next, chunks.shape[0])
+
+
+def pack(k_next: int, indices: torch.Tensor, scales: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """One rank's payload bytes (module doc)."""
+    header = torch.tensor([k_next], dtype=torch.int32, device=q.device)
+    pad = -(-q.numel() * q.element_size() // 4) * 4 - q.numel() * q.element_size()
+    return torch.cat([header.view(torch.uint8), indices.to(torch.int32).view(torch.uint8), scales.view(torch.uint8),
+                      q.reshape(-1).view(torch.uint8), torch.zeros(pad, dtype=torch.uint8, device=q.device)])
+
+
+def unpack(row: torch.Tensor, k: int, chunk: int, bits: int):
+    """(k_next, indices, scales, q) of one rank's payload: views of ``row`` (uint8)."""
+    at = 4 + 8 * k
+    return (row[:4].view(torch.int32), row[4:4 + 4 * k].view(torch.int32), row[4 + 4 * k:at].view(torch.float32),
+            row[at:at + k * chunk * bits // 8].view(_INT[bits]))
+
+
+def average(rows: torch.Tensor, numel: int, k: int, chunk: int, bits: int) -> tuple[torch.Tensor, int]:
+    """Every rank's payload (a (ranks, bytes) uint8 block) -> (the mean of their dequantized
+    chunks in place, flat float32; the next step's k, the largest k_next of any rank)."""
+    chunks = -(-numel // chunk)
+    total = torch.zeros(chunks, chunk, dtype=torch.float32, device=rows.device)
+    needs = []
+    for row in rows:  # in rank order: the same sums on every rank
+        k_next, indices, scales, q = unpack(row, k, chunk, bits)
+        total.index_add_(0, indices.long(), q.view(k, chunk).float() * scales[:, None])
+        needs.append(k_next)
+    ranks = torch.full((), rows.shape[0], dtype=total.dtype, device=total.device)  # (Quantize._quantize says why)
+    k_next = int(torch.cat(needs).max())
+    return (total / ranks).reshape(-1)[:numel], max(1, min(k_next, chunks))
+
+
+def scattered(indices: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, numel: int, chunk: int) -> torch.Tensor:
+    """What this rank sent, dequantized, in place in a flat float32 tensor of ``numel``."""
+    chunks = -(-numel // chunk)
+    out = torch.zeros(chunks, chunk, dtype=torch.float32, device=q.device)
+    out[indices] = q.view(-1, chunk).float() * scales[:, None]
+    return out.reshape(-1)[:numel]
