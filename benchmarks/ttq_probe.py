@@ -1,6 +1,6 @@
 """Probes that choose a time-to-quality candidate before a protocol amendment (not protocol runs):
-the evidence-v2 transformer task on 2 emulated nodes, the protocol's CLI arguments cut at
---max-steps, seed 0.
+an evidence-v2 task (--task: the transformer, or the LSTM) on 2 emulated nodes, the protocol's
+CLI arguments cut at --max-steps, seed 0.
 
     # step time: methods interleaved per round, median step over steps 20..N from steps.csv
     .venv/bin/python benchmarks/ttq_probe.py step --rate 100mbit --steps 80 --rounds 2 \\
@@ -32,8 +32,8 @@ from cluster import Cluster  # noqa: E402
 from time_to_quality import COMMON, TASKS  # noqa: E402
 
 
-def run(cluster, cli: str, steps: int, logdir: Path):
-    args = ["-m", "accordion_hvd.train", *TASKS["transformer"]["args"], *COMMON, *cli.split(),
+def run(cluster, task: str, cli: str, steps: int, logdir: Path):
+    args = ["-m", "accordion_hvd.train", *TASKS[task]["args"], *COMMON, *cli.split(),
             "--seed", "0", "--max-steps", str(steps), "--logdir", str(logdir)]
     return cluster.horovodrun(args, timeout=1800)
 
@@ -41,6 +41,7 @@ def run(cluster, cli: str, steps: int, logdir: Path):
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("mode", choices=("step", "quality"))
+    p.add_argument("--task", choices=sorted(TASKS), default="transformer")
     p.add_argument("--rate", default="100mbit")
     p.add_argument("--steps", type=int, default=80)
     p.add_argument("--rounds", type=int, default=2, help="step mode: interleaved rounds")
@@ -53,9 +54,9 @@ def main() -> None:
         for r in range(args.rounds if args.mode == "step" else 1):
             for name, cli in methods.items():
                 with tempfile.TemporaryDirectory() as tmp:
-                    result = run(cluster, cli, args.steps, Path(tmp))
+                    result = run(cluster, args.task, cli, args.steps, Path(tmp))
                     if args.mode == "quality":
-                        dst = (args.out or Path(tmp)) / f"transformer-{args.rate}-{args.steps}steps-{name}"
+                        dst = (args.out or Path(tmp)) / f"{args.task}-{args.rate}-{args.steps}steps-{name}"
                         dst.mkdir(parents=True, exist_ok=True)
                         (dst / "log.txt").write_text((result.stdout + result.stderr)[-3000:])
                         for f in ("eval.csv", "steps.csv"):
