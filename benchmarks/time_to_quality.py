@@ -72,6 +72,9 @@ METHODS = {  # name -> CLI arguments
     "quantize8-gate": ["--codec", "quantize", "--bits", "8", "--policy", "link-gate", "--interval", "100"],
     # amendment 6: the same codec without the gate (whose 1.25x threshold kept it dense)
     "quantize8": ["--codec", "quantize", "--bits", "8", "--policy", "static", "--interval", "100"],
+    # amendment 8: 8 bits in sparse chunks (5% of a step's energy may wait), inside the link gate
+    "quantize8s-gate": ["--codec", "quantize", "--bits", "8", "--skip-energy", "0.05", "--policy", "link-gate",
+                        "--interval", "100"],
 }
 QUALITY = "perplexity"  # lower is better, in every setting of this protocol
 
