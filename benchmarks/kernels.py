@@ -4,6 +4,8 @@ by side in one run.
 
     .venv/bin/python benchmarks/kernels.py                 # CPU, writes results/kernels-cpu.md
     .venv/bin/python benchmarks/kernels.py --device cuda   # GPU, writes results/kernels-cuda-<gpu>.md
+    .venv/bin/python benchmarks/kernels.py --ops quantize --out results/kernels-quantize-cpu.md
+                                     # only the cases whose name holds one of --ops, to the file --out
 
 *copy* is the time of a plain device copy of an n-entry float32 tensor; *floor* is the
 bytes an op must move divided by the copy bandwidth. Buffers rotate through a pool larger

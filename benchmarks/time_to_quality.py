@@ -63,11 +63,14 @@ METHODS = {  # name -> CLI arguments
     "topk-1": ["--codec", "topk", "--ratio", "0.01"],
     "topk-10": ["--codec", "topk", "--ratio", "0.1"],
     "topk-accordion": ["--codec", "topk", "--ratio", "0.01", "--critical-ratio", "0.1"],
-    # amendment 1: acc.AccordionCompressor() as a user gets it (Accordion without a low-rate
-    # phase; amendment 3: the default again), its own detection window included
-    "default-a1": ["--codec", "default", "--interval", "100", "--low-rate", "0"],
+    # amendment 1: acc.AccordionCompressor() as a user got it then (Accordion without a low-rate
+    # phase; amendment 3: the default again), its own detection window included; spelled out
+    # since amendment 9 (it ran as --codec default --interval 100 --low-rate 0, the same configuration)
+    "default-a1": ["--codec", "powersgd", "--rank", "16", "--critical-rank", "32", "--policy", "link-gate",
+                   "--interval", "100", "--low-rate", "0"],
     # amendment 2: the same, critical from a tenth of the peak rate down (amendment 3: not the default)
-    "default-a2": ["--codec", "default", "--interval", "100", "--low-rate", "0.1"],
+    "default-a2": ["--codec", "powersgd", "--rank", "16", "--critical-rank", "32", "--policy", "link-gate",
+                   "--interval", "100", "--low-rate", "0.1"],
     # amendment 4: the 8-bit candidate, inside the default's link gate
     "quantize8-gate": ["--codec", "quantize", "--bits", "8", "--policy", "link-gate", "--interval", "100"],
     # amendment 6: the same codec without the gate (whose 1.25x threshold kept it dense)

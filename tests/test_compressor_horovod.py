@@ -16,7 +16,7 @@ def test_trains_identically_on_every_rank(codec, backend, np):
 
 def test_the_class_itself_as_compression():
     out = run_worker("compressor_check.py", "powersgd", "20", "class", np=2, backend="gloo")
-    assert out.count("OK PowerSGD(rank=16, critical_rank=32)") == 2, out
+    assert out.count("OK Quantize(bits=8, critical_bits=8, skip_energy=0.05)") == 2, out
 
 
 @pytest.mark.parametrize("mode,codec", [("named", "powersgd"), ("groups", "topk"), ("named-groups", "powersgd")])

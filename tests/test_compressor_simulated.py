@@ -160,7 +160,7 @@ def test_powersgd_level_change_keeps_q_columns_and_is_rank_independent():
 def test_the_class_itself_works_as_horovod_compression():
     cls = acc.AccordionCompressor
     assert cls.default_instance() is cls.default_instance()
-    assert repr(cls.default_instance()) == "AccordionCompressor(PowerSGD(rank=16, critical_rank=32), policy=LinkGate(Accordion(eta=0.5), pays=1.25), interval=100)"
+    assert repr(cls.default_instance()) == "AccordionCompressor(Quantize(bits=8, critical_bits=8, skip_energy=0.05), policy=LinkGate(Static(), pays=1.05), interval=100)"
     with pytest.raises(RuntimeError, match="must be called by horovod.torch.DistributedOptimizer"):
         cls.compress(torch.randn(4, 4))
 

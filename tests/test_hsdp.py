@@ -7,10 +7,11 @@ refuses."""
 
 import csv
 import re
+import time
 
 import pytest
 
-from launch import run_ddp_module, run_ddp_worker
+from launch import WORKERS, run_ddp_module, run_ddp_worker, torchrun
 
 
 @pytest.mark.torchrun
@@ -92,3 +93,19 @@ def test_the_cli_checkpoints_and_resumes_under_fsdp_bit_for_bit(tmp_path):
     assert min(map(int, after)) == 29 and after and all(losses[step] == loss for step, loss in after.items()), after
     final = [line for line in a.splitlines() if "final test perplexity" in line]
     assert final and final[-1].split("(")[0] in b, (final, b[-2000:])
+
+
+@pytest.mark.torchrun
+def test_a_rank_that_dies_mid_step_stops_every_other_rank_naming_it():
+    """Rank 3 exits in step 3 after its forward pass; the other three are then inside backward's
+    collectives (FSDP's reduce-scatter, our all-reduce across nodes). The job must end, not hang,
+    within the collective timeout (20 s here), every other rank stopped, and the dead rank named."""
+    started = time.monotonic()
+    result = torchrun([str(WORKERS / "hsdp_dead_rank_check.py"), "3"], np=4, timeout=240,
+                      env={"ACCORDION_COLLECTIVE_TIMEOUT": "20"})
+    elapsed, out = time.monotonic() - started, result.stdout
+    assert result.returncode != 0, out
+    assert "rank 3: dying in step 3" in out and "FINISHED" not in out, out
+    assert "step 3 done" not in out, out  # no rank completed the step the dead one left
+    assert re.search(r"rank\s*:\s*3 \(local_rank: 3\)", out) and "exitcode  : 17" in out, out
+    assert elapsed < 20 + 60, f"the job took {elapsed:.0f} s to end after a rank died"

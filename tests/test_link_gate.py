@@ -87,9 +87,10 @@ def test_state_round_trip_resumes_without_new_trials_and_bad_input():
 
 
 def test_the_default_configuration_and_what_a_chosen_codec_keeps():
-    default = acc.AccordionCompressor()
-    assert isinstance(default.policy, LinkGate) and isinstance(default.policy.inner, Accordion)
-    assert (default.codec.rank, default.codec.critical_rank) == (16, 32)
+    default = acc.AccordionCompressor()  # evidence-v2 amendment 8: 8 bits in sparse chunks, gated
+    assert isinstance(default.policy, LinkGate) and isinstance(default.policy.inner, Static)
+    assert isinstance(default.codec, acc.Quantize) and (default.codec.bits, default.codec.skip_energy) == (8, 0.05)
+    assert default.policy.pays == 1.05
     assert isinstance(acc.AccordionCompressor(policy="static").policy, Static)  # a policy given: that one
     chosen = acc.AccordionCompressor(acc.PowerSGD(rank=1, critical_rank=4))
     assert isinstance(chosen.policy, Accordion)  # a codec given: Accordion, as before

@@ -40,7 +40,7 @@ def make_compression(args):
     """Ours for --codec default/powersgd/topk, else Horovod's own in the same face (baselines.py)."""
     interval = None if args.interval == 0 else args.interval
     if args.codec == "default":  # what acc.AccordionCompressor() does, with the run's detection window
-        return AccordionCompressor(policy=low_rate_policy(args, "link-gate"), eta=args.eta, interval=interval)
+        return AccordionCompressor(eta=args.eta, interval=interval)
     codec = make_codec(args)
     if codec is None:
         return Uncompressed(args.codec)
@@ -55,7 +55,7 @@ def make_compression(args):
 def low_rate_policy(args, name):
     """``name`` as AccordionCompressor takes it, or with --low-rate an instance holding it."""
     if args.low_rate is None:
-        return None if args.codec == "default" else name
+        return name
     accordion = Accordion(args.eta, low_rate=args.low_rate or None)
     return LinkGate(accordion) if name == "link-gate" else accordion
 
@@ -189,9 +189,9 @@ def parse_args(argv=None, description: str | None = None) -> argparse.Namespace:
         p.error(f"--interval must be 0 (per epoch) or a positive number of steps, got {args.interval}")
     if args.low_rate is not None and not 0 <= args.low_rate < 1:
         p.error(f"--low-rate must be 0 (off) or a fraction in (0, 1) of the peak learning rate, got {args.low_rate}")
-    if args.low_rate is not None and (args.codec not in ("default", *OURS) or
-                                      (args.codec != "default" and args.policy not in ("accordion", "link-gate"))):
-        p.error("--low-rate needs --codec default, or one of ours with --policy accordion or link-gate")
+    if args.low_rate is not None and (args.codec not in OURS or args.policy not in ("accordion", "link-gate")):
+        p.error("--low-rate needs one of our codecs (powersgd, topk, quantize) with a critical level and --policy "
+                "accordion or link-gate")
     try:
         args.lr_milestones = sorted(int(m) for m in args.lr_milestones.split(",") if m.strip())
     except ValueError:

@@ -77,12 +77,12 @@ class AccordionCompressor(HorovodCompressor):
     Args:
         codec: ``acc.PowerSGD(...)``, ``acc.TopK(...)``, or any codec of the protocol in
             accordion_hvd/codecs/base.py with a registered exchange (``acc.codecs``); default
-            ``PowerSGD(rank=16, critical_rank=32)`` (with ``policy=None``: the default
-            configuration, below).
+            ``acc.codecs.default_codec()`` (with ``policy=None``: the default configuration,
+            below; docs/time-to-quality.md says what it is and why).
         eta: Accordion threshold on the relative change of a layer's gradient norm.
         interval: detection period in optimizer steps; ``None``: at each ``epoch_end()``.
         policy: ``None``: with the default codec, "link-gate" (16-bit dense where the job's
-            own measured steps say compression does not pay, Accordion where it does:
+            own measured steps say compression does not pay, the codec where it does:
             policies/link_gate.py); with a codec you give, Accordion when it has two levels,
             else static. Or "accordion", "static", "gravac", "network-aware", "link-gate", or an
             ``acc.policies.Policy``.

@@ -33,7 +33,7 @@ rank, size = hvd.rank(), hvd.size()
 check = checker(rank)
 
 
-WIDTH = 128 if use_class else 48  # the default codec (rank 16) compresses only a layer this wide
+WIDTH = 128 if use_class else 48  # the default codec (Quantize) compresses layers of 1024 entries or more
 
 
 class TwoBranch(torch.nn.Module):
