@@ -154,9 +154,10 @@ def test_every_rank_gets_the_mean_of_the_dequantized_payloads_with_levels_switch
     assert stats["layers"]["a.weight"]["bytes_dense"] == 4 * 4 * 64 * 48
 
 
-def test_a_non_finite_gradient_on_one_rank_skips_the_step_everywhere_and_loses_nothing():
+@pytest.mark.parametrize("skip_energy", [0.0, 0.1], ids=["every-chunk", "sparse-chunks"])
+def test_a_non_finite_gradient_on_one_rank_skips_the_step_everywhere_and_loses_nothing(skip_energy):
     def worker(rank, channel):
-        comp = acc.AccordionCompressor(acc.Quantize(8), policy="static", channel=channel)
+        comp = acc.AccordionCompressor(acc.Quantize(8, skip_energy=skip_energy), policy="static", channel=channel)
         g = torch.randn(64, 48, generator=torch.Generator().manual_seed(rank))
         if rank == 1:
             g[3, 3] = math.nan

@@ -1,8 +1,9 @@
 """Quantize's sparse chunks (``skip_energy``; accordion_hvd/codecs/quantize_chunks.py): the
 math step by step against the plain-torch reference (reference.quantize_chunks_ef), the count
 of chunks agreed by every rank on simulated worlds of 2 and 3 ranks, bytes counted exactly,
-non-finite gradients, checkpoints and bad input. Under real horovodrun it runs against the
-NumPy reference in test_numpy_reference.py (mode quantize-sparse)."""
+checkpoints and bad input (non-finite gradients: test_quantize.py, with and without sparse
+chunks). Under real horovodrun it runs against the NumPy reference in test_numpy_reference.py
+(mode quantize-sparse)."""
 
 import math
 
@@ -96,21 +97,6 @@ def test_every_rank_agrees_on_the_count_and_gets_the_mean_of_the_sent_chunks(wor
         assert results[r][2] == k  # the count for the next step, the same on every rank
         assert results[r][1]["layers"]["w"]["bytes_sent"] == sent_bytes  # exactly, step by step
     assert k < chunks
-
-
-def test_a_non_finite_gradient_skips_the_step_everywhere_and_loses_nothing():
-    def worker(rank, channel):
-        comp = acc.AccordionCompressor(acc.Quantize(8, skip_energy=0.1), policy="static", channel=channel)
-        g = torch.randn(64, 48, generator=torch.Generator().manual_seed(rank))
-        if rank == 1:
-            g[3, 3] = math.nan
-        out, ctx = comp.compress_named("w", g)
-        got = comp.decompress(channel.wait(channel.allreduce_mean_async([out], "hvd.w"))[0], ctx)
-        return got, comp.skipped_steps, comp.engine.layers["w"].residual.clone(), g
-
-    for rank, (got, skipped, residual, g) in enumerate(SimulatedWorld(2).run(worker)):
-        assert skipped == 1 and torch.equal(got, torch.zeros_like(got))
-        assert torch.equal(residual, g.reshape(-1) if rank == 0 else torch.zeros_like(residual))
 
 
 def test_the_count_is_checkpointed_and_a_wrong_one_refused():
