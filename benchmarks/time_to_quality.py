@@ -16,6 +16,11 @@ under ``horovodrun --gloo``. A run's records go to ``SETTING/METHOD/seedS/``: ``
 ``eval.csv``, the tail of its output (``log.txt``) and ``run.json`` (protocol version,
 command, commit, machine, exit status, seconds). A run whose ``run.json`` exists is not run
 again. The summary reads only runs of this protocol version and refuses any other.
+
+Run the protocol from a checkout nobody edits while it runs (``git worktree add ../runner
+HEAD``, with the built extension and ``.venv`` beside it), and copy its run directories back:
+each run imports the code when it starts and records the commit, marked ``+uncommitted``
+when the tree differs from it, and a change made mid-queue would reach the next run.
 """
 
 from __future__ import annotations
