@@ -290,7 +290,7 @@ class Quantize(Codec):
         for row in rows:
             q, scales = self._parts(row, numel, state.bits)
             total += dequantize_flat(q, scales, numel, self.chunk)
-        ranks = torch.full((), rows.shape[0], dtype=total.dtype, device=total.device)  # see _quantize
+        ranks = torch.full((), rows.shape[0], dtype=total.dtype, device=total.device)  # see quantize_flat
         return (total / ranks).to(grad_dtype).view(state.shape)
 
     def settle(self, state: QuantizeState, done: torch.Tensor) -> None:

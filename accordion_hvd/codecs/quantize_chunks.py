@@ -90,7 +90,7 @@ def average(rows: torch.Tensor, numel: int, k: int, chunk: int, bits: int) -> tu
         k_next, indices, scales, q = unpack(row, k, chunk, bits)
         total.index_add_(0, indices.long(), q.view(k, chunk).float() * scales[:, None])
         needs.append(k_next)
-    ranks = torch.full((), rows.shape[0], dtype=total.dtype, device=total.device)  # (Quantize._quantize says why)
+    ranks = torch.full((), rows.shape[0], dtype=total.dtype, device=total.device)  # (quantize.quantize_flat says why)
     k_next = int(torch.cat(needs).max())
     return (total / ranks).reshape(-1)[:numel], max(1, min(k_next, chunks))
 
