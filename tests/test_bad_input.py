@@ -286,6 +286,11 @@ def cli_zero_epochs():
 
 
 @case
+def cli_negative_sample_limit():
+    return cli_refused(["--max-train-samples", "-5"], "--max-train-samples", "at least 0")
+
+
+@case
 def cli_cuda_without_a_gpu():
     if torch.cuda.is_available():
         pytest.skip("this machine has a GPU")

@@ -43,6 +43,7 @@ def test_training_cli_learns_digits(codec):
     (["--epochs", "0"], "--epochs must be at least 1, got 0"),
     (["--codec", "topk", "--ratio", "2"], r"ratio must be in (0, 1.0], got 2.0"),
     (["--codec", "powersgd", "--rank", "0"], "rank must be positive, got 0"),
+    (["--max-train-samples", "20"], "--batch-size 32: 20 training samples over 1 ranks make no full batch"),
 ])
 def test_training_cli_rejects_bad_arguments(args, message):
     result = horovodrun(["-m", "accordion_hvd.train", *args], np=1, backend="gloo", timeout=60)

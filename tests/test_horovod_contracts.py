@@ -3,40 +3,52 @@
 
 import pytest
 
-from launch import WORKERS, horovodrun, run_worker
+from launch import WORKERS, horovodrun, run_worker, run_worker_in_turn
 
 pytestmark = pytest.mark.horovod
 
+CODECS = ("powersgd", "topk")
+# The checks of one world run in one launch, one after another (tests/workers/in_turn.py):
+# one start-up per world instead of one per check. The refusals come last in their job.
+SUMS = tuple((codec, "sum") for codec in CODECS)
+REFUSALS = (("powersgd", "refuse-adasum"), ("powersgd", "refuse-min"))
+JOBS = {("gloo", 2): SUMS + tuple((codec, mode) for mode in ("predivide", "passes", "sparse") for codec in CODECS)
+        + REFUSALS, ("mpi", 2): SUMS + REFUSALS, ("gloo", 3): SUMS, ("mpi", 3): SUMS}
+
+
+def _in_turn(codec, mode, backend="gloo", np=2) -> str:
+    return run_worker_in_turn("horovod_op_check.py", (codec, mode), JOBS[backend, np], np=np, backend=backend)
+
 
 @pytest.mark.parametrize("backend,np", [("gloo", 2), ("mpi", 2), ("gloo", 3), ("mpi", 3)])
-@pytest.mark.parametrize("codec", ["powersgd", "topk"])
+@pytest.mark.parametrize("codec", CODECS)
 def test_op_sum_gives_size_times_the_average_on_every_layer(codec, backend, np):
-    out = run_worker("horovod_op_check.py", codec, "sum", np=np, backend=backend)
-    assert out.count(f": OK sum {codec}") == np, out
+    out = _in_turn(codec, "sum", backend, np)
+    assert out.count(f": OK sum {codec}:") == np, out
 
 
-@pytest.mark.parametrize("codec", ["powersgd", "topk"])
+@pytest.mark.parametrize("codec", CODECS)
 def test_gradient_predivide_factor_still_averages(codec):
-    out = run_worker("horovod_op_check.py", codec, "predivide", np=2, backend="gloo")
-    assert out.count(": OK predivide") == 2, out
+    out = _in_turn(codec, "predivide")
+    assert out.count(f": OK predivide {codec}:") == 2, out
 
 
-@pytest.mark.parametrize("codec", ["powersgd", "topk"])
+@pytest.mark.parametrize("codec", CODECS)
 def test_backward_passes_per_step_compresses_the_accumulated_gradient(codec):
-    out = run_worker("horovod_op_check.py", codec, "passes", np=2, backend="gloo")
-    assert out.count(": OK passes") == 2, out
+    out = _in_turn(codec, "passes")
+    assert out.count(f": OK passes {codec}:") == 2, out
 
 
-@pytest.mark.parametrize("codec", ["powersgd", "topk"])
+@pytest.mark.parametrize("codec", CODECS)
 def test_a_sparse_gradient_is_left_to_horovod(codec):
-    out = run_worker("horovod_op_check.py", codec, "sparse", np=2, backend="gloo")
-    assert out.count(": OK sparse") == 2, out
+    out = _in_turn(codec, "sparse")
+    assert out.count(f": OK sparse {codec}\n") == 2, out
 
 
 @pytest.mark.parametrize("backend", ["gloo", "mpi"])
 @pytest.mark.parametrize("mode,named", [("refuse-adasum", "op=hvd.Adasum"), ("refuse-min", "op=hvd.Min")])
 def test_an_op_the_codecs_cannot_honour_is_refused_on_every_rank(mode, named, backend):
-    out = run_worker("horovod_op_check.py", "powersgd", mode, np=2, backend=backend)
+    out = _in_turn("powersgd", mode, backend)
     assert out.count(f"OK refused: ValueError: AccordionCompressor cannot honour {named}") == 2, out
 
 

@@ -13,12 +13,17 @@ parameter difference between ranks.
 
 import pytest
 
-from launch import run_worker
+from launch import run_worker, run_worker_in_turn
 
 pytestmark = pytest.mark.horovod
 
 WORLDS = [("gloo", 2), ("mpi", 2), ("gloo", 3), ("mpi", 3)]
 STEPS = "6"
+MODES = ("powersgd", "topk", "quantize", "quantize-sparse")
+SWITCH_MODES = ("powersgd-switch", "topk-switch", "quantize-switch")
+# Every mode of the two tests below runs in one launch per world, one after another
+# (tests/workers/in_turn.py): one start-up instead of seven.
+IN_TURN = tuple((mode, STEPS) for mode in MODES) + tuple((mode, "8") for mode in SWITCH_MODES)
 
 
 def _run(mode, backend, np, env=None, steps=STEPS):
@@ -27,18 +32,23 @@ def _run(mode, backend, np, env=None, steps=STEPS):
     return out
 
 
+def _run_in_turn(mode, backend, np, steps):
+    out = run_worker_in_turn("numpy_reference_check.py", (mode, steps), IN_TURN, np=np, backend=backend)
+    assert out.count(f": OK {mode} ") == np, out
+
+
 @pytest.mark.parametrize("backend,np", WORLDS)
-@pytest.mark.parametrize("mode", ["powersgd", "topk", "quantize", "quantize-sparse"])
+@pytest.mark.parametrize("mode", MODES)
 def test_matches_numpy_reference(mode, backend, np):
-    _run(mode, backend, np)
+    _run_in_turn(mode, backend, np, STEPS)
 
 
 # Levels switched by the policy mid-run (PowerSGD rank 1 -> 4 -> 1 -> 4, TopK 10% -> 20% -> ...),
 # every step against the reference following the same schedule.
 @pytest.mark.parametrize("backend,np", WORLDS)
-@pytest.mark.parametrize("mode", ["powersgd-switch", "topk-switch", "quantize-switch"])
+@pytest.mark.parametrize("mode", SWITCH_MODES)
 def test_level_switches_match_numpy_reference(mode, backend, np):
-    _run(mode, backend, np, steps="8")
+    _run_in_turn(mode, backend, np, "8")
 
 
 # TopK at ratio 1.0: a level that keeps half the entries or more goes through Horovod's own

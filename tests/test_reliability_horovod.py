@@ -6,16 +6,20 @@ import re
 
 import pytest
 
-from launch import horovodrun, run_module, run_worker
+from launch import horovodrun, run_module, run_worker, run_worker_in_turn
 
 pytestmark = pytest.mark.horovod
 
 
+NON_FINITE = (("powersgd", "2.weight", "nan"), ("topk", "0.weight", "inf"), ("powersgd", "4.bias", "inf"),
+              ("topk", "4.bias", "nan"))
+
+
 @pytest.mark.parametrize("backend", ["gloo", "mpi"])
-@pytest.mark.parametrize("codec,layer,value", [("powersgd", "2.weight", "nan"), ("topk", "0.weight", "inf"),
-                                               ("powersgd", "4.bias", "inf"), ("topk", "4.bias", "nan")])
+@pytest.mark.parametrize("codec,layer,value", NON_FINITE)
 def test_a_non_finite_gradient_on_one_rank_is_skipped_on_every_rank(backend, codec, layer, value):
-    out = run_worker("nonfinite_check.py", codec, layer, value, np=2, backend=backend)
+    # the four cases of a backend run in one launch, one after another (tests/workers/in_turn.py)
+    out = run_worker_in_turn("nonfinite_check.py", (codec, layer, value), NON_FINITE, np=2, backend=backend)
     assert out.count(f"OK skipped step 5 ({codec}, {layer}, {float(value)})") == 2, out
 
 

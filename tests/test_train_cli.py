@@ -109,7 +109,7 @@ def test_resume_is_exact_with_dropout(tmp_path):
     streams, so a run resumed after epoch 1 ends epoch 2 with the parameters of the run that
     never stopped, bit for bit (without them, the masks after the resume differ)."""
     lstm = ["--dataset", "text", "--model", "lstm", "--lr", "0.5", "--batch-size", "256", "--codec", "powersgd",
-            "--rank", "2", "--no-progress"]
+            "--rank", "2", "--no-progress", "--max-train-samples", "2048", "--max-eval-samples", "256"]
     whole, half, resumed = tmp_path / "whole", tmp_path / "half", tmp_path / "resumed"
     run_module("accordion_hvd.train", *lstm, "--epochs", "2", "--checkpoint", str(whole), np=2, backend="gloo")
     run_module("accordion_hvd.train", *lstm, "--epochs", "1", "--checkpoint", str(half), np=2, backend="gloo")

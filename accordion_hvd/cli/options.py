@@ -149,6 +149,11 @@ def parse_args(argv=None, description: str | None = None) -> argparse.Namespace:
                    help="stop at the first evaluation after this many seconds of training (time-to-quality runs)")
     p.add_argument("--max-steps", type=int, default=0,
                    help="stop after this many optimizer steps (0: run every epoch), then evaluate; for smoke runs")
+    p.add_argument("--max-train-samples", type=int, default=0,
+                   help="train on the training split's first N samples only (0: all), every epoch: quick runs "
+                        "and tests (as Hugging Face's example scripts spell it)")
+    p.add_argument("--max-eval-samples", type=int, default=0,
+                   help="score the validation and test splits' first N samples only (0: all)")
     p.add_argument("--device", choices=DEVICES, default="auto",
                    help="where to train: cuda if torch sees a GPU (auto), or the one named")
     p.add_argument("--epochs", type=int, default=15,
@@ -209,6 +214,9 @@ def parse_args(argv=None, description: str | None = None) -> argparse.Namespace:
                 f"{args.time_cap}")
     if args.seq_len < 1 or args.max_steps < 0:
         p.error(f"--seq-len must be at least 1 and --max-steps at least 0, got {args.seq_len} and {args.max_steps}")
+    if args.max_train_samples < 0 or args.max_eval_samples < 0:
+        p.error(f"--max-train-samples and --max-eval-samples must be at least 0 (0: all), got "
+                f"{args.max_train_samples} and {args.max_eval_samples}")
     if args.device == "cuda" and not torch.cuda.is_available():
         p.error(f"--device cuda: torch {torch.__version__} sees no GPU (use --device cpu or auto)")
     try:

@@ -40,7 +40,20 @@ class Task(NamedTuple):
 
 
 def load_data(args) -> Task:
-    """The task of --dataset; a missing file ends the run with one line naming it."""
+    """The task of --dataset, cut to --max-train-samples / --max-eval-samples; a missing file
+    ends the run with one line naming it."""
+    task = _load_whole(args)
+    train, valid, test = (_first(split, n) for split, n in ((task.train, args.max_train_samples),
+                                                            (task.valid, args.max_eval_samples),
+                                                            (task.test, args.max_eval_samples)))
+    return task._replace(train=train, valid=valid, test=test)
+
+
+def _first(split: data.Split | None, n: int) -> data.Split | None:
+    return split if split is None or n == 0 else data.Split(split.x[:n], split.y[:n])
+
+
+def _load_whole(args) -> Task:
     try:
         if args.dataset == "text":
             corpus = data.load_text(seq_len=args.seq_len)

@@ -101,6 +101,9 @@ def main(argv=None) -> float:
         install_polite_wait()  # every method alike, the uncompressed baselines included
     run = set_up(args, front)
     micro_per_epoch = (len(run.task.train.y) // front.size) // args.batch_size
+    if micro_per_epoch == 0:  # the same on every rank: the data and the world size are
+        raise SystemExit(f"--batch-size {args.batch_size}: {len(run.task.train.y)} training samples over "
+                         f"{front.size} ranks make no full batch (lower --batch-size, or raise --max-train-samples)")
     # The bar's total is what the run will do, --max-steps included, or its ETA is wrong
     # (a 30-step smoke run showed hours to go). In batch mode a step takes 1 to
     # --large-passes micro-batches, decided as it runs: with --max-steps the bar counts
