@@ -68,4 +68,5 @@ def _in_turn(script: str, all_args: tuple[str, ...], np: int, backend: str) -> s
         return subprocess.CompletedProcess([], -9, str(exc), None)
 
 
-__all__ = ["run_worker_in_turn", "horovodrun", "run_ddp_module", "run_ddp_worker", "run_module", "run_worker", "succeeded", "torchrun"]
+__all__ = ["horovodrun", "run_ddp_module", "run_ddp_worker", "run_module", "run_worker", "run_worker_in_turn",
+           "succeeded", "torchrun"]

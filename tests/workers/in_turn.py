@@ -7,8 +7,10 @@ several runs pays the launcher's start-up, the imports (torch, Horovod) and the 
 once instead of once per run: most of a short check's time on this project's 2-core CI
 machine. After a run returns, every rank prints ``in_turn: done ARGS``; a failed check exits
 the process (``worker_util.checker``), and with it the runs after it, which then have no such
-line (a script's ``sys.exit(0)`` ends its run, not the job). Only for scripts that can run twice in one process: Horovod's ``hvd.init()`` is a no-op
-the second time, and each run builds its own model, optimizer and compressor.
+line (a script's ``sys.exit(0)`` ends its run, not the job). Only for scripts that can run
+twice in one process: Horovod's ``hvd.init()`` is a no-op the second time, each run builds its
+own model, optimizer and compressor, and none patches anything a later run relies on (the
+test modules order their argument sets where one does: see test_compressor_horovod.py).
 """
 
 import runpy
