@@ -26,8 +26,9 @@ One rank's payload (bytes, each part 4-byte aligned):
 The mean of the ranks' dequantized chunks, scattered into place, is every rank's result. The
 plain-torch reference is ``reference.quantize_chunks_ef`` and
 ``reference.quantized_chunks_average``. This path runs in torch ops on every device (the
-compiled kernels cover the dense layout) and reads two integers a step on the host (k_next and
-the agreed k): on a GPU, two synchronizations per layer.
+compiled kernels cover the dense layout) and reads one integer per layer and step on the host
+(the next step's k, agreed from the gathered payloads, which sizes the next payload; k_next goes
+into the payload on the device): on a GPU, one synchronization per layer.
 """
 
 from __future__ import annotations
@@ -56,18 +57,20 @@ def as_chunks(g: torch.Tensor, chunk: int) -> torch.Tensor:
     return torch.nn.functional.pad(g.float(), (0, chunks * chunk - g.numel())).view(chunks, chunk)
 
 
-def choose(chunks: torch.Tensor, k: int, skip: float) -> tuple[torch.Tensor, int]:
-    """(the k chunks of largest energy, as ascending int64 indices; this rank's k_next)."""
+def choose(chunks: torch.Tensor, k: int, skip: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the k chunks of largest energy, as ascending int64 indices; this rank's k_next, a
+    one-element int32 tensor on the chunks' device: it goes into the payload as it is, never
+    read on the host here)."""
     energy = chunks.double().square().sum(dim=1)
     order = torch.sort(energy, descending=True, stable=True).indices
     cum = torch.cumsum(energy[order], 0)
-    k_next = int((cum < (1.0 - skip) * cum[-1]).sum()) + 1
-    return torch.sort(order[:k]).values, min(k_next, chunks.shape[0])
+    k_next = ((cum < (1.0 - skip) * cum[-1]).sum() + 1).clamp(max=chunks.shape[0])
+    return torch.sort(order[:k]).values, k_next.to(torch.int32).reshape(1)
 
 
-def pack(k_next: int, indices: torch.Tensor, scales: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
-    """One rank's payload bytes (module doc)."""
-    header = torch.tensor([k_next], dtype=torch.int32, device=q.device)
+def pack(k_next: torch.Tensor, indices: torch.Tensor, scales: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """One rank's payload bytes (module doc); ``k_next`` a one-element int32 tensor."""
+    header = k_next.to(device=q.device, dtype=torch.int32).reshape(1)
     pad = -(-q.numel() * q.element_size() // 4) * 4 - q.numel() * q.element_size()
     return torch.cat([header.view(torch.uint8), indices.to(torch.int32).view(torch.uint8), scales.view(torch.uint8),
                       q.reshape(-1).view(torch.uint8), torch.zeros(pad, dtype=torch.uint8, device=q.device)])
