@@ -83,6 +83,8 @@ METHODS = {  # name -> CLI arguments
     # amendment 8: 8 bits in sparse chunks (5% of a step's energy may wait), inside the link gate
     "quantize8s-gate": ["--codec", "quantize", "--bits", "8", "--skip-energy", "0.05", "--policy", "link-gate",
                         "--interval", "100"],
+    # amendment 10: the paper's LSTM setting (TopK 2% <-> 99%, a window of 5 epochs: 5 x 224 steps)
+    "topk-paper": ["--codec", "topk", "--ratio", "0.02", "--critical-ratio", "0.99", "--interval", "1120"],
 }
 QUALITY = "perplexity"  # lower is better, in every setting of this protocol
 
