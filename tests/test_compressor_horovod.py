@@ -22,8 +22,8 @@ def _in_turn(args, backend="gloo", np=2) -> str:
 @pytest.mark.parametrize("backend,np", [("gloo", 2), ("mpi", 2), ("gloo", 3), ("mpi", 3)])
 @pytest.mark.parametrize("codec", CODECS)
 def test_trains_identically_on_every_rank(codec, backend, np):
-    # passing means every rank ran the worker's checks to the end (in_turn's "done" line)
-    _in_turn((codec, "30"), backend, np)
+    out = _in_turn((codec, "30"), backend, np)
+    assert out.count(f" (frame {codec})") == np, out
 
 
 def test_the_class_itself_as_compression():
@@ -35,4 +35,5 @@ def test_the_class_itself_as_compression():
 def test_names_from_named_parameters_and_horovods_grouped_path(mode, codec):
     """named_parameters= (no frame lookup: the worker makes it fail) and groups= (Horovod's
     grouped allreduce calls compress from a comprehension) train alike on every rank."""
-    _in_turn((codec, "20", mode))
+    out = _in_turn((codec, "20", mode))
+    assert out.count(f" ({mode} {codec})") == 2, out

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 import accordion_hvd as acc
-from worker_util import checker
+from worker_util import checker, say
 
 codec_name, steps = sys.argv[1], int(sys.argv[2])
 mode = sys.argv[3] if len(sys.argv) > 3 else "frame"
@@ -116,5 +116,5 @@ check(use_class or stats["floats_sent"] < stats["floats_dense"], "compression se
 check(not use_class or any(layer["level"] == "dense16" for layer in stats["layers"].values()),
       "the default configuration compressed nothing: this run checks none of its layers")
 check(losses[-1] < 0.8 * losses[0], f"loss did not go down: {losses[0]:.3f} -> {losses[-1]:.3f}")
-print(f"rank {rank}: OK {codec!r} sent {stats['floats_sent']} of {stats['floats_dense']} floats, "
-      f"loss {losses[0]:.3f} -> {losses[-1]:.3f}", flush=True)
+say(f"rank {rank}: OK {codec!r} sent {stats['floats_sent']} of {stats['floats_dense']} floats, "
+      f"loss {losses[0]:.3f} -> {losses[-1]:.3f} ({mode} {codec_name})")
