@@ -69,8 +69,8 @@ def choose(chunks: torch.Tensor, k: int, skip: float) -> tuple[torch.Tensor, tor
 
 
 def pack(k_next: torch.Tensor, indices: torch.Tensor, scales: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
-    """One rank's payload bytes (module doc); ``k_next`` a one-element int32 tensor."""
-    header = k_next.to(device=q.device, dtype=torch.int32).reshape(1)
+    """One rank's payload bytes (module doc); ``k_next`` as ``choose`` returns it."""
+    header = k_next
     pad = -(-q.numel() * q.element_size() // 4) * 4 - q.numel() * q.element_size()
     return torch.cat([header.view(torch.uint8), indices.to(torch.int32).view(torch.uint8), scales.view(torch.uint8),
                       q.reshape(-1).view(torch.uint8), torch.zeros(pad, dtype=torch.uint8, device=q.device)])
