@@ -22,15 +22,16 @@ and DDP front ends:
    engine hands back (sent whole this step) are averaged on our data plane, one collective
    per module and dtype.
 2. **At the end of backward** (an autograd final callback, queued at the first hook): the
-   step's results are collected, and one flag over every rank says whether any rank's
-   results were not finite (a non-finite gradient skips the step on every rank, in every
-   shard group: the shard groups are separate worlds for the data). The engine ends the
-   step, and the results are written into FSDP's buffer, which its sharded gradients view.
+   step's results are collected, and one flag, reduced inside the node, says whether any
+   rank's results were not finite (a non-finite gradient skips the step on every rank, in
+   every shard group: the shard groups are separate worlds for the data). The engine ends
+   the step, and the results are written into FSDP's buffer, which its sharded gradients view.
 
 Communication: the data plane is the replicate group of this rank's shard (the ranks that
-hold the same shard on every node), made at registration, with a second group for
-PowerSGD's Q rounds; the control plane (window norms, learning rates, faults) is a Gloo
-group of every rank, so levels are decided alike on every rank of the job.
+hold the same shard on every node), made at registration, with more groups of the same ranks
+for PowerSGD's Q rounds and the uncompressed layers; the node's shard group carries the
+step's fault flag; the control plane (window norms, learning rates) is a Gloo group of every
+rank, so levels are decided alike on every rank of the job.
 
 What FSDP must leave alone for the results to land: the gradients must be views of the
 reduce-scatter output, so the reduce dtype is the parameters' (float32 or bfloat16; no
@@ -105,8 +106,13 @@ def compress_hsdp(model, compressor: AccordionCompressor, mesh, *, optimizer=Non
             mine = made
     channel = ProcessGroupChannel(mine[0], mesh.get_local_rank("replicate"), mesh.size(0), timeout,
                                   lanes={"q": mine[1], "dense": mine[2]})
+    node_faults = None
+    for row in mesh.mesh.tolist():  # one shard group per node: the step's fault flag, inside the node
+        made = dist.new_group(row, timeout=delta, backend=backend)
+        if row == mesh.mesh[mesh.get_local_rank("replicate")].tolist():
+            node_faults = ProcessGroupChannel(made, shard_index, mesh.size(1), timeout)
     compressor.bind(model, channel=channel, control=control, optimizer=optimizer)
-    hook = HSDPHook(compressor, channel, control, mesh)
+    hook = HSDPHook(compressor, channel, node_faults if mesh.size(1) > 1 else None, mesh)
     for module, layout in groups:
         module.set_reduce_scatter_unused_params(True, recurse=False)  # a fixed buffer layout every step
         module.set_all_reduce_hook(hook.for_module(layout))
@@ -188,13 +194,14 @@ class HSDPHook:
     """One step of the compressed all-reduce (module doc); ``state_dict``/``load_state_dict``
     for ``torch.distributed.checkpoint``."""
 
-    def __init__(self, compressor: AccordionCompressor, channel: ProcessGroupChannel, control, mesh) -> None:
+    def __init__(self, compressor: AccordionCompressor, channel: ProcessGroupChannel,
+                 node_faults: ProcessGroupChannel | None, mesh) -> None:
         import torch.distributed as dist
 
-        self.compressor, self.engine, self.channel, self.control = compressor, compressor.engine, channel, control
+        self.compressor, self.engine, self.channel = compressor, compressor.engine, channel
+        self.node_faults = node_faults  # this node's shard group; None with one shard group
         self.mesh_key = "x".join(map(str, mesh.shape))  # replicate x shard
         self.rank_key = f"accordion.{self.mesh_key}.rank{dist.get_rank()}"
-        self._groups = mesh.size(1) > 1  # several shard groups: faults are agreed across them
         self._entries: list[tuple] = []  # this step: (view, name, route, (hook call, dtype, index) or None)
         self._dense: list[dict] = []     # this step, per hook call: dtype -> handle of its average
         self._queued = False
@@ -243,7 +250,7 @@ class HSDPHook:
         for view, name, route, where in entries:
             average = None if where is None else averages[where[0]][where[1]][where[2]]
             results.append((view, self.engine.finish(route, name, average)))
-        if self._groups:
+        if self.node_faults is not None:
             self._agree_faults(results[0][1].device if results else torch.device("cpu"))
         self.engine.end_step()
         for view, result in results:  # after end_step: a skipped step zeroed its results
@@ -251,12 +258,15 @@ class HSDPHook:
                 view.copy_(result.view_as(view))
 
     def _agree_faults(self, device: torch.device) -> None:
-        """Whether any rank's step is to be skipped, on every rank: each shard group finds the
-        faults in its own data (the engine's step flag); one reduction over all makes every
-        group skip alike. (It reads the flag on the host: on a GPU, one small wait per step.)"""
+        """Whether any rank's step is to be skipped, on every rank. Each shard group finds the
+        faults in its own data (the engine's step flag, from the exchanged data: the same on
+        every rank of the group), and every node holds one rank of each shard group: so one
+        reduction inside the node, over its shard group, gives every rank the answer, without
+        a collective across the slow link. The flag stays on the device (no host read)."""
         bad = self.engine.faults.bad
-        total = self.control.allreduce([0.0 if bad is None else float(bad)], name="acc.hsdp.fault", op="sum")
-        self.engine.faults.seen(torch.tensor(bool(total[0] > 0), device=device))
+        flag = (torch.zeros((), device=device) if bad is None else bad.to(device=device, dtype=torch.float32))
+        handle = self.node_faults.allreduce_mean_async([flag], name="acc.hsdp.fault")
+        self.engine.faults.seen(self.node_faults.wait(handle)[0] > 0)
 
     # --- torch.distributed.checkpoint --------------------------------------------------------
     def state_dict(self) -> dict:
