@@ -20,7 +20,10 @@ and DDP front ends:
    shape, however unevenly the rows divide, and the codecs' results there are zero. The
    engine routes it and its exchange starts the rounds while backward goes on. Layers the
    engine hands back (sent whole this step) are averaged on our data plane, one collective
-   per module and dtype.
+   per module and dtype. Once the policy has settled every layer at 16-bit dense for good
+   (the default's link gate, where compression does not pay), the module's buffer goes to the
+   engine whole instead (engine/whole.py): one float16 average per module, its rounding kept
+   in error feedback, without the per-layer route's host work for every parameter.
 2. **At the end of backward** (an autograd final callback, queued at the first hook): the
    step's results are collected, and one flag, reduced inside the node, says whether any
    rank's results were not finite (a non-finite gradient skips the step on every rank, in
@@ -204,6 +207,7 @@ class HSDPHook:
         self.rank_key = f"accordion.{self.mesh_key}.rank{dist.get_rank()}"
         self._entries: list[tuple] = []  # this step: (view, name, route, (hook call, dtype, index) or None)
         self._dense: list[dict] = []     # this step, per hook call: dtype -> handle of its average
+        self._whole: list[tuple] | None = None  # this step, once settled: (key, buffer, handle) per hook call
         self._queued = False
 
     def for_module(self, layout: list[tuple]):
@@ -215,10 +219,15 @@ class HSDPHook:
         if not self._queued:
             torch.autograd.Variable._execution_engine.queue_callback(self._finish_step)
             self._queued = True
+            self._whole = [] if self.engine.settled_dense else None  # (the same on every rank)
         expected = sum(fsdp_param.padded_sharded_param_size.numel() for _, fsdp_param in layout)
         if reduce_output.numel() != expected or not reduce_output.is_contiguous():
             raise RuntimeError(f"compress_hsdp: FSDP's reduce-scatter output has {reduce_output.numel()} elements, "
                                f"its parameters {expected}: a layout this front end does not know")
+        if self._whole is not None:
+            if layout:
+                self._send_whole(reduce_output, layout)
+            return
         dense: dict[torch.dtype, list[torch.Tensor]] = {}
         call = len(self._dense)
         offset = 0
@@ -242,16 +251,40 @@ class HSDPHook:
             tensors, name=f"acc.hsdp.dense.{call}.{str(dtype).removeprefix('torch.')}.{len(tensors)}")
             for dtype, tensors in sorted(dense.items(), key=lambda item: str(item[0]))})
 
+    def _send_whole(self, reduce_output: torch.Tensor, layout: list[tuple]) -> None:
+        """Once the policy settled on 16-bit dense for good: the module's buffer whole, one
+        average (engine/whole.py), as FSDP's own all-reduce would send it, but in float16
+        with its rounding kept in error feedback."""
+        offset, sizes = 0, []
+        for name, fsdp_param in layout:
+            padded = fsdp_param.padded_sharded_param_size
+            if fsdp_param.sharded_param.grad is not None:
+                raise RuntimeError(f"compress_hsdp: {name} has a gradient from an earlier backward; set gradients "
+                                   f"to None before each backward (optimizer.zero_grad() does by default)")
+            rows = fsdp_param.sharded_size[0]
+            if rows < padded[0]:  # the padding rows (FSDP pads with zeros; made sure)
+                reduce_output[offset:offset + padded.numel()].view(padded)[rows:].zero_()
+            sizes.append((name, padded.numel()))
+            offset += padded.numel()
+        key = f"hsdp:{layout[0][0]}"  # the module's first parameter: one buffer per module
+        half = self.engine.add_whole(key, reduce_output, sizes)
+        handle = self.channel.allreduce_mean_async([half], name=f"acc.hsdp.whole.{len(self._whole)}")
+        self._whole.append((key, reduce_output, handle))
+
     def _finish_step(self) -> None:
         """The end of backward: collect, agree on faults, end the step, write the results."""
         entries, dense, self._entries, self._dense, self._queued = self._entries, self._dense, [], [], False
+        whole, self._whole = self._whole or [], None
+        for key, buffer, handle in whole:
+            self.engine.finish_whole(key, buffer, self.channel.wait(handle)[0])
         averages = [{dtype: self.channel.wait(handle) for dtype, handle in handles.items()} for handles in dense]
         results = []
         for view, name, route, where in entries:
             average = None if where is None else averages[where[0]][where[1]][where[2]]
             results.append((view, self.engine.finish(route, name, average)))
         if self.node_faults is not None:
-            self._agree_faults(results[0][1].device if results else torch.device("cpu"))
+            device = (results[0][1].device if results else whole[0][1].device if whole else torch.device("cpu"))
+            self._agree_faults(device)
         self.engine.end_step()
         for view, result in results:  # after end_step: a skipped step zeroed its results
             if result.data_ptr() != view.data_ptr():

@@ -15,7 +15,7 @@ from launch import WORKERS, run_ddp_module, run_ddp_worker, torchrun
 
 
 @pytest.mark.torchrun
-@pytest.mark.parametrize("mode", ["powersgd", "topk", "quantize", "accordion"])
+@pytest.mark.parametrize("mode", ["powersgd", "topk", "quantize", "accordion", "settled"])
 def test_hsdp_matches_the_numpy_reference(mode):
     out = run_ddp_worker("hsdp_reference_check.py", mode, "12", np=4, timeout=300)
     assert out.count(f": OK {mode} ") == 4, out
@@ -24,9 +24,10 @@ def test_hsdp_matches_the_numpy_reference(mode):
 
 
 @pytest.mark.torchrun
-def test_checkpoint_with_torch_distributed_checkpoint_resumes_bit_for_bit(tmp_path):
-    out = run_ddp_worker("hsdp_checkpoint_check.py", str(tmp_path / "ckpt"), "10", np=4, timeout=300)
-    assert out.count(": OK hsdp checkpoint") == 4, out
+@pytest.mark.parametrize("mode", ["accordion", "settled"])
+def test_checkpoint_with_torch_distributed_checkpoint_resumes_bit_for_bit(mode, tmp_path):
+    out = run_ddp_worker("hsdp_checkpoint_check.py", str(tmp_path / "ckpt"), "10", mode, np=4, timeout=300)
+    assert out.count(": OK hsdp checkpoint" + (" (settled)" if mode == "settled" else ":")) == 4, out
 
 
 BAD = {  # case -> (exception, what the message must say)

@@ -31,8 +31,10 @@ def test_dense_trial_then_compressed_trial_then_the_measured_choice(dense_s, com
     gate = LinkGate(Accordion(0.5))
     assert [gate.initial_level(layer) for layer in LAYERS] == [DENSE16, DENSE16]
     assert levels_of(gate.end_window(window(dense_s))) == [NORMAL, NORMAL]  # the compressed trial: aggressive
+    assert gate.settled_level is None  # trials
     decided = gate.end_window(window(compressed_s, norms=(1.0, 3.0)))
     assert gate.compressing == pays
+    assert gate.settled_level == (None if pays else DENSE16)
     # compression pays: Accordion's own levels (b's norm tripled: critical); else dense16 for good
     assert levels_of(decided) == ([NORMAL, CRITICAL] if pays else [DENSE16, DENSE16])
     later = gate.end_window(window(0.01, norms=(1.0, 3.0)))
@@ -128,6 +130,68 @@ def test_through_the_compressor_every_rank_takes_the_same_decision(codec):
     assert state["phase"] in ("dense", "compressed") and state["dense_s"] > 0 and state["compressed_s"] > 0
     assert all(s == ["dense16"] for s in seen[6:]) if state["phase"] == "dense" else \
         all("dense16" not in s for s in seen[6:])
+
+
+def settle(comp):
+    """The gate set as its trials decide where compression does not pay."""
+    gate = comp.engine.policy
+    gate.load_state_dict({**gate.state_dict(), "phase": "dense", "dense_s": 1.0, "compressed_s": 1.0})
+
+
+def test_once_settled_flat_buffers_go_whole_in_float16_with_error_feedback():
+    """engine/whole.py on the simulated world, against the same math written out: each
+    buffer's average is the mean of float16(g), g = flat + e, and e keeps what float16 rounded
+    away, seeded from the layers' own error feedback (a.weight's from the gate's dense trial);
+    a step with a rank's NaN is skipped, its results zero, each finite rank's g kept in e; the
+    buffers' error feedback is in the checkpoint. And add_whole's bad input."""
+    layers = [("a.weight", 12), ("a.bias", 4)]
+
+    def flats(rank):
+        gen = torch.Generator().manual_seed(rank)
+        out = [torch.randn(16, generator=gen) * 100 for _ in range(3)]
+        if rank == 1:
+            out[1][3] = float("nan")
+        return out
+
+    def worker(rank, channel):
+        comp = acc.AccordionCompressor(acc.Quantize(8, min_numel=8), policy="link-gate", interval=100, channel=channel)
+        engine = comp.engine
+        with pytest.raises(RuntimeError, match="add_whole before the policy settled"):
+            engine.add_whole("m", torch.zeros(16), layers)
+        out, ctx = comp.compress_named("a.weight", torch.full((3, 4), 0.1 * (rank + 1)))  # the dense trial
+        comp.decompress(out, ctx)
+        seed = comp.state_dict()["layers"]["a.weight"]["residual"].clone()
+        settle(comp)
+        assert engine.settled_dense
+        with pytest.raises(ValueError, match="buffer 'm' must be a flat float tensor"):
+            engine.add_whole("m", torch.zeros(4, 4), layers)
+        results = []
+        for flat in flats(rank):
+            avg = channel.wait(channel.allreduce_mean_async([engine.add_whole("m", flat, layers)], name="m"))[0]
+            engine.finish_whole("m", flat, avg)
+            engine.end_step()
+            results.append((flat, comp.step_skipped))
+        return seed, results, comp.state_dict()["whole"]["m"], comp.stats()["layers"]["a.bias"]
+
+    got = SimulatedWorld(2).run(worker)
+    e = [torch.cat([got[rank][0], torch.zeros(4)]) for rank in (0, 1)]
+    assert e[0].abs().sum() > 0  # a.weight's rounding from the dense trial
+    for step in range(3):
+        g = [flats(rank)[step] + e[rank] for rank in (0, 1)]
+        skipped = step == 1
+        if skipped:
+            expected = torch.zeros(16)
+            e = [g[0], e[1]]  # rank 1's g was not finite: its e stays
+        else:
+            expected = ((g[0].half() + g[1].half()) / 2).float()
+            e = [x - x.half().float() for x in g]
+        for rank in (0, 1):
+            result, was_skipped = got[rank][1][step]
+            assert was_skipped == skipped
+            assert torch.equal(result, expected), (step, rank)
+    for rank in (0, 1):
+        assert torch.equal(got[rank][2], e[rank])
+    assert got[0][3]["floats_sent"] == 3 * 4 and got[0][3]["bytes_sent"] == 3 * 4 * 2  # float16 on the wire
 
 
 @pytest.mark.horovod

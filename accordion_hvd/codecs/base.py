@@ -19,7 +19,9 @@ from __future__ import annotations
 import torch
 
 from ..levels import Level
-from ._common import residual_dtype  # noqa: F401 - the engine checks a layer's error feedback dtype with it
+# The engine checks a layer's error feedback dtype with residual_dtype, and sends flat buffers
+# whole as any codec sends a layer whole (engine/whole.py):
+from ._common import flush_whole, residual_dtype, settle_sent, wire_dtype  # noqa: F401
 
 REQUIRED = ("levels", "adaptive", "measures_gain", "compressible", "init_state", "set_level", "floats_sent",
             "wire", "state_to_dict", "state_from_dict", "config")

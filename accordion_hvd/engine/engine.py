@@ -15,6 +15,10 @@ One step, numbered as the engine sees it:
    or skipped (a rank's non-finite gradient: every result zero, on the device), counted,
    and the controller sets the levels of the next step on every rank alike.
 
+Once the policy has settled every layer at 16-bit dense for good, a front end whose gradients
+come in flat buffers may send each buffer whole instead: ``add_whole``/``finish_whole``
+(engine/whole.py, a part of the engine like planes.py), in place of steps 1 and 2.
+
 ``abort()`` drops a step in flight (Horovod Elastic). Two parts of the engine have files of
 their own: its planes and exchanges (engine/planes.py) and what it does between steps
 (engine/between_steps.py: settings, levels, the link). Settings are agreed across ranks once,
@@ -44,13 +48,14 @@ from . import announce, checks
 from .between_steps import BetweenSteps
 from .planes import Planes
 from .learning_rates import LearningRates
+from .whole import WholeBuffers, WholeRoute
 
 # Who carries a layer this step: the front end (Horovod's allreduce, DDP's bucket collective),
 # our codec's exchange, or our uncompressed round.
 DENSE, COMPRESSED, UNCOMPRESSED = "dense", "compressed", "uncompressed"
 
 
-class StepEngine(Planes, BetweenSteps):
+class StepEngine(Planes, BetweenSteps, WholeRoute):
     """See the module doc; ``AccordionCompressor`` (accordion_hvd/horovod/compressor.py)
     documents the arguments."""
 
@@ -61,6 +66,7 @@ class StepEngine(Planes, BetweenSteps):
         self.bucket_cap = int(positive_number("bucket_cap_mb", bucket_cap_mb) * 2**20)
         self.controller = RegimeController(self.policy, self.interval, accumulate=accumulate)
         self.layers: dict[str, Any] = {}      # name -> codec state (changed in place only)
+        self.whole = WholeBuffers(self.layers)  # flat buffers sent whole once settled (engine/whole.py)
         self.counters = Counters()
         self.probe = None                     # a network-aware policy's measurements
         if self.policy.uses_network:
@@ -234,6 +240,7 @@ class StepEngine(Planes, BetweenSteps):
         skipped = self.faults.settle(self.counters.steps + 1, device)  # 0-d bool; the host reads it later, if at all
         if self._exchange is not None:  # before the zeroing: PowerSGD's settling reads its results
             self._exchange.end_step(skipped=skipped)
+        self.whole.settle(~skipped)
         # A skipped step's results are zero (they may hold NaN), decided on the device.
         ops.fill_if_([out for out in self._outputs if out.layout == torch.strided], skipped)
         sparse = [out for out in self._outputs if out.layout != torch.strided]
@@ -272,5 +279,6 @@ class StepEngine(Planes, BetweenSteps):
         if self.probe is not None:
             self.probe.forget_step()
         self.faults.forget()
+        self.whole.forget_step()
         self.lrs.take()
         self._new_step()

@@ -15,6 +15,7 @@ from ..checkpoint import current_world
 from ..counters import Counters
 from ..levels import DENSE
 from .settings import canonical
+from .whole import WholeBuffers
 
 FORMAT = "accordion_hvd.AccordionCompressor/2"  # /2: levels as [kind, factor], not strings
 
@@ -27,6 +28,7 @@ def state_dict(engine) -> dict:
             "rank": None if world is None else world[0], "world_size": None if world is None else world[1],
             "skipped_steps": engine.faults.count, **counters, "reported_lrs": engine.lrs.reported,
             "layers": {n: engine.codec.state_to_dict(s) for n, s in sorted(engine.layers.items())},
+            "whole": engine.whole.state_dict(),  # flat buffers' error feedback (engine/whole.py)
             "controller": engine.controller.state_dict()}
 
 
@@ -55,6 +57,7 @@ def load_state_dict(engine, state: dict, error_feedback: bool = True) -> None:
         for n, layer in layers.items():
             if not bool(torch.isfinite(layer.residual).all()):
                 raise ValueError(f"the error feedback of {n!r} is not finite")
+        whole = WholeBuffers.parse(state.get("whole", {}))  # absent before the settled route existed
         counters = Counters.parse(state)
         skipped = int(state.get("skipped_steps", 0))
         reported = state["reported_lrs"]
@@ -67,9 +70,11 @@ def load_state_dict(engine, state: dict, error_feedback: bool = True) -> None:
     if not error_feedback:
         for layer in layers.values():
             layer.residual.zero_()
+        whole = {}
     # In place: read-only views of these (the network probe's) stay current.
     engine.layers.clear()
     engine.layers.update(layers)
+    engine.whole.load(whole)
     engine.counters.load(counters)
     engine.faults.count = skipped
     engine.lrs.reported = reported
@@ -89,6 +94,7 @@ def check_loaded_owner(engine) -> None:
     if not keep:
         for layer in engine.layers.values():
             layer.residual.zero_()
+        engine.whole.load({})
 
 
 def stats(engine) -> dict:

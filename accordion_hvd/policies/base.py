@@ -119,6 +119,7 @@ class Policy:
     uses_network = False  # True: windows carry level errors and a NetworkReport
     needs_two_levels = False  # True: only switches between the codec's NORMAL and CRITICAL (useless with one)
     dense_level = DENSE   # the level such a policy may send a layer whole at (DENSE, or DENSE16)
+    settled_level: Level | None = None  # every layer's level for the rest of training, once decided for good
 
     def config(self) -> dict:
         return {"policy": self.name}

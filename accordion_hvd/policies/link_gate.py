@@ -88,6 +88,11 @@ class LinkGate(Policy):
         """Whether compression was found to pay: the layers follow the inner policy."""
         return self.phase == _COMPRESSED
 
+    @property
+    def settled_level(self) -> Level | None:
+        """``DENSE16`` once compression was found not to pay: the decision is not revisited."""
+        return DENSE16 if self.phase == _DENSE else None
+
     def _level(self, inner: Level) -> Level:
         return inner if self.compressing else NORMAL if self.phase == _COMPRESSED_TRIAL else DENSE16
 

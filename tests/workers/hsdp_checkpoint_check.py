@@ -10,7 +10,11 @@ state saved and loaded with ``torch.distributed.checkpoint`` beside the model an
    and optimizer load (DCP reshards them), the compressor warns and starts from zero error
    feedback.
 
-Usage: hsdp_checkpoint_check.py DIR STEPS
+Mode ``settled``: the same with the quantization codec under a link gate that has settled on
+16-bit dense (as it does where compression does not pay): every module's buffer goes whole, and
+its error feedback (accordion_hvd/engine/whole.py) is what must resume bit for bit.
+
+Usage: hsdp_checkpoint_check.py DIR STEPS [accordion|settled]
 """
 
 import logging
@@ -28,6 +32,7 @@ import accordion_hvd as acc
 from worker_util import checker, leave_torch_distributed, say
 
 where, steps = sys.argv[1], int(sys.argv[2])
+SETTLED = sys.argv[3:] == ["settled"]
 dist.init_process_group("gloo")
 rank, size = dist.get_rank(), dist.get_world_size()
 check = checker(rank)
@@ -53,7 +58,12 @@ def build(shape):
         fully_shard(block, mesh=mesh["shard"])
     fully_shard(model, mesh=mesh["shard"])
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    compression = acc.AccordionCompressor(acc.PowerSGD(rank=1, critical_rank=4), interval=2)
+    if SETTLED:
+        compression = acc.AccordionCompressor(acc.Quantize(bits=8), policy="link-gate")
+        gate = compression.engine.policy  # as its trials decide on a link where compression does not pay
+        gate.load_state_dict({**gate.state_dict(), "phase": "dense", "dense_s": 1.0, "compressed_s": 1.0})
+    else:
+        compression = acc.AccordionCompressor(acc.PowerSGD(rank=1, critical_rank=4), interval=2)
     hook = acc.compress_hsdp(model, compression, mesh, optimizer=opt)
     return model, opt, compression, hook
 
@@ -71,6 +81,7 @@ def snapshot(model, compression):
     params = {n: p.full_tensor().clone() for n, p in model.named_parameters()}
     state = compression.state_dict()
     ef = {n: layer["residual"].clone() for n, layer in state["layers"].items()}
+    ef.update({f"buffer {key}": e.clone() for key, e in state["whole"].items()})
     levels = {n: layer["level"] for n, layer in compression.stats()["layers"].items()}
     return params, ef, levels, state["steps"]
 
@@ -112,7 +123,11 @@ for n in whole[0]:
 for n in whole[1]:
     check(torch.equal(whole[1][n], resumed[1][n]), f"{n}: resumed error feedback differs")
 check(whole[2] == resumed[2] and whole[3] == resumed[3], f"levels or steps differ: {whole[2:]} vs {resumed[2:]}")
-check(len(set(whole[2].values())) > 1 or "critical" in whole[2].values(), f"levels: {whole[2]}")
+if SETTLED:  # one buffer per FSDP module (two blocks and the root), with error feedback
+    buffers = [n for n, e in whole[1].items() if n.startswith("buffer ") and bool(e.abs().sum() > 0)]
+    check(len(buffers) == 3, f"buffers with error feedback: {buffers}")
+else:
+    check(len(set(whole[2].values())) > 1 or "critical" in whole[2].values(), f"levels: {whole[2]}")
 
 
 # 3. another mesh: the compressor starts again, with a warning
@@ -135,6 +150,6 @@ for n, p in model.named_parameters():  # the model itself loaded, resharded by D
     check(torch.equal(p.full_tensor(), middle[n]), f"another mesh: {n} is not the checkpoint's")
 train(model, opt, steps // 2, steps // 2 + 2)
 check(all(bool(torch.isfinite(p.full_tensor()).all()) for p in model.parameters()), "another mesh: not finite")
-say(f"rank {rank}: OK hsdp checkpoint: resumed bit for bit after {steps // 2} of {steps} steps on mesh "
+say(f"rank {rank}: OK hsdp checkpoint{' (settled)' if SETTLED else ''}: resumed bit for bit after {steps // 2} of {steps} steps on mesh "
     f"2x{size // 2}; on mesh {size}x1 the compressor started again; levels {sorted(set(whole[2].values()))}")
 leave_torch_distributed(dist)

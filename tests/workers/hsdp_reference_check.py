@@ -20,6 +20,12 @@ has 13 rows (shards of 7 and 6 rows: a padding row), ``b.frozen`` does not train
 ``b.sometimes`` is unused on rank 1 in even steps (FSDP then reduces zeros for it). Parameters must
 match within rtol=atol=1e-4 (PowerSGD) or 1e-5, TopK's and Quantize's updates bit for bit,
 the parameters be identical on the ranks of every node pair, the frozen one unchanged.
+Mode ``settled``: the quantization codec under the link gate, whose dense trial sends every
+layer whole in float16 (a layer too small to compress in float32), until before step 2 the gate
+is set as it decides when compression does not pay: from then on each module's buffer goes
+whole in float16 with its own error feedback (accordion_hvd/engine/whole.py), seeded from its
+layers'; bit for bit. In step 5 rank 1's gradient has a NaN, as in mode accordion: the step is
+skipped, and a rank's finite buffer keeps its g = s + e in error feedback.
 Mode ``accordion``: PowerSGD(1, 4) under Accordion, windows of 2 steps, with gradient scales
 that change by rank and step: no reference, but every rank must hold the same levels after
 every step and every replica the same parameters. In step 5 rank 1's gradient has a NaN in a
@@ -60,10 +66,12 @@ def unused(r: int, t: int) -> bool:
     return r == 1 and t % 2 == 0
 CHUNK, RATIO = 64, 0.1
 NAN_STEP = 5  # mode accordion: rank 1's gradient is not finite in this step
-POWERSGD, TOPK, QUANT = mode in ("powersgd", "accordion"), mode == "topk", mode == "quantize"
+SETTLE_AT = 2  # mode settled: the link gate decides, between steps 1 and 2, that compression does not pay
+POWERSGD, TOPK, QUANT, SETTLED = mode in ("powersgd", "accordion"), mode == "topk", mode == "quantize", mode == "settled"
 codec = {"powersgd": acc.PowerSGD(rank=2), "topk": acc.TopK(ratio=RATIO),
          "quantize": acc.Quantize(bits=8, chunk=CHUNK, min_numel=64),
-         "accordion": acc.PowerSGD(rank=1, critical_rank=4)}[mode]
+         "accordion": acc.PowerSGD(rank=1, critical_rank=4),
+         "settled": acc.Quantize(bits=8, chunk=CHUNK, min_numel=64)}[mode]
 
 
 def grads(r: int, t: int) -> dict[str, np.ndarray]:
@@ -75,7 +83,7 @@ def grads(r: int, t: int) -> dict[str, np.ndarray]:
         out = {n: (rs.standard_normal(s) * scale).astype(np.float32) for n, s in SHAPES.items()}
     if unused(r, t):
         out["b.sometimes"] = np.zeros(SHAPES["b.sometimes"], np.float32)
-    if mode == "accordion" and (r, t) == (1, NAN_STEP):
+    if mode in ("accordion", "settled") and (r, t) == (1, NAN_STEP):
         out["a.w2d"][0, 0] = np.nan  # row 0: shard 0's
     return out
 
@@ -113,7 +121,7 @@ fully_shard(model.a, mesh=mesh["shard"])
 fully_shard(model.b, mesh=mesh["shard"])
 fully_shard(model, mesh=mesh["shard"])
 opt = torch.optim.SGD(model.parameters(), lr=1.0)
-policy = dict(interval=2, eta=0.5) if mode == "accordion" else {}
+policy = dict(interval=2, eta=0.5) if mode == "accordion" else dict(policy="link-gate") if SETTLED else {}
 compression = acc.AccordionCompressor(codec, **policy)
 hook = acc.compress_hsdp(model, compression, mesh, optimizer=opt)
 params = dict(model.named_parameters())
@@ -138,20 +146,56 @@ ref_w = {n: v.copy() for n, v in initial.items()}
 ref_e, ref_q = {}, {}
 
 
+def dense16(n: str, j: int, s_nodes: list[np.ndarray]) -> np.ndarray:
+    """Sent whole in float16, the rounding kept in error feedback: Gloo sums float16 in float32
+    and rounds back (as NumPy does), the mean divides in float16."""
+    total = None
+    for i, s in enumerate(s_nodes):
+        g = (s + ref_e.get((i, j, n), np.float32(0))).astype(np.float32)
+        sent = g.astype(np.float16)
+        ref_e[i, j, n] = (g - sent.astype(np.float32)).astype(np.float32)
+        total = sent if total is None else (total + sent).astype(np.float16)
+    return (total / np.float16(NODES)).astype(np.float16).astype(np.float32)
+
+
+def node_shards(g_all: list, n: str, j: int) -> list[np.ndarray]:
+    """FSDP's reduce-scatter (AVG) within each node, in float32: shard j of ``n`` per node."""
+    s_nodes = []
+    for i in range(NODES):
+        total = np.zeros_like(padded_shard(g_all[0][n], n, j))
+        for jj in range(PER_NODE):
+            total = (total + padded_shard(g_all[i * PER_NODE + jj][n], n, j)).astype(np.float32)
+        s_nodes.append((total / np.float32(PER_NODE)).astype(np.float32))
+    return s_nodes
+
+
+def skipped_whole_step(g_all: list) -> dict[str, np.ndarray]:
+    """Mode settled, a skipped step: no update; a rank whose module buffer (every shard of the
+    module's parameters on it) is finite keeps its g = s + e in error feedback, the others
+    keep e as it was."""
+    shards = {(n, j): node_shards(g_all, n, j) for n in SHAPES for j in range(PER_NODE)}
+    for i in range(NODES):
+        for j in range(PER_NODE):
+            for module in ("a", "b"):
+                names = [n for n in SHAPES if n.startswith(module + ".")]
+                if all(np.isfinite(shards[n, j][i]).all() for n in names):
+                    for n in names:
+                        ref_e[i, j, n] = (shards[n, j][i] + ref_e.get((i, j, n), np.float32(0))).astype(np.float32)
+    return {n: np.zeros(SHAPES[n]) for n in SHAPES}
+
+
 def reference_step(t: int) -> dict[str, np.ndarray]:
     g_all = [grads(r, t) for r in range(size)]
+    if SETTLED and t == NAN_STEP:
+        return skipped_whole_step(g_all)
     update = {}
     for n in SHAPES:
         full = np.zeros(SHAPES[n], np.float64)
         for j in range(PER_NODE):
-            # FSDP's reduce-scatter (AVG) within each node, in float32
-            s_nodes = []
-            for i in range(NODES):
-                total = np.zeros_like(padded_shard(g_all[0][n], n, j))
-                for jj in range(PER_NODE):
-                    total = (total + padded_shard(g_all[i * PER_NODE + jj][n], n, j)).astype(np.float32)
-                s_nodes.append((total / np.float32(PER_NODE)).astype(np.float32))
-            if n not in COMPRESSED:
+            s_nodes = node_shards(g_all, n, j)
+            if SETTLED and (n in COMPRESSED or t >= SETTLE_AT):  # the gate's dense trial, then whole buffers
+                result = dense16(n, j, s_nodes)
+            elif n not in COMPRESSED:
                 result = sum(s.astype(np.float64) for s in s_nodes) / NODES
             elif POWERSGD:
                 shape = (s_nodes[0].shape[0], math.prod(s_nodes[0].shape[1:]))
@@ -197,6 +241,10 @@ worst = 0.0
 full_w = None
 seen = set()  # every level a layer held after some step
 for t in range(steps):
+    if SETTLED and t == SETTLE_AT:  # what the gate's second trial would decide on a fast link
+        gate = compression.engine.policy
+        gate.load_state_dict({**gate.state_dict(), "phase": "dense", "dense_s": 1.0, "compressed_s": 1.0})
+        check(compression.engine.settled_dense, "the link gate did not settle")
     mine = grads(rank, t)
     opt.zero_grad()
     model({n: torch.from_numpy(v) for n, v in mine.items() if not (n == "b.sometimes" and unused(rank, t))}).backward()
@@ -211,6 +259,8 @@ for t in range(steps):
               f"step {t}: parameters {'changed in a skipped step' if skipped else 'not updated, or not finite'}")
     else:
         expected = reference_step(t)
+        if SETTLED:
+            check(compression.step_skipped == (t == NAN_STEP), f"step {t}: step_skipped is {compression.step_skipped}")
         for n in SHAPES:
             ref_w[n] = ref_w[n] - expected[n]
             err = max(np.abs(full_w[n] - ref_w[n]).max(), np.abs(applied[n] - expected[n]).max())
@@ -218,7 +268,7 @@ for t in range(steps):
             check(np.allclose(full_w[n], ref_w[n], rtol=TOL, atol=TOL) and
                   np.allclose(applied[n], expected[n], rtol=TOL, atol=TOL),
                   f"step {t} {n}: differs from the NumPy reference by {err:.3g} (tol {TOL})")
-            if (TOPK or QUANT) and n in COMPRESSED:
+            if (TOPK or QUANT) and n in COMPRESSED or SETTLED and (n in COMPRESSED or t >= SETTLE_AT):
                 check(np.array_equal(applied[n].astype(np.float32), expected[n].astype(np.float32)),
                       f"step {t} {n}: update not bit-identical to the exact reference")
     for n in FROZEN:

@@ -1,0 +1,139 @@
+"""The settled route: flat buffers sent whole in 16 bits, once nothing will be compressed again.
+
+When the policy has put every layer at ``DENSE16`` for good (the link gate found that
+compression does not pay on this job's link: policies/link_gate.py), the per-layer route still
+costs host time for every layer of every step: routing, the controller's norms, a finite flag
+and a cast per layer, the average issued and checked per layer. On HSDP at 1 Gbit/s that was
+27 ms a step against FSDP's own all-reduce (benchmarks/results/hsdp-dense-route.md). A front
+end whose gradients arrive in flat buffers (FSDP2's reduce-scatter output, one per module)
+then hands the engine each buffer instead:
+
+1. ``add_whole(key, flat, layers)``: g = flat + e (``e``: the buffer's error feedback), returned
+   in float16 (a 16-bit buffer as it is) for the front end's one collective; NaN where this
+   rank's gradient was not finite, so the fault shows in the average on every rank.
+2. ``finish_whole(key, flat, average)``: the average written into ``flat`` (its dtype), checked.
+3. ``end_step`` settles each buffer's ``e`` (engine.py): what float16 rounded away, or all of
+   g if the step was skipped; the skipped step's results are zero, as on the per-layer route.
+
+The math is the per-layer route's at ``DENSE16`` (``flush_whole`` and ``settle_sent``, which
+every codec uses for a layer sent whole), applied to the whole buffer: layers too small to
+compress, sent in their own dtype on the per-layer route, go in float16 here too, their rounding
+kept in ``e`` like the rest. A buffer's ``e`` starts as its layers' error feedback (the last
+compressed trial's, flushed in the first whole step, as the per-layer route would flush it),
+and is saved in the engine's checkpoint under its key.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..codecs.base import flush_whole, settle_sent, wire_dtype
+from ..flags import finite_flag
+from ..levels import DENSE16
+
+
+class WholeBuffers:
+    """Each buffer's error feedback (``residuals``: key -> flat float tensor) and this step's
+    buffers to settle. ``layers``: the engine's per-layer codec states, read once per buffer
+    to seed its error feedback."""
+
+    def __init__(self, layers: dict) -> None:
+        self.residuals: dict[str, torch.Tensor] = {}
+        self._layers = layers
+        self._step: list[tuple[torch.Tensor, torch.dtype]] = []  # (e, wire dtype) of this step's buffers
+
+    def add(self, key: str, flat: torch.Tensor, layers: list[tuple[str, int]], finite: torch.Tensor) -> torch.Tensor:
+        e = self.residuals.get(key)
+        if e is None or e.numel() != flat.numel():
+            e = self.residuals[key] = self._seed(flat, layers)
+        elif e.device != flat.device:  # loaded from a checkpoint on the host
+            e = self.residuals[key] = e.to(flat.device)
+        self._step.append((e, wire_dtype(DENSE16, flat.dtype)))
+        return flush_whole(e, flat, DENSE16, finite)
+
+    def _seed(self, flat: torch.Tensor, layers: list[tuple[str, int]]) -> torch.Tensor:
+        dtype = torch.float32 if flat.dtype in (torch.float16, torch.bfloat16) else flat.dtype
+        e = torch.zeros(flat.numel(), dtype=dtype, device=flat.device)
+        offset = 0
+        for name, numel in layers:
+            state = self._layers.get(name)
+            if state is not None and state.residual.numel() == numel:
+                e[offset:offset + numel].copy_(state.residual.reshape(-1))
+            offset += numel
+        if offset != flat.numel():
+            raise ValueError(f"add_whole: the layers given hold {offset} elements, the buffer {flat.numel()}")
+        return e
+
+    def settle(self, done: torch.Tensor) -> None:
+        """End of step: ``done`` (0-d bool) False for a skipped step."""
+        for e, sent in self._step:
+            settle_sent(e, sent, done)
+        self._step = []
+
+    def forget_step(self) -> None:
+        """An aborted step: its buffers' g stays in their error feedback, as a skipped step's."""
+        self._step = []
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return {key: e.clone() for key, e in sorted(self.residuals.items())}
+
+    @staticmethod
+    def parse(state: dict) -> dict[str, torch.Tensor]:
+        """A checkpoint's buffers, checked (ValueError), changing nothing."""
+        parsed = {}
+        for key, e in state.items():
+            if not isinstance(e, torch.Tensor) or e.dim() != 1 or not e.is_floating_point():
+                raise ValueError(f"the error feedback of buffer {key!r} is not a flat float tensor")
+            if not bool(torch.isfinite(e).all()):
+                raise ValueError(f"the error feedback of buffer {key!r} is not finite")
+            parsed[str(key)] = e.clone()
+        return parsed
+
+    def load(self, parsed: dict[str, torch.Tensor]) -> None:
+        self.residuals.clear()
+        self.residuals.update(parsed)
+        self._step = []
+
+
+class WholeRoute:
+    """``StepEngine``'s calls for the settled route (module doc); its state is the engine's
+    ``whole`` (a ``WholeBuffers``), settled in its ``end_step``."""
+
+    @property
+    def settled_dense(self) -> bool:
+        """Whether the policy has put every layer at 16-bit dense for good (the same on every
+        rank): ``add_whole`` may carry flat buffers from now on."""
+        return self.policy.settled_level == DENSE16
+
+    @torch.no_grad()
+    def add_whole(self, key: str, flat: torch.Tensor, layers: list[tuple[str, int]]) -> torch.Tensor:
+        """Once ``settled_dense``: buffer ``key`` (a flat float tensor holding ``layers``, (name,
+        numel) in order) sent whole. Returns the 16-bit tensor the front end averages; its
+        average goes to ``finish_whole``."""
+        if not self.settled_dense:
+            raise RuntimeError("AccordionCompressor: add_whole before the policy settled every layer at 16-bit dense")
+        if flat.dim() != 1 or not flat.is_floating_point():
+            raise ValueError(f"AccordionCompressor: buffer {key!r} must be a flat float tensor, got "
+                             f"{flat.dim()}-D {flat.dtype}")
+        self.agree_settings()
+        if key in self.in_flight:
+            raise RuntimeError(f"AccordionCompressor: buffer {key!r} added twice in one step")
+        self.in_flight.add(key)
+        finite = finite_flag(flat)
+        self.faults.local(key, finite)
+        half = self.whole.add(key, flat, layers, finite)
+        itemsize, sent = flat.element_size(), half.element_size()
+        for name, numel in layers:
+            self.counters.gradient(name, numel, numel * itemsize)
+            self.counters.floats(name, numel)
+            self.counters.wire(name, numel * sent)
+        return half
+
+    def finish_whole(self, key: str, flat: torch.Tensor, average: torch.Tensor) -> None:
+        """Buffer ``key``'s average (of what ``add_whole`` returned) written into ``flat``."""
+        if key not in self.in_flight:
+            raise RuntimeError(f"AccordionCompressor: no buffer {key!r} in flight")
+        self.faults.seen(~finite_flag(average))
+        flat.copy_(average.view_as(flat))
+        self._outputs.append(flat)
+        self.in_flight.discard(key)
