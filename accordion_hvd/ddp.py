@@ -24,7 +24,10 @@ last bucket's hook finishes the step: it waits for the exchange, runs ``decompre
 every layer (the compressor's end of step: skip or settle, the levels of the next step),
 writes the results into DDP's buckets and completes every future. A PowerSGD layer that came
 early has its result written straight into DDP's bucket (``write_result_into``), which saves
-a pass over it. (DDP still copies each gradient into its bucket and, unless the model was
+a pass over it. Once the policy has settled every layer at 16-bit dense for good (the
+default's link gate, where compression does not pay), each bucket goes to the engine whole
+instead (engine/whole.py): one float16 average per bucket, with the bucket's own error
+feedback. (DDP still copies each gradient into its bucket and, unless the model was
 built with ``gradient_as_bucket_view=True``, the bucket back into ``.grad``: a hook cannot
 spare it those copies, DDP asserts that a ``.grad`` it did not make is no view of its bucket.)
 
@@ -104,7 +107,7 @@ class DDPHook:
         self.__name__ = self.__qualname__ = "accordion_hook"  # DDP logs its hooks by name
         self._names = {id(p): (weakref.ref(p), n) for p, n in names.items()}  # no reference kept to the model
         self._unknown_warned: set[tuple] = set()
-        self._buckets: list = []  # this step: (future, buffer, entries, dense handles by dtype)
+        self._buckets: list = []  # this step: (future, buffer, entries, handles by dtype); whole: (.., key, handle)
         self._early: dict[int, tuple] = {}  # this step: id(param) -> the engine's (out, route) for it
         self._armed = False  # a forward that synchronizes ran: DDP will call the hook this backward
         self._handles: list = []
@@ -129,10 +132,14 @@ class DDPHook:
         ref, name = self._names.get(id(param), (None, None))
         if not self._armed or ref is None or ref() is not param or id(param) in self._early:
             return  # DDP's bucket brings it to the comm hook
+        if self.engine.settled_dense:
+            return  # the bucket goes whole (_whole_bucket)
         self._early[id(param)] = self.engine.add(name, param.grad)
 
     def __call__(self, state, bucket):  # no annotations: DDP compares them to its own types
         future: torch.futures.Future = torch.futures.Future()
+        if self.engine.settled_dense and not self._early:  # (the same on every rank, all step long)
+            return self._whole_bucket(bucket, future)
         entries, dense = [], {}  # dense: dtype -> the tensors averaged as they are, one collective per dtype
 
         def average(tensor):
@@ -162,6 +169,25 @@ class DDPHook:
             self._finish_step()
         return future
 
+    def _whole_bucket(self, bucket, future):
+        """Once the policy settled every layer at 16-bit dense for good (the default's link
+        gate, where compression does not pay): DDP's bucket whole, one float16 average with
+        the bucket's own error feedback (engine/whole.py), none of the per-layer host work."""
+        layers = []
+        for i, (param, grad) in enumerate(zip(bucket.parameters(), bucket.gradients())):
+            ref, name = self._names.get(id(param), (None, None))
+            if ref is None or ref() is not param:
+                self._warn_unknown(bucket.index(), param)
+                name = f"<bucket {bucket.index()} parameter {i}>"
+            layers.append((name, grad.numel()))
+        key = f"ddp:bucket{bucket.index()}"
+        half = self.engine.add_whole(key, bucket.buffer(), layers)
+        handle = self.channel.allreduce_mean_async([half], name=f"acc.ddp.whole.b{bucket.index()}")
+        self._buckets.append((future, bucket.buffer(), key, handle))
+        if bucket.is_last():
+            self._finish_step()
+        return future
+
     def _finish_step(self) -> None:
         """Every bucket is in: wait for the averages, finish every layer and end the engine's
         step, then write the results into DDP's buckets."""
@@ -169,6 +195,9 @@ class DDPHook:
         self._early, self._armed = {}, False
         results = []
         for future, buffer, entries, handles in buckets:
+            if isinstance(entries, str):  # a bucket sent whole: entries is its key, handles its average's
+                self.engine.finish_whole(entries, buffer, self.channel.wait(handles)[0])
+                continue
             averages = {dtype: self.channel.wait(handle) for dtype, handle in handles.items()}
             for grad, ctx, where in entries:
                 if ctx is None:

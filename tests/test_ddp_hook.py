@@ -17,7 +17,7 @@ from launch import WORKERS, run_ddp_module, run_ddp_worker, torchrun
 
 @pytest.mark.torchrun
 @pytest.mark.parametrize("np", [2, 3])
-@pytest.mark.parametrize("mode", ["powersgd", "topk", "quantize"])
+@pytest.mark.parametrize("mode", ["powersgd", "topk", "quantize", "settled"])
 def test_ddp_hook_matches_numpy_reference(mode, np):
     out = run_ddp_worker("numpy_reference_check.py", mode, "6", "ddp", np=np)
     assert out.count(f": OK {mode} ") == np, out

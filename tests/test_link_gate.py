@@ -171,7 +171,7 @@ def test_once_settled_flat_buffers_go_whole_in_float16_with_error_feedback():
             engine.finish_whole("m", flat, avg)
             engine.end_step()
             results.append((flat, comp.step_skipped))
-        return seed, results, comp.state_dict()["whole"]["m"], comp.stats()["layers"]["a.bias"]
+        return seed, results, comp.state_dict()["whole"]["m"]["e"], comp.stats()["layers"]["a.bias"]
 
     got = SimulatedWorld(2).run(worker)
     e = [torch.cat([got[rank][0], torch.zeros(4)]) for rank in (0, 1)]

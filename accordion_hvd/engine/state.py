@@ -13,7 +13,7 @@ import torch
 from .. import checkpoint
 from ..checkpoint import current_world
 from ..counters import Counters
-from ..levels import DENSE
+from ..levels import DENSE, DENSE16
 from .settings import canonical
 from .whole import WholeBuffers
 
@@ -106,7 +106,8 @@ def stats(engine) -> dict:
         **counters.totals(),
         "steps": counters.steps,
         "skipped_steps": engine.faults.count,
-        "layers": {n: {**counters.layer(n), "level": str(engine.layers[n].level if n in engine.layers else DENSE),
+        "layers": {n: {**counters.layer(n), "level": str(engine.layers[n].level if n in engine.layers else
+                                                         DENSE16 if n in engine.whole.names else DENSE),
                        "unused": n in unused}
                    for n in sorted(counters.dense)},
         "link": None if link is None else {

@@ -33,36 +33,66 @@ from ..levels import DENSE16
 
 
 class WholeBuffers:
-    """Each buffer's error feedback (``residuals``: key -> flat float tensor) and this step's
-    buffers to settle. ``layers``: the engine's per-layer codec states, read once per buffer
-    to seed its error feedback."""
+    """Each buffer's layout and error feedback, and this step's buffers to settle.
+
+    A buffer is known by its key and its layout ((name, numel) of its layers, in order). A
+    front end's buffers may change their layout (DDP rebuilds its buckets after the first
+    step): a buffer whose layout is new starts with each layer's error feedback from the
+    buffer that held the layer until now, else from the layer's codec state (``layers``: the
+    engine's, read-only), else zero; a buffer none of whose layers it still holds is dropped."""
 
     def __init__(self, layers: dict) -> None:
-        self.residuals: dict[str, torch.Tensor] = {}
+        self._buffers: dict[str, tuple[tuple, torch.Tensor]] = {}  # key -> (layout, e)
+        self._holder: dict[str, tuple[str, int, int]] = {}  # layer -> (key, offset, numel) of the buffer holding it
         self._layers = layers
         self._step: list[tuple[torch.Tensor, torch.dtype]] = []  # (e, wire dtype) of this step's buffers
 
+    @property
+    def names(self) -> set[str]:
+        """The layers sent in a buffer (stats: their level is DENSE16)."""
+        return set(self._holder)
+
     def add(self, key: str, flat: torch.Tensor, layers: list[tuple[str, int]], finite: torch.Tensor) -> torch.Tensor:
-        e = self.residuals.get(key)
-        if e is None or e.numel() != flat.numel():
-            e = self.residuals[key] = self._seed(flat, layers)
-        elif e.device != flat.device:  # loaded from a checkpoint on the host
-            e = self.residuals[key] = e.to(flat.device)
+        layout = tuple((str(name), int(numel)) for name, numel in layers)
+        known = self._buffers.get(key)
+        if known is None or known[0] != layout:
+            e = self._seed(key, flat, layout)
+        else:
+            e = known[1]
+            if e.device != flat.device:  # loaded from a checkpoint on the host
+                e = e.to(flat.device)
+                self._buffers[key] = (layout, e)
         self._step.append((e, wire_dtype(DENSE16, flat.dtype)))
         return flush_whole(e, flat, DENSE16, finite)
 
-    def _seed(self, flat: torch.Tensor, layers: list[tuple[str, int]]) -> torch.Tensor:
+    def _seed(self, key: str, flat: torch.Tensor, layout: tuple) -> torch.Tensor:
+        if sum(numel for _, numel in layout) != flat.numel():
+            raise ValueError(f"add_whole: the layers given hold {sum(n for _, n in layout)} elements, "
+                             f"the buffer {flat.numel()}")
         dtype = torch.float32 if flat.dtype in (torch.float16, torch.bfloat16) else flat.dtype
         e = torch.zeros(flat.numel(), dtype=dtype, device=flat.device)
         offset = 0
-        for name, numel in layers:
+        for name, numel in layout:
+            held = self._holder.get(name)
             state = self._layers.get(name)
-            if state is not None and state.residual.numel() == numel:
+            if held is not None and held[2] == numel:
+                source = self._buffers[held[0]][1]
+                e[offset:offset + numel].copy_(source[held[1]:held[1] + numel])
+            elif state is not None and state.residual.numel() == numel:
                 e[offset:offset + numel].copy_(state.residual.reshape(-1))
             offset += numel
-        if offset != flat.numel():
-            raise ValueError(f"add_whole: the layers given hold {offset} elements, the buffer {flat.numel()}")
+        self._register(key, layout, e)
         return e
+
+    def _register(self, key: str, layout: tuple, e: torch.Tensor) -> None:
+        self._buffers[key] = (layout, e)
+        offset = 0
+        for name, numel in layout:
+            self._holder[name] = (key, offset, numel)
+            offset += numel
+        holding = {k for k, _, _ in self._holder.values()}
+        for stale in [k for k in self._buffers if k not in holding]:
+            del self._buffers[stale]
 
     def settle(self, done: torch.Tensor) -> None:
         """End of step: ``done`` (0-d bool) False for a skipped step."""
@@ -74,24 +104,32 @@ class WholeBuffers:
         """An aborted step: its buffers' g stays in their error feedback, as a skipped step's."""
         self._step = []
 
-    def state_dict(self) -> dict[str, torch.Tensor]:
-        return {key: e.clone() for key, e in sorted(self.residuals.items())}
+    def state_dict(self) -> dict[str, dict]:
+        return {key: {"layers": [list(layer) for layer in layout], "e": e.clone()}
+                for key, (layout, e) in sorted(self._buffers.items())}
 
     @staticmethod
-    def parse(state: dict) -> dict[str, torch.Tensor]:
+    def parse(state: dict) -> dict[str, tuple[tuple, torch.Tensor]]:
         """A checkpoint's buffers, checked (ValueError), changing nothing."""
         parsed = {}
-        for key, e in state.items():
+        for key, entry in state.items():
+            layout = tuple((str(name), int(numel)) for name, numel in entry["layers"])
+            e = entry["e"]
             if not isinstance(e, torch.Tensor) or e.dim() != 1 or not e.is_floating_point():
                 raise ValueError(f"the error feedback of buffer {key!r} is not a flat float tensor")
+            if e.numel() != sum(numel for _, numel in layout):
+                raise ValueError(f"the error feedback of buffer {key!r} has {e.numel()} elements, its layers "
+                                 f"{sum(numel for _, numel in layout)}")
             if not bool(torch.isfinite(e).all()):
                 raise ValueError(f"the error feedback of buffer {key!r} is not finite")
-            parsed[str(key)] = e.clone()
+            parsed[str(key)] = (layout, e.clone())
         return parsed
 
-    def load(self, parsed: dict[str, torch.Tensor]) -> None:
-        self.residuals.clear()
-        self.residuals.update(parsed)
+    def load(self, parsed: dict[str, tuple[tuple, torch.Tensor]]) -> None:
+        self._buffers.clear()
+        self._holder.clear()
+        for key, (layout, e) in parsed.items():
+            self._register(key, layout, e)
         self._step = []
 
 

@@ -81,7 +81,7 @@ def snapshot(model, compression):
     params = {n: p.full_tensor().clone() for n, p in model.named_parameters()}
     state = compression.state_dict()
     ef = {n: layer["residual"].clone() for n, layer in state["layers"].items()}
-    ef.update({f"buffer {key}": e.clone() for key, e in state["whole"].items()})
+    ef.update({f"buffer {key}": entry["e"].clone() for key, entry in state["whole"].items()})
     levels = {n: layer["level"] for n, layer in compression.stats()["layers"].items()}
     return params, ef, levels, state["steps"]
 
