@@ -230,15 +230,7 @@ class HSDPHook:
             return
         dense: dict[torch.dtype, list[torch.Tensor]] = {}
         call = len(self._dense)
-        offset = 0
-        for name, fsdp_param in layout:
-            shape = fsdp_param.padded_sharded_param_size
-            view = reduce_output[offset:offset + shape.numel()].view(shape)
-            offset += shape.numel()
-            if fsdp_param.sharded_param.grad is not None:
-                raise RuntimeError(f"compress_hsdp: {name} has a gradient from an earlier backward; set gradients "
-                                   f"to None before each backward (optimizer.zero_grad() does by default)")
-            view[fsdp_param.sharded_size[0]:].zero_()  # the padding rows (FSDP pads with zeros; made sure)
+        for name, view in self._shards(reduce_output, layout):
             out, route = self.engine.add(name, view, uncompressed_here=True)
             where = None
             if route == DENSE:
@@ -251,21 +243,28 @@ class HSDPHook:
             tensors, name=f"acc.hsdp.dense.{call}.{str(dtype).removeprefix('torch.')}.{len(tensors)}")
             for dtype, tensors in sorted(dense.items(), key=lambda item: str(item[0]))})
 
+    @staticmethod
+    def _shards(reduce_output: torch.Tensor, layout: list[tuple]):
+        """(name, view) of each parameter's padded shard in FSDP's buffer, its padding rows
+        zeroed (FSDP pads with zeros; made sure), refusing a gradient left from an earlier
+        backward (FSDP would add into it after the hook)."""
+        offset = 0
+        for name, fsdp_param in layout:
+            shape = fsdp_param.padded_sharded_param_size
+            view = reduce_output[offset:offset + shape.numel()].view(shape)
+            offset += shape.numel()
+            if fsdp_param.sharded_param.grad is not None:
+                raise RuntimeError(f"compress_hsdp: {name} has a gradient from an earlier backward; set gradients "
+                                   f"to None before each backward (optimizer.zero_grad() does by default)")
+            if fsdp_param.sharded_size[0] < shape[0]:
+                view[fsdp_param.sharded_size[0]:].zero_()
+            yield name, view
+
     def _send_whole(self, reduce_output: torch.Tensor, layout: list[tuple]) -> None:
         """Once the policy settled on 16-bit dense for good: the module's buffer whole, one
         average (engine/whole.py), as FSDP's own all-reduce would send it, but in float16
         with its rounding kept in error feedback."""
-        offset, sizes = 0, []
-        for name, fsdp_param in layout:
-            padded = fsdp_param.padded_sharded_param_size
-            if fsdp_param.sharded_param.grad is not None:
-                raise RuntimeError(f"compress_hsdp: {name} has a gradient from an earlier backward; set gradients "
-                                   f"to None before each backward (optimizer.zero_grad() does by default)")
-            rows = fsdp_param.sharded_size[0]
-            if rows < padded[0]:  # the padding rows (FSDP pads with zeros; made sure)
-                reduce_output[offset:offset + padded.numel()].view(padded)[rows:].zero_()
-            sizes.append((name, padded.numel()))
-            offset += padded.numel()
+        sizes = [(name, view.numel()) for name, view in self._shards(reduce_output, layout)]
         key = f"hsdp:{layout[0][0]}"  # the module's first parameter: one buffer per module
         half = self.engine.add_whole(key, reduce_output, sizes)
         handle = self.channel.allreduce_mean_async([half], name=f"acc.hsdp.whole.{len(self._whole)}")

@@ -19,8 +19,8 @@ from __future__ import annotations
 import torch
 
 from ..levels import Level
-# The engine checks a layer's error feedback dtype with residual_dtype, and sends flat buffers
-# whole as any codec sends a layer whole (engine/whole.py):
+# The engine checks a layer's error feedback dtype with residual_dtype, and keeps and sends flat
+# buffers whole as any codec keeps and sends a layer whole (engine/whole.py):
 from ._common import flush_whole, residual_dtype, settle_sent, wire_dtype  # noqa: F401
 
 REQUIRED = ("levels", "adaptive", "measures_gain", "compressible", "init_state", "set_level", "floats_sent",

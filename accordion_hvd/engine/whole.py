@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import torch
 
-from ..codecs.base import flush_whole, settle_sent, wire_dtype
+from ..codecs.base import flush_whole, residual_dtype, settle_sent, wire_dtype
 from ..flags import finite_flag
 from ..levels import DENSE16
 
@@ -69,8 +69,7 @@ class WholeBuffers:
         if sum(numel for _, numel in layout) != flat.numel():
             raise ValueError(f"add_whole: the layers given hold {sum(n for _, n in layout)} elements, "
                              f"the buffer {flat.numel()}")
-        dtype = torch.float32 if flat.dtype in (torch.float16, torch.bfloat16) else flat.dtype
-        e = torch.zeros(flat.numel(), dtype=dtype, device=flat.device)
+        e = torch.zeros(flat.numel(), dtype=residual_dtype(flat.dtype), device=flat.device)
         offset = 0
         for name, numel in layout:
             held = self._holder.get(name)
