@@ -12,7 +12,8 @@ validation quality) and cap (twice their mean wall time) are computed once and f
 ``--target`` and ``--time-cap`` (train the standard schedule; if the target is not reached
 by then, go on at the final learning rate until it is or the cap passes). Every run happens
 on 2 emulated nodes (benchmarks/cluster; needs root), one rank per node, one thread each,
-under ``horovodrun --gloo``. A run's records go to ``SETTING/METHOD/seedS/``: ``steps.csv``,
+under ``horovodrun --gloo``; the HSDP setting (amendment 11) under ``torchrun`` with FSDP2, 2
+ranks per node, its baseline FSDP's bfloat16 all-reduce (``hsdp-bf16``) instead of ``fp16``. A run's records go to ``SETTING/METHOD/seedS/``: ``steps.csv``,
 ``eval.csv``, the tail of its output (``log.txt``) and ``run.json`` (protocol version,
 command, commit, machine, exit status, seconds). A run whose ``run.json`` exists is not run
 again. The summary reads only runs of this protocol version and refuses any other.
@@ -54,12 +55,17 @@ TASKS = {  # CLI arguments of the standard schedule, and its length in epochs
                       "--lr-milestones", "4"], "epochs": 6},
     "transformer": {"args": ["--dataset", "text", "--model", "transformer", "--optimizer", "adamw", "--epochs", "6",
                              "--lr", "0.001", "--lr-milestones", "4"], "epochs": 6},
+    # amendment 11: the transformer under FSDP2's HSDP, 2 nodes x 2 ranks; the same global learning
+    # rate as the transformer's 2-rank runs (0.0005 x 4 ranks = 0.001 x 2)
+    "transformer-hsdp": {"args": ["--launcher", "fsdp", "--nodes", "2", "--dataset", "text", "--model", "transformer",
+                                  "--optimizer", "adamw", "--epochs", "6", "--lr", "0.0005", "--lr-milestones", "4"],
+                         "epochs": 6, "per_node": 2},
 }
 SETTINGS = {"lstm-100mbit": ("lstm", "100mbit"), "transformer-100mbit": ("transformer", "100mbit"),
-            "transformer-1gbit": ("transformer", "1gbit")}
+            "transformer-1gbit": ("transformer", "1gbit"), "hsdp-transformer-100mbit": ("transformer-hsdp", "100mbit")}
 COMMON = ["--batch-size", "32", "--interval", "0", "--eta", "0.5", "--no-progress",
           "--evals-per-epoch", str(EVALS_PER_EPOCH)]
-BASELINE = "fp16"
+BASELINES = {"hsdp-transformer-100mbit": "hsdp-bf16"}  # amendment 11; every other setting's is fp16
 METHODS = {  # name -> CLI arguments
     "fp16": ["--codec", "fp16"],
     "powersgd-r1": ["--codec", "powersgd", "--rank", "1"],
@@ -85,7 +91,13 @@ METHODS = {  # name -> CLI arguments
                         "--interval", "100"],
     # amendment 10: the paper's LSTM setting (TopK 2% <-> 99%, a window of 5 epochs: 5 x 224 steps)
     "topk-paper": ["--codec", "topk", "--ratio", "0.02", "--critical-ratio", "0.99", "--interval", "1120"],
+    # amendment 11 (HSDP only): FSDP2's own all-reduce with reduce_dtype=bfloat16, the baseline there,
+    # and acc.AccordionCompressor() through acc.compress_hsdp (the configuration quantize8s-gate ran)
+    "hsdp-bf16": ["--codec", "bf16"],
+    "default": ["--codec", "default", "--interval", "100"],
 }
+HSDP_ONLY = ("hsdp-bf16", "default")
+ONLY = {"hsdp-transformer-100mbit": HSDP_ONLY}  # a setting's methods, where not every method runs
 QUALITY = "perplexity"  # lower is better, in every setting of this protocol
 
 
@@ -93,9 +105,17 @@ def run_dir(setting: str, method: str, seed: int) -> Path:
     return OUT / setting / method / f"seed{seed}"
 
 
+def baseline(setting: str) -> str:
+    return BASELINES.get(setting, "fp16")
+
+
+def methods_of(setting: str) -> tuple[str, ...]:
+    return ONLY.get(setting, tuple(m for m in METHODS if m not in HSDP_ONLY))
+
+
 def baseline_runs(setting: str) -> list[dict]:
     """The baseline's finished runs of a setting (read_run of each)."""
-    return [r for s in SEEDS if (r := read_run(run_dir(setting, BASELINE, s))) is not None]
+    return [r for s in SEEDS if (r := read_run(run_dir(setting, baseline(setting), s))) is not None]
 
 
 def frozen_setting(setting: str) -> dict | None:
@@ -109,7 +129,7 @@ def frozen_setting(setting: str) -> dict | None:
     target = statistics.mean(r["final_valid"] for r in runs)
     wall = statistics.mean(r["wall_s"] for r in runs)
     frozen = {"protocol": PROTOCOL, "target_perplexity": target, "baseline_wall_s": wall,
-              "cap_s": CAP_FACTOR * wall, "from": [str(run_dir(setting, BASELINE, s).relative_to(OUT)) for s in SEEDS]}
+              "cap_s": CAP_FACTOR * wall, "from": [str(run_dir(setting, baseline(setting), s).relative_to(OUT)) for s in SEEDS]}
     path.write_text(json.dumps(frozen, indent=1) + "\n")
     return frozen
 
@@ -118,7 +138,7 @@ def one_run(cluster: Cluster, setting: str, method: str, seed: int, timeout: flo
     task, rate = SETTINGS[setting]
     where = run_dir(setting, method, seed)
     extra = []
-    if method != BASELINE:
+    if method != baseline(setting):
         frozen = frozen_setting(setting)
         # the standard epochs; past them, more at the final rate while the target is not reached (the CLI's rule)
         extra = ["--target", f"{frozen['target_perplexity']:.6f}", "--time-cap", f"{frozen['cap_s']:.1f}"]
@@ -126,25 +146,35 @@ def one_run(cluster: Cluster, setting: str, method: str, seed: int, timeout: flo
         args = ["-m", "accordion_hvd.train", *TASKS[task]["args"], *COMMON, *METHODS[method], *extra,
                 "--seed", str(seed), "--logdir", tmp]
         started, at_commit = time.monotonic(), commit()  # the code the run starts with
-        result = cluster.horovodrun(args, timeout=timeout)
+        per_node = TASKS[task].get("per_node")
+        if per_node:  # torchrun on every node: node 1's output (rank 0's records), then the others'
+            results = cluster.torchrun(args, timeout=timeout, per_node=per_node)
+            exit_code = next((r.returncode for r in results.values() if r.returncode != 0), 0)
+            output = "".join(f"--- node {k + 1} ---\n" * (k > 0) + r.stdout + r.stderr for k, r in sorted(results.items()))
+            launched = f"torchrun --nnodes 2 --nproc_per_node {per_node} (node1 and node2) python "
+        else:
+            result = cluster.horovodrun(args, timeout=timeout)
+            exit_code, output = result.returncode, result.stdout + result.stderr
+            launched = "horovodrun -np 2 -H node1:1,node2:1 --gloo python "
         seconds = time.monotonic() - started
         where.mkdir(parents=True, exist_ok=True)
         for name in ("steps.csv", "eval.csv"):
             if (Path(tmp) / name).exists():
                 shutil.copy(Path(tmp) / name, where / name)
-    (where / "log.txt").write_text((result.stdout + result.stderr)[-20000:])
-    record = {"protocol": PROTOCOL, "setting": setting, "method": method, "seed": seed, "exit": result.returncode,
-              "seconds": round(seconds, 1), "command": f"horovodrun -np 2 -H node1:1,node2:1 --gloo python "
-                                                       f"{' '.join(args[:-1])} DIR",
-              "commit": at_commit, "machine": machine(), "cluster": f"2 emulated nodes, {rate} links, 1 thread per rank"}
+    (where / "log.txt").write_text(output[-20000:])
+    record = {"protocol": PROTOCOL, "setting": setting, "method": method, "seed": seed, "exit": exit_code,
+              "seconds": round(seconds, 1), "command": f"{launched}{' '.join(args[:-1])} DIR",
+              "commit": at_commit, "machine": machine(),
+              "cluster": f"2 emulated nodes, {rate} links, {per_node or 1} rank(s) per node, 1 thread per rank"}
     (where / "run.json").write_text(json.dumps(record, indent=1) + "\n")
     return record
 
 
 def run_all(setting: str, methods: list[str], timeout: float, max_runs: int | None) -> None:
-    if any(m != BASELINE for m in methods) and frozen_setting(setting) is None:
-        methods = [m for m in methods if m == BASELINE]
-        print(f"{setting}: the baseline's runs are not all done: running only {BASELINE} now", flush=True)
+    base = baseline(setting)
+    if any(m != base for m in methods) and frozen_setting(setting) is None:
+        methods = [m for m in methods if m == base]
+        print(f"{setting}: the baseline's runs are not all done: running only {base} now", flush=True)
     todo = [(m, s) for s in SEEDS for m in methods if not (run_dir(setting, m, s) / "run.json").exists()]
     todo = todo[:max_runs] if max_runs else todo
     print(f"{setting}: {len(todo)} runs now", flush=True)
@@ -152,7 +182,7 @@ def run_all(setting: str, methods: list[str], timeout: float, max_runs: int | No
         return
     with Cluster(2, rate=SETTINGS[setting][1], prefix="accttq-") as cluster:
         for i, (method, seed) in enumerate(todo, 1):
-            if method != BASELINE and frozen_setting(setting) is None:
+            if method != base and frozen_setting(setting) is None:
                 print(f"{setting}: skipping {method}: no frozen target yet", flush=True)
                 continue
             record = one_run(cluster, setting, method, seed, timeout)
@@ -206,17 +236,19 @@ def summarize() -> list[str]:
              f"`.venv/bin/python benchmarks/time_to_quality.py --summarize`; raw runs in [{PROTOCOL}/]({PROTOCOL}/).", ""]
     for setting in SETTINGS:
         frozen = frozen_setting(setting)
-        runs = {m: {s: r for s in SEEDS if (r := read_run(run_dir(setting, m, s))) is not None} for m in METHODS}
+        base_method = baseline(setting)
+        runs = {m: {s: r for s in SEEDS if (r := read_run(run_dir(setting, m, s))) is not None}
+                for m in methods_of(setting)}
         if not any(runs.values()):
             continue
         lines += [f"## {setting}", ""]
         if frozen is None:
-            lines += [f"The baseline's runs are not all done ({len(runs[BASELINE])} of {len(SEEDS)}): no target yet.", ""]
+            lines += [f"The baseline's runs are not all done ({len(runs[base_method])} of {len(SEEDS)}): no target yet.", ""]
             continue
         target, base = frozen["target_perplexity"], frozen["baseline_wall_s"]
         # amendment 1: the quality every baseline seed delivered (its worst final), a secondary measure
-        worst = max(r["standard_valid"] for r in runs[BASELINE].values())
-        lines += [f"Target: validation perplexity {target:.2f} (the mean final validation perplexity of {BASELINE}'s "
+        worst = max(r["standard_valid"] for r in runs[base_method].values())
+        lines += [f"Target: validation perplexity {target:.2f} (the mean final validation perplexity of {base_method}'s "
                   f"{len(SEEDS)} runs); the baseline's mean wall time {base:.0f} s; cap {frozen['cap_s']:.0f} s. "
                   f"Secondary (amendment 1): time to {worst:.2f}, the worst of the baseline's final validation "
                   f"perplexities, a quality every baseline run delivered.", "",
@@ -278,7 +310,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--setting", choices=sorted(SETTINGS))
-    p.add_argument("--methods", default=",".join(METHODS), help="comma-separated, of: " + ", ".join(METHODS))
+    p.add_argument("--methods", default=None, help="comma-separated, of: " + ", ".join(METHODS) +
+                   "; default: every method of the setting (" + ", ".join(HSDP_ONLY) + " are HSDP's only)")
     p.add_argument("--max-runs", type=int, default=None, help="stop after this many runs (resumable)")
     p.add_argument("--timeout", type=float, default=7200, help="seconds one run may take")
     p.add_argument("--summarize", action="store_true")
@@ -289,10 +322,11 @@ def main() -> None:
         return
     if args.setting is None:
         p.error("--setting is required unless --summarize")
-    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
-    unknown = sorted(set(methods) - set(METHODS))
+    allowed = methods_of(args.setting)
+    methods = [m.strip() for m in args.methods.split(",") if m.strip()] if args.methods else list(allowed)
+    unknown = sorted(set(methods) - set(allowed))
     if unknown:
-        p.error(f"unknown methods {unknown}; the protocol's are {sorted(METHODS)}")
+        p.error(f"--methods: {unknown} not run on {args.setting}; its methods are {list(allowed)}")
     run_all(args.setting, methods, args.timeout, args.max_runs)
 
 
