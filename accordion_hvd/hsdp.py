@@ -28,7 +28,11 @@ and DDP front ends:
    step's results are collected, and one flag, reduced inside the node, says whether any
    rank's results were not finite (a non-finite gradient skips the step on every rank, in
    every shard group: the shard groups are separate worlds for the data). The engine ends
-   the step, and the results are written into FSDP's buffer, which its sharded gradients view.
+   the step, and the results are written into FSDP's buffer, which its sharded gradients view,
+   or, where FSDP reduces in a dtype other than the parameters' (``MixedPrecisionPolicy(
+   reduce_dtype=torch.bfloat16)`` with float32 parameters: the reduce-scatter inside the node
+   in half the bytes), into the gradients themselves, which FSDP cast from the buffer after
+   the hook returned.
 
 Communication: the data plane is the replicate group of this rank's shard (the ranks that
 hold the same shard on every node), made at registration, with more groups of the same ranks
@@ -36,11 +40,10 @@ for PowerSGD's Q rounds and the uncompressed layers; the node's shard group carr
 step's fault flag; the control plane (window norms, learning rates) is a Gloo group of every
 rank, so levels are decided alike on every rank of the job.
 
-What FSDP must leave alone for the results to land: the gradients must be views of the
-reduce-scatter output, so the reduce dtype is the parameters' (float32 or bfloat16; no
-cast after the hook), no CPU offload, and gradients set to None before each backward
-(``zero_grad()``'s default), since FSDP adds a new gradient into an existing one at once.
-Registration refuses the rest with a clear error, the same on every rank.
+What FSDP must leave alone for the results to land: a reduce dtype of float32 or bfloat16
+(FSDP divides others after the hook), no CPU offload, and gradients set to None before each
+backward (``zero_grad()``'s default), since FSDP adds a new gradient into an existing one at
+once. Registration refuses the rest with a clear error, the same on every rank.
 
 Checkpoints: ``hook.state_dict()`` / ``load_state_dict()`` (the ``Stateful`` protocol), for
 ``torch.distributed.checkpoint`` beside the model and optimizer: every rank's own state
@@ -68,6 +71,17 @@ log = logging.getLogger("accordion_hvd.hsdp")
 
 MESH_DIMS = ("replicate", "shard")
 FLOAT_REDUCE = (torch.float32, torch.bfloat16)  # FSDP divides other reduce dtypes after the hook
+
+
+class Module:
+    """What the hook knows of one FSDP module: ``layout``, (name, FSDPParam) of each parameter
+    FSDP reduces, in the order of its reduce-scatter buffer; ``cast``: whether FSDP casts that
+    buffer into new gradients after the hook (reduce dtype other than the parameters'), so
+    that the results go into the gradients rather than into the buffer."""
+
+    def __init__(self, layout: list[tuple], cast: bool) -> None:
+        self.layout, self.cast = layout, cast
+        self.key = f"hsdp:{layout[0][0]}" if layout else None  # its buffer, on the settled route
 
 
 def compress_hsdp(model, compressor: AccordionCompressor, mesh, *, optimizer=None,
@@ -116,9 +130,9 @@ def compress_hsdp(model, compressor: AccordionCompressor, mesh, *, optimizer=Non
             node_faults = ProcessGroupChannel(made, shard_index, mesh.size(1), timeout)
     compressor.bind(model, channel=channel, control=control, optimizer=optimizer)
     hook = HSDPHook(compressor, channel, node_faults if mesh.size(1) > 1 else None, mesh)
-    for module, layout in groups:
+    for module, known in groups:
         module.set_reduce_scatter_unused_params(True, recurse=False)  # a fixed buffer layout every step
-        module.set_all_reduce_hook(hook.for_module(layout))
+        module.set_all_reduce_hook(hook.for_module(known))
     return hook
 
 
@@ -133,8 +147,7 @@ def _check_mesh(mesh) -> None:
 
 
 def _fsdp_groups(model, mesh) -> list[tuple]:
-    """(module, layout) of every FSDP2 module of ``model``; layout: (name, FSDPParam) of each
-    parameter FSDP reduces, in the order of its reduce-scatter buffer."""
+    """(module, Module) of every FSDP2 module of ``model``."""
     from torch.distributed.fsdp import FSDPModule
     from torch.distributed.fsdp._fully_shard._fsdp_param_group import DDPMeshInfo
 
@@ -154,31 +167,37 @@ def _fsdp_groups(model, mesh) -> list[tuple]:
             if group.mesh_info.mesh.mesh.tolist() != shard_ranks:
                 raise ValueError(f"{where} was sharded over ranks {group.mesh_info.mesh.mesh.tolist()}, not over "
                                  f"the mesh's shard dimension {shard_ranks}")
-            layout = []
+            layout, casts = [], set()
             for fsdp_param in group.fsdp_params:
                 param = fsdp_param.sharded_param
                 name = names.get(id(param))
                 if name is None:
                     raise ValueError(f"a parameter of {where} is not one of the model's named parameters")
-                _check_param(name, fsdp_param, group.mp_policy)
+                cast = _check_param(name, fsdp_param, group.mp_policy)
                 if param.requires_grad:
+                    casts.add(cast)
                     layout.append((name, fsdp_param))
-            out.append((module, layout))
+            if len(casts) > 1:
+                raise ValueError(f"{where}: FSDP would cast the reduced gradients of some of its parameters and not "
+                                 f"of others (parameters of more than one dtype); give its parameters one dtype")
+            out.append((module, Module(layout, casts == {True})))
     return out
 
 
-def _check_param(name: str, fsdp_param, mp_policy) -> None:
+def _check_param(name: str, fsdp_param, mp_policy) -> bool:
+    """Refuses what the hook cannot serve; returns whether FSDP casts the reduced gradient
+    into the parameter's dtype after the hook."""
     dtype = mp_policy.param_dtype or fsdp_param.sharded_param.dtype
     reduce = mp_policy.reduce_dtype or dtype
-    if reduce != fsdp_param.sharded_param.dtype or reduce not in FLOAT_REDUCE:
-        raise ValueError(f"{name}: reduce dtype {reduce} with parameters in {fsdp_param.sharded_param.dtype}; "
-                         f"the compressed all-reduce needs the reduce dtype to be the parameters' (float32 or "
-                         f"bfloat16): FSDP casts or divides the reduced gradient after the hook")
+    if reduce not in FLOAT_REDUCE:
+        raise ValueError(f"{name}: reduce dtype {reduce}; the compressed all-reduce needs float32 or bfloat16 "
+                         f"(MixedPrecisionPolicy(reduce_dtype=...)): FSDP divides other dtypes after the hook")
     if fsdp_param.offload_to_cpu:
         raise ValueError(f"{name}: CPU offload (CPUOffloadPolicy) is not supported: FSDP copies the reduced "
                          f"gradient to the host before the compressed all-reduce ends")
     if fsdp_param.fsdp_placement.dim != 0:
         raise ValueError(f"{name}: sharded on dim {fsdp_param.fsdp_placement.dim}; only dim 0 (FSDP's default)")
+    return reduce != fsdp_param.sharded_param.dtype
 
 
 def _agree(group, model, compressor, mesh, timeout: float) -> None:
@@ -205,17 +224,20 @@ class HSDPHook:
         self.node_faults = node_faults  # this node's shard group; None with one shard group
         self.mesh_key = "x".join(map(str, mesh.shape))  # replicate x shard
         self.rank_key = f"accordion.{self.mesh_key}.rank{dist.get_rank()}"
-        self._entries: list[tuple] = []  # this step: (view, name, route, (hook call, dtype, index) or None)
+        # this step: (view, name, route, (hook call, dtype, index) or None, the FSDPParam whose
+        # gradient takes the result where FSDP casts, else None)
+        self._entries: list[tuple] = []
         self._dense: list[dict] = []     # this step, per hook call: dtype -> handle of its average
-        self._whole: list[tuple] | None = None  # this step, once settled: (key, buffer, handle) per hook call
+        self._whole: list[tuple] | None = None  # this step, once settled: (Module, buffer, handle) per hook call
         self._queued = False
 
-    def for_module(self, layout: list[tuple]):
-        """The all-reduce hook of one FSDP module (``layout``: see ``_fsdp_groups``)."""
-        return functools.partial(self._reduced, layout=list(layout))
+    def for_module(self, module: Module):
+        """The all-reduce hook of one FSDP module."""
+        return functools.partial(self._reduced, module=module)
 
-    def _reduced(self, reduce_output: torch.Tensor, layout: list[tuple]) -> None:
+    def _reduced(self, reduce_output: torch.Tensor, module: Module) -> None:
         """FSDP's all-reduce hook for one module: every shard into the engine (module doc)."""
+        layout = module.layout
         if not self._queued:
             torch.autograd.Variable._execution_engine.queue_callback(self._finish_step)
             self._queued = True
@@ -226,68 +248,85 @@ class HSDPHook:
                                f"its parameters {expected}: a layout this front end does not know")
         if self._whole is not None:
             if layout:
-                self._send_whole(reduce_output, layout)
+                self._send_whole(reduce_output, module)
             return
         dense: dict[torch.dtype, list[torch.Tensor]] = {}
         call = len(self._dense)
-        for name, view in self._shards(reduce_output, layout):
+        for name, fsdp_param, view in self._shards(reduce_output, layout):
             out, route = self.engine.add(name, view, uncompressed_here=True)
             where = None
             if route == DENSE:
                 tensors = dense.setdefault(out.dtype, [])
                 tensors.append(out)
                 where = (call, out.dtype, len(tensors) - 1)
-            self._entries.append((view, name, route, where))
+            self._entries.append((view, name, route, where, fsdp_param if module.cast else None))
         # every rank of the group issues the same averages in the same order (levels agree)
         self._dense.append({dtype: self.channel.allreduce_mean_async(
             tensors, name=f"acc.hsdp.dense.{call}.{str(dtype).removeprefix('torch.')}.{len(tensors)}")
             for dtype, tensors in sorted(dense.items(), key=lambda item: str(item[0]))})
 
     @staticmethod
-    def _shards(reduce_output: torch.Tensor, layout: list[tuple]):
-        """(name, view) of each parameter's padded shard in FSDP's buffer, its padding rows
-        zeroed (FSDP pads with zeros; made sure), refusing a gradient left from an earlier
-        backward (FSDP would add into it after the hook)."""
+    def _shards(reduce_output: torch.Tensor, layout: list[tuple], fresh: bool = True):
+        """(name, FSDPParam, view) of each parameter's padded shard in FSDP's buffer. ``fresh``
+        (in the hook): the padding rows zeroed (FSDP pads with zeros; made sure), and a
+        gradient left from an earlier backward refused (FSDP would add into it after the hook)."""
         offset = 0
         for name, fsdp_param in layout:
             shape = fsdp_param.padded_sharded_param_size
             view = reduce_output[offset:offset + shape.numel()].view(shape)
             offset += shape.numel()
-            if fsdp_param.sharded_param.grad is not None:
+            if fresh and fsdp_param.sharded_param.grad is not None:
                 raise RuntimeError(f"compress_hsdp: {name} has a gradient from an earlier backward; set gradients "
                                    f"to None before each backward (optimizer.zero_grad() does by default)")
-            if fsdp_param.sharded_size[0] < shape[0]:
+            if fresh and fsdp_param.sharded_size[0] < shape[0]:
                 view[fsdp_param.sharded_size[0]:].zero_()
-            yield name, view
+            yield name, fsdp_param, view
 
-    def _send_whole(self, reduce_output: torch.Tensor, layout: list[tuple]) -> None:
+    def _send_whole(self, reduce_output: torch.Tensor, module: Module) -> None:
         """Once the policy settled on 16-bit dense for good: the module's buffer whole, one
-        average (engine/whole.py), as FSDP's own all-reduce would send it, but in float16
-        with its rounding kept in error feedback."""
-        sizes = [(name, view.numel()) for name, view in self._shards(reduce_output, layout)]
-        key = f"hsdp:{layout[0][0]}"  # the module's first parameter: one buffer per module
-        half = self.engine.add_whole(key, reduce_output, sizes)
+        average (engine/whole.py), as FSDP's own all-reduce would send it: a float32 buffer in
+        float16 with its rounding kept in error feedback, a bfloat16 one as it is."""
+        sizes = [(name, view.numel()) for name, _, view in self._shards(reduce_output, module.layout)]
+        half = self.engine.add_whole(module.key, reduce_output, sizes)
         handle = self.channel.allreduce_mean_async([half], name=f"acc.hsdp.whole.{len(self._whole)}")
-        self._whole.append((key, reduce_output, handle))
+        self._whole.append((module, reduce_output, handle))
 
     def _finish_step(self) -> None:
         """The end of backward: collect, agree on faults, end the step, write the results."""
         entries, dense, self._entries, self._dense, self._queued = self._entries, self._dense, [], [], False
         whole, self._whole = self._whole or [], None
-        for key, buffer, handle in whole:
-            self.engine.finish_whole(key, buffer, self.channel.wait(handle)[0])
+        for module, buffer, handle in whole:
+            self.engine.finish_whole(module.key, buffer, self.channel.wait(handle)[0])
         averages = [{dtype: self.channel.wait(handle) for dtype, handle in handles.items()} for handles in dense]
         results = []
-        for view, name, route, where in entries:
+        for view, name, route, where, target in entries:
             average = None if where is None else averages[where[0]][where[1]][where[2]]
-            results.append((view, self.engine.finish(route, name, average)))
+            results.append((view, self.engine.finish(route, name, average), name, target))
         if self.node_faults is not None:
             device = (results[0][1].device if results else whole[0][1].device if whole else torch.device("cpu"))
             self._agree_faults(device)
         self.engine.end_step()
-        for view, result in results:  # after end_step: a skipped step zeroed its results
-            if result.data_ptr() != view.data_ptr():
+        # after end_step: a skipped step zeroed its results
+        for view, result, name, target in results:
+            if target is not None:
+                self._write_grad(name, target, result.view_as(view))
+            elif result.data_ptr() != view.data_ptr():
                 view.copy_(result.view_as(view))
+        for module, buffer, _ in whole:
+            if module.cast:
+                for name, fsdp_param, view in self._shards(buffer, module.layout, fresh=False):
+                    self._write_grad(name, fsdp_param, view)
+
+    @staticmethod
+    @torch.no_grad()
+    def _write_grad(name: str, fsdp_param, result: torch.Tensor) -> None:
+        """A result into the gradient FSDP cast from its buffer after the hook (its rows of
+        the padded shard; FSDP's gradient holds the shard unpadded)."""
+        grad = fsdp_param.sharded_param.grad
+        if grad is None:
+            raise RuntimeError(f"compress_hsdp: FSDP made no gradient for {name} after its reduce-scatter")
+        local = grad.to_local()
+        local.copy_(result[:local.shape[0]])
 
     def _agree_faults(self, device: torch.device) -> None:
         """Whether any rank's step is to be skipped, on every rank. Each shard group finds the

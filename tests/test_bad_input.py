@@ -291,6 +291,11 @@ def cli_negative_sample_limit():
 
 
 @case
+def cli_reduce_dtype_without_fsdp():
+    return cli_refused(["--codec", "powersgd", "--reduce-dtype", "bfloat16"], "--reduce-dtype", "--launcher fsdp")
+
+
+@case
 def cli_cuda_without_a_gpu():
     if torch.cuda.is_available():
         pytest.skip("this machine has a GPU")

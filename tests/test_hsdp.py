@@ -15,7 +15,7 @@ from launch import WORKERS, run_ddp_module, run_ddp_worker, torchrun
 
 
 @pytest.mark.torchrun
-@pytest.mark.parametrize("mode", ["powersgd", "topk", "quantize", "accordion", "settled"])
+@pytest.mark.parametrize("mode", ["powersgd", "topk", "quantize", "accordion", "settled", "quantize-bf16", "settled-bf16"])
 def test_hsdp_matches_the_numpy_reference(mode):
     out = run_ddp_worker("hsdp_reference_check.py", mode, "12", np=4, timeout=300)
     assert out.count(f": OK {mode} ") == 4, out
@@ -34,7 +34,7 @@ BAD = {  # case -> (exception, what the message must say)
     "not-sharded": ("TypeError", "model must be sharded with FSDP2's fully_shard"),
     "one-dim-mesh": ("ValueError", "mesh must be a 2-D DeviceMesh with dimensions ('replicate', 'shard')"),
     "native-hsdp": ("ValueError", "was sharded over the 2-D mesh: FSDP would all-reduce it across nodes itself"),
-    "reduce-dtype": ("ValueError", "reduce dtype torch.bfloat16 with parameters in torch.float32"),
+    "reduce-dtype": ("ValueError", "reduce dtype torch.float16; the compressed all-reduce needs float32 or bfloat16"),
     "not-a-compressor": ("TypeError", "compressor must be an acc.AccordionCompressor, got str"),
     "bound-elsewhere": ("ValueError", "already bound to another model"),
     "settings-differ": ("ValueError", "ranks were started with different compressor settings"),
@@ -54,15 +54,16 @@ def test_bad_input_is_refused_at_registration_alike_on_every_rank():
 
 
 @pytest.mark.torchrun
-@pytest.mark.parametrize("codec", [["--codec", "powersgd", "--rank", "1", "--critical-rank", "4", "--interval", "4"],
-                                   ["--codec", "bf16"]], ids=["ours", "fsdp-bf16"])
+@pytest.mark.parametrize("codec", [["--codec", "powersgd", "--rank", "1", "--critical-rank", "4", "--interval", "4",
+                                    "--reduce-dtype", "bfloat16"],
+                                   ["--codec", "bf16"]], ids=["ours-bf16-reduce", "fsdp-bf16"])
 def test_the_cli_trains_the_transformer_under_fsdp(codec, tmp_path):
-    """``--launcher fsdp``: 2 nodes of 2 ranks, ours or FSDP's own bf16 all-reduce; the run's
-    records are written, with the levels of ours."""
+    """``--launcher fsdp``: 2 nodes of 2 ranks, ours over FSDP's reduce-scatter in bfloat16 or
+    FSDP's own bf16 all-reduce; the run's records are written, with the levels of ours."""
     out = run_ddp_module("accordion_hvd.train", "--launcher", "fsdp", "--nodes", "2", "--dataset", "text",
                          "--model", "transformer", "--optimizer", "adamw", "--lr", "0.001", "--max-steps", "12",
                          "--no-progress", "--logdir", str(tmp_path), *codec, np=4, timeout=300)
-    assert "4 ranks on cpu (fsdp)" in out and "final test perplexity" in out, out
+    assert "4 ranks on cpu (fsdp, reduce in bfloat16)" in out and "final test perplexity" in out, out
     with open(tmp_path / "steps.csv") as f:
         rows = list(csv.DictReader(f))
     assert len(rows) == 12 and float(rows[-1]["floats_sent"]) > 0, rows[-1]

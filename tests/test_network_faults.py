@@ -65,8 +65,9 @@ def test_a_cut_link_stops_every_rank_naming_the_one_it_lost(tmp_path):
 
 
 def test_a_frozen_worker_is_named_by_the_others(tmp_path):
-    """node2's worker stopped (SIGSTOP): rank 0 stops within the bound, naming rank 1."""
-    run = cli_with_fault(tmp_path, Fault("freeze", "node2", hold=BOUND + 5), epochs=400)  # then it may go on
+    """node2's worker stopped (SIGSTOP): rank 0 stops within the bound, naming rank 1. The
+    worker is let go once rank 0 has ended (else the job waits for it), at BOUND + 5 s at most."""
+    run = cli_with_fault(tmp_path, Fault("freeze", "node2", hold=BOUND + 5, until_others_end=True), epochs=400)
     output = run.stdout + run.stderr
     assert run.returncode not in (0, None), output
     errors = run.rank_errors()

@@ -107,14 +107,16 @@ class FSDPFrontEnd(DDPFrontEnd):
 
     name = "fsdp"
 
-    def __init__(self, device_type: str = "cpu", nodes: int | None = None) -> None:
+    def __init__(self, device_type: str = "cpu", nodes: int | None = None, reduce_dtype: str | None = None) -> None:
         super().__init__(device_type)
+        self.reduce_dtype = reduce_dtype  # ours: FSDP's reduce-scatter's dtype inside a node (None: the parameters')
         self.device_type = device_type
         per_node = int(os.environ.get("LOCAL_WORLD_SIZE", self.size))
         self.nodes = nodes if nodes is not None else self.size // per_node
         if self.nodes < 1 or self.size % self.nodes:
             raise SystemExit(f"--nodes {self.nodes} does not divide the {self.size} ranks")
         self.hook = None  # our compressed all-reduce's hook (checkpoints), once wrapped
+        self.label = self.name  # as the run's log says it
 
     def wrap(self, model: torch.nn.Module, opt: torch.optim.Optimizer, compression, device: torch.device):
         from torch.distributed.device_mesh import init_device_mesh
@@ -124,8 +126,9 @@ class FSDPFrontEnd(DDPFrontEnd):
                                 mesh_dim_names=("replicate", "shard"))
         ours = isinstance(compression, AccordionCompressor)
         kwargs = {"mesh": mesh["shard"] if ours else mesh}
-        if getattr(compression, "name", None) == "bf16":
+        if getattr(compression, "name", None) == "bf16" or (ours and self.reduce_dtype == "bfloat16"):
             kwargs["mp_policy"] = MixedPrecisionPolicy(reduce_dtype=torch.bfloat16)
+            self.label = "fsdp, reduce in bfloat16"
         names = {id(p): n for n, p in model.named_parameters()}
         for block in getattr(model, "blocks", ()):
             fully_shard(block, **kwargs)
@@ -146,9 +149,10 @@ class FSDPFrontEnd(DDPFrontEnd):
         super().step(opt, compression)
 
 
-def make_front_end(launcher: str, device_type: str, ours: bool = False, nodes: int | None = None):
+def make_front_end(launcher: str, device_type: str, ours: bool = False, nodes: int | None = None,
+                   reduce_dtype: str | None = None):
     """``ours``: the job compresses with AccordionCompressor (no gradient through Horovod's
     loop, so Horovod's cycle is made long: comm/horovod.py ``quiet_horovod_cycle``)."""
     if launcher == "fsdp":
-        return FSDPFrontEnd(device_type, nodes)
+        return FSDPFrontEnd(device_type, nodes, reduce_dtype)
     return HorovodFrontEnd(quiet_cycle=ours) if launcher == "horovod" else DDPFrontEnd(device_type)

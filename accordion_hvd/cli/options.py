@@ -88,6 +88,11 @@ def parse_args(argv=None, description: str | None = None) -> argparse.Namespace:
     p.add_argument("--nodes", type=int, default=None,
                    help="--launcher fsdp: the nodes (the mesh's replicate dimension; the ranks per node shard) "
                         "(default: torchrun's WORLD_SIZE / LOCAL_WORLD_SIZE)")
+    p.add_argument("--reduce-dtype", choices=("float32", "bfloat16"), default=None,
+                   help="--launcher fsdp with our compression: the dtype of FSDP's reduce-scatter inside a node "
+                        "(MixedPrecisionPolicy(reduce_dtype=...)); bfloat16 sends half the bytes there, and ours "
+                        "writes its results into the float32 gradients (default: float32; --codec bf16 is FSDP's own "
+                        "all-reduce in bfloat16)")
     p.add_argument("--codec", choices=CODECS, default="powersgd",
                    help="gradient compression: default (acc.AccordionCompressor()'s codec and policy; the codec and "
                         "policy flags are then ignored), none, 16-bit (Horovod's fp16 or DDP's fp16 hook; under --launcher "
@@ -186,6 +191,9 @@ def parse_args(argv=None, description: str | None = None) -> argparse.Namespace:
     if (args.codec == "bf16") != (args.launcher == "fsdp" and args.codec in ("bf16", "fp16")):
         p.error("--codec bf16 is FSDP's reduce in bfloat16 (--launcher fsdp only); --codec fp16 is Horovod's or "
                 "DDP's (under --launcher fsdp use bf16)")
+    if args.reduce_dtype is not None and (args.launcher != "fsdp" or args.codec not in (*OURS, "default")):
+        p.error(f"--reduce-dtype is for --launcher fsdp with our compression (--codec default, {', '.join(OURS)}); "
+                f"FSDP's own all-reduce in bfloat16 is --codec bf16")
     if args.nodes is not None and (args.launcher != "fsdp" or args.nodes < 1):
         p.error(f"--nodes is for --launcher fsdp and at least 1, got {args.nodes}")
     if args.batch_mode and args.launcher != "horovod":

@@ -93,7 +93,8 @@ def run_cli(argv=None) -> None:
 
 def main(argv=None) -> float:
     args = parse_args(argv)
-    front = make_front_end(args.launcher, device_type(args.device), ours=args.codec in OURS, nodes=args.nodes)
+    front = make_front_end(args.launcher, device_type(args.device), ours=args.codec in (*OURS, "default"),
+                           nodes=args.nodes, reduce_dtype=args.reduce_dtype)
     rank0 = front.rank == 0
     logging.basicConfig(level=logging.INFO if rank0 else logging.WARNING,
                         format="%(asctime)s %(name)s: %(message)s")
@@ -181,7 +182,7 @@ def set_up(args, front) -> Run:
         log.info("resumed from %s at epoch %d, step %d", args.resume, run.epoch, run.step)
     log.info("training %s (%s parameters) on %s, %d ranks on %s (%s), compression %s, %d train / %d test samples",
              args.model, f"{sum(p.numel() for p in model.parameters()):,}", args.dataset, front.size,
-             device.type, front.name, compression, len(task.train.y), len(task.test.y))
+             device.type, getattr(front, "label", front.name), compression, len(task.train.y), len(task.test.y))
     if front.size == 1 and args.codec != "none" and front.name == "horovod":
         log.warning("1 rank: Horovod's DistributedOptimizer exchanges nothing and never calls the "
                     "compressor, so --codec %s has no effect (launch 2 or more ranks)", args.codec)

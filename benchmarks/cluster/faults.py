@@ -43,6 +43,9 @@ class Fault:
     node: str = "node2"
     hold: float = 60.0     # seconds the fault lasts
     rate: str = "10mbit"   # for "slow"
+    # undone as soon as every other node's worker has ended (a frozen worker, once the ranks
+    # that were to notice it have stopped: the job cannot end while it is stopped)
+    until_others_end: bool = False
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -155,7 +158,11 @@ def run_with_fault(cluster, args: Sequence[str], fault: Fault, *, ready: Callabl
         else:
             cluster.set_rate(fault.node, fault.rate)
         log.append(f"{stamps['fault']:.1f} s: {fault.kind} {fault.node}" + (f" (pid {pid})" if pid else ""))
-        job_done.wait(fault.hold)
+        others = [node for node in cluster.hostnames if node != fault.node]
+        deadline = time.monotonic() + fault.hold
+        while not job_done.wait(min(0.2, max(0.0, deadline - time.monotonic()))):
+            if time.monotonic() >= deadline or fault.until_others_end and all(n in stopped for n in others):
+                break
         if fault.kind == "cut":
             cluster.link(fault.node, "up")
         elif fault.kind == "freeze":

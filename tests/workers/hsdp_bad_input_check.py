@@ -38,7 +38,7 @@ case("not-sharded", lambda: acc.compress_hsdp(model(), acc.AccordionCompressor()
 case("one-dim-mesh", lambda: acc.compress_hsdp(model(mesh["shard"]), acc.AccordionCompressor(), mesh["shard"]))
 case("native-hsdp", lambda: acc.compress_hsdp(model(mesh), acc.AccordionCompressor(), mesh))
 case("reduce-dtype", lambda: acc.compress_hsdp(
-    model(mesh["shard"], mp_policy=MixedPrecisionPolicy(reduce_dtype=torch.bfloat16)), acc.AccordionCompressor(), mesh))
+    model(mesh["shard"], mp_policy=MixedPrecisionPolicy(reduce_dtype=torch.float16)), acc.AccordionCompressor(), mesh))
 case("not-a-compressor", lambda: acc.compress_hsdp(model(mesh["shard"]), "powersgd", mesh))
 shared = acc.AccordionCompressor()
 acc.compress_hsdp(model(mesh["shard"]), shared, mesh)

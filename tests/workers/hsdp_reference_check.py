@@ -26,6 +26,12 @@ is set as it decides when compression does not pay: from then on each module's b
 whole in float16 with its own error feedback (accordion_hvd/engine/whole.py), seeded from its
 layers'; bit for bit. In step 5 rank 1's gradient has a NaN, as in mode accordion: the step is
 skipped, and a rank's finite buffer keeps its g = s + e in error feedback.
+Modes ``quantize-bf16`` and ``settled-bf16``: the same with float32 parameters and FSDP's
+reduce-scatter in bfloat16 (``MixedPrecisionPolicy(reduce_dtype=torch.bfloat16)``), which FSDP
+casts into new float32 gradients after the hook: each rank's gradient rounded to bfloat16,
+summed in bfloat16 and halved in it; ours on that; the results written into the gradients (a
+codec's result rounded to the buffer's bfloat16 first); a buffer sent whole goes in bfloat16,
+its rounding kept in error feedback; bit for bit.
 Mode ``accordion``: PowerSGD(1, 4) under Accordion, windows of 2 steps, with gradient scales
 that change by rank and step: no reference, but every rank must hold the same levels after
 every step and every replica the same parameters. In step 5 rank 1's gradient has a NaN in a
@@ -42,12 +48,14 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 import accordion_hvd as acc
 from worker_util import checker, leave_torch_distributed, orthogonalize, quantize32, say
 
 mode, steps = sys.argv[1], int(sys.argv[2])
+BF16 = mode.endswith("-bf16")  # FSDP reduces in bfloat16 (float32 parameters)
+mode = mode.removesuffix("-bf16")
 dist.init_process_group("gloo")
 rank, size = dist.get_rank(), dist.get_world_size()
 NODES = 2
@@ -117,9 +125,11 @@ class Model(torch.nn.Module):
 
 model = Model()
 initial = {n: p.detach().double().numpy().copy() for n, p in model.named_parameters()}
-fully_shard(model.a, mesh=mesh["shard"])
-fully_shard(model.b, mesh=mesh["shard"])
-fully_shard(model, mesh=mesh["shard"])
+sharding = dict(mesh=mesh["shard"], mp_policy=MixedPrecisionPolicy(reduce_dtype=torch.bfloat16) if BF16 else
+                MixedPrecisionPolicy())
+fully_shard(model.a, **sharding)
+fully_shard(model.b, **sharding)
+fully_shard(model, **sharding)
 opt = torch.optim.SGD(model.parameters(), lr=1.0)
 policy = dict(interval=2, eta=0.5) if mode == "accordion" else dict(policy="link-gate") if SETTLED else {}
 compression = acc.AccordionCompressor(codec, **policy)
@@ -146,9 +156,27 @@ ref_w = {n: v.copy() for n, v in initial.items()}
 ref_e, ref_q = {}, {}
 
 
+def mean_in(dtype: torch.dtype, sent: list[np.ndarray]) -> np.ndarray:
+    """Gloo's mean of ``sent`` in a 16-bit dtype: each sum rounded to it, then the division
+    (torch's CPU arithmetic: in float32, rounded back)."""
+    total = None
+    for x in sent:
+        x = torch.from_numpy(np.ascontiguousarray(x, dtype=np.float32)).to(dtype)
+        total = x if total is None else total + x
+    return (total / len(sent)).float().numpy()
+
+
 def dense16(n: str, j: int, s_nodes: list[np.ndarray]) -> np.ndarray:
     """Sent whole in float16, the rounding kept in error feedback: Gloo sums float16 in float32
-    and rounds back (as NumPy does), the mean divides in float16."""
+    and rounds back (as NumPy does), the mean divides in float16. A bfloat16 buffer: the same
+    in bfloat16."""
+    if BF16:
+        sent = []
+        for i, s in enumerate(s_nodes):
+            g = (s + ref_e.get((i, j, n), np.float32(0))).astype(np.float32)
+            sent.append(torch.from_numpy(g).bfloat16().float().numpy())
+            ref_e[i, j, n] = (g - sent[-1]).astype(np.float32)
+        return mean_in(torch.bfloat16, sent)
     total = None
     for i, s in enumerate(s_nodes):
         g = (s + ref_e.get((i, j, n), np.float32(0))).astype(np.float32)
@@ -159,7 +187,11 @@ def dense16(n: str, j: int, s_nodes: list[np.ndarray]) -> np.ndarray:
 
 
 def node_shards(g_all: list, n: str, j: int) -> list[np.ndarray]:
-    """FSDP's reduce-scatter (AVG) within each node, in float32: shard j of ``n`` per node."""
+    """FSDP's reduce-scatter (AVG) within each node, in float32: shard j of ``n`` per node
+    (in bfloat16: each rank's gradient rounded to it, the sum and the mean in it)."""
+    if BF16:
+        return [mean_in(torch.bfloat16, [padded_shard(g_all[i * PER_NODE + jj][n], n, j) for jj in range(PER_NODE)])
+                for i in range(NODES)]
     s_nodes = []
     for i in range(NODES):
         total = np.zeros_like(padded_shard(g_all[0][n], n, j))
@@ -196,7 +228,7 @@ def reference_step(t: int) -> dict[str, np.ndarray]:
             if SETTLED and (n in COMPRESSED or t >= SETTLE_AT):  # the gate's dense trial, then whole buffers
                 result = dense16(n, j, s_nodes)
             elif n not in COMPRESSED:
-                result = sum(s.astype(np.float64) for s in s_nodes) / NODES
+                result = mean_in(torch.bfloat16, s_nodes) if BF16 else sum(s.astype(np.float64) for s in s_nodes) / NODES
             elif POWERSGD:
                 shape = (s_nodes[0].shape[0], math.prod(s_nodes[0].shape[1:]))
                 if (n, j) not in ref_q:
@@ -218,6 +250,8 @@ def reference_step(t: int) -> dict[str, np.ndarray]:
                     total = (total + sent).astype(np.float32)
                     ref_e[i, j, n] = (g - sent).astype(np.float32)
                 result = (total / np.float32(NODES)).reshape(s_nodes[0].shape)
+                if BF16:  # the codec's result in the buffer's dtype
+                    result = torch.from_numpy(result).bfloat16().float().numpy()
             else:  # TopK
                 numel = s_nodes[0].size
                 k = math.ceil(RATIO * numel)
@@ -292,6 +326,6 @@ else:
     compressed = sorted(n for n, layer in stats["layers"].items() if layer["level"] != "dense")
     check(compressed == sorted(COMPRESSED), f"compressed layers {compressed}, expected {sorted(COMPRESSED)}")
 seen = sorted(seen)
-say(f"rank {rank}: OK {mode} {codec!r} through hsdp, mesh {NODES}x{PER_NODE}, {steps} steps, "
+say(f"rank {rank}: OK {mode}{'-bf16' * BF16} {codec!r} through hsdp, mesh {NODES}x{PER_NODE}, {steps} steps, "
     f"max |error| {worst:.2e}, levels {seen}")
 leave_torch_distributed(dist)
