@@ -73,7 +73,7 @@ MESH_DIMS = ("replicate", "shard")
 FLOAT_REDUCE = (torch.float32, torch.bfloat16)  # FSDP divides other reduce dtypes after the hook
 
 
-class Module:
+class HookedModule:
     """What the hook knows of one FSDP module: ``layout``, (name, FSDPParam) of each parameter
     FSDP reduces, in the order of its reduce-scatter buffer; ``cast``: whether FSDP casts that
     buffer into new gradients after the hook (reduce dtype other than the parameters'), so
@@ -147,7 +147,7 @@ def _check_mesh(mesh) -> None:
 
 
 def _fsdp_groups(model, mesh) -> list[tuple]:
-    """(module, Module) of every FSDP2 module of ``model``."""
+    """(module, HookedModule) of every FSDP2 module of ``model``."""
     from torch.distributed.fsdp import FSDPModule
     from torch.distributed.fsdp._fully_shard._fsdp_param_group import DDPMeshInfo
 
@@ -180,7 +180,7 @@ def _fsdp_groups(model, mesh) -> list[tuple]:
             if len(casts) > 1:
                 raise ValueError(f"{where}: FSDP would cast the reduced gradients of some of its parameters and not "
                                  f"of others (parameters of more than one dtype); give its parameters one dtype")
-            out.append((module, Module(layout, casts == {True})))
+            out.append((module, HookedModule(layout, casts == {True})))
     return out
 
 
@@ -228,14 +228,14 @@ class HSDPHook:
         # gradient takes the result where FSDP casts, else None)
         self._entries: list[tuple] = []
         self._dense: list[dict] = []     # this step, per hook call: dtype -> handle of its average
-        self._whole: list[tuple] | None = None  # this step, once settled: (Module, buffer, handle) per hook call
+        self._whole: list[tuple] | None = None  # this step, once settled: (HookedModule, buffer, handle) per hook call
         self._queued = False
 
-    def for_module(self, module: Module):
+    def for_module(self, module: HookedModule):
         """The all-reduce hook of one FSDP module."""
         return functools.partial(self._reduced, module=module)
 
-    def _reduced(self, reduce_output: torch.Tensor, module: Module) -> None:
+    def _reduced(self, reduce_output: torch.Tensor, module: HookedModule) -> None:
         """FSDP's all-reduce hook for one module: every shard into the engine (module doc)."""
         layout = module.layout
         if not self._queued:
@@ -282,7 +282,7 @@ class HSDPHook:
                 view[fsdp_param.sharded_size[0]:].zero_()
             yield name, fsdp_param, view
 
-    def _send_whole(self, reduce_output: torch.Tensor, module: Module) -> None:
+    def _send_whole(self, reduce_output: torch.Tensor, module: HookedModule) -> None:
         """Once the policy settled on 16-bit dense for good: the module's buffer whole, one
         average (engine/whole.py), as FSDP's own all-reduce would send it: a float32 buffer in
         float16 with its rounding kept in error feedback, a bfloat16 one as it is."""
