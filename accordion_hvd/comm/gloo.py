@@ -107,15 +107,17 @@ class GlooChannel(ProcessGroupChannel):
             def data(prefix: str):
                 return dist.ProcessGroupNCCL(dist.PrefixStore(prefix, store), rank, size, nccl_options)
 
-        super().__init__(data("accordion"), rank, size, timeout,
-                         lanes={name: data(f"accordion.{name}") for name in LANES})
-        self._control_group = group("accordion.control")
-        self._store = store  # kept alive with the groups
+        # The heartbeat first: each lane is a view holding a copy of the channel's attributes
+        # (process_group.py), and a lane's failure needs it for its diagnosis.
         store_host, port = address.rsplit(":", 1)
         self._heartbeat = Heartbeat(store_host, int(port), rank, size, setup_timeout=timeout)
         # A channel dropped without close() must not leave its heartbeat the live one: a later
         # diagnosis would read counters nobody updates and blame the ranks of a live channel.
         weakref.finalize(self, self._heartbeat.close)
+        super().__init__(data("accordion"), rank, size, timeout,
+                         lanes={name: data(f"accordion.{name}") for name in LANES})
+        self._control_group = group("accordion.control")
+        self._store = store  # kept alive with the groups
         log.info("rank %d: compressed gradients travel on a%s group of %d ranks (%s)", rank,
                  " Gloo" if backend == "gloo" else "n NCCL", size, f"interface {iface}" if iface else f"host {host}")
 

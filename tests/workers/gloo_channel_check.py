@@ -3,7 +3,8 @@
 Our Gloo data plane (accordion_hvd/comm/gloo.py) built over Horovod's world: a grouped
 allreduce averages and keeps each tensor's shape, an allgather concatenates in rank order,
 and a collective that only rank 0 issues ends in the channel's TimeoutError naming it (no
-hang), within the timeout plus a few seconds. Every collective is timed, and the link fitted
+hang), within the timeout plus a few seconds; one whose peer has left, on any lane, Horovod's
+error kind naming the collective and that rank. Every collective is timed, and the link fitted
 to the timings (accordion_hvd/comm/link.py) has a positive bandwidth and is the same, bit
 for bit, on every rank; a second measurement with nothing new in between finds no window.
 """
@@ -22,6 +23,7 @@ hvd.init()
 rank, size = hvd.rank(), hvd.size()
 check = checker(rank)
 channel = GlooChannel(timeout=3)
+lasting = GlooChannel(timeout=60)  # for a peer that leaves: its error, not a timeout
 check(channel.rank == rank and channel.size == size, "the group's ranks are not Horovod's")
 a, b = channel.wait(channel.allreduce_mean_async([torch.full((2, 3), float(rank)), torch.full((4,), 2.0 * rank)],
                                                  name="mean"))
@@ -48,6 +50,7 @@ everyone = hvd.allgather_object((measured.link.alpha, measured.link.beta), name=
 check(all(v == everyone[0] for v in everyone), f"the ranks hold different links: {everyone}")
 again = measure_link(channel, control)
 check(again.link is None and again.collectives == 0 and "no collective" in again.reason, f"again {again}")
+since = time.monotonic()
 if rank == 0:
     start = time.monotonic()
     try:
@@ -57,5 +60,23 @@ if rank == 0:
         elapsed = time.monotonic() - start
         check("collective 'acc.lonely' did not complete within 3 s on rank 0" in str(exc), str(exc))
         check(elapsed < 15, f"took {elapsed:.1f} s")
-say(f"rank {rank}: OK gloo channel")
-time.sleep(1 if rank == 0 else 6)  # rank 1 outlives rank 0's timeout
+    # Rank 1 leaves (below) while rank 0 waits on a lane: Horovod's error kind, naming the
+    # collective and, from the heartbeat, the rank that has gone (what Elastic recovers from).
+    try:
+        lasting.wait(lasting.lane("q").allreduce_mean_async([torch.ones(4)], name="acc.left"))
+        check(False, "a collective whose peer left completed")
+    except Exception as exc:
+        check(type(exc).__name__ == "HorovodInternalError" and "'acc.left'" in str(exc)
+              and "rank 1 (" in str(exc), f"{type(exc).__name__}: {exc}")
+    say(f"rank {rank}: OK gloo channel")
+else:
+    # A lane whose collective fails as it is issued (a tensor Gloo refuses): Horovod's error
+    # kind, as on the channel itself (each lane is a view of the channel: it must hold all it needs).
+    try:
+        channel.lane("q").allreduce_mean_async([torch.ones(4, device="meta")], name="acc.refused")
+        check(False, "a collective on the meta device was issued")
+    except Exception as exc:
+        check(type(exc).__name__ == "HorovodInternalError" and "'acc.refused'" in str(exc),
+              f"{type(exc).__name__}: {exc}")
+    say(f"rank {rank}: OK gloo channel")
+    time.sleep(max(0.0, since + 6 - time.monotonic()))  # rank 1 outlives rank 0's timeout, then leaves
