@@ -296,6 +296,11 @@ def cli_reduce_dtype_without_fsdp():
 
 
 @case
+def cli_keep_checkpoints_without_checkpoint():
+    return cli_refused(["--keep-checkpoints"], "--keep-checkpoints", "--checkpoint PATH")
+
+
+@case
 def cli_cuda_without_a_gpu():
     if torch.cuda.is_available():
         pytest.skip("this machine has a GPU")

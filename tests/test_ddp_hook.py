@@ -49,10 +49,11 @@ def cli(*args, np=2):
 @pytest.mark.torchrun
 def test_cli_under_ddp_records_levels_agreed_on_every_rank_and_resumes_bit_for_bit(tmp_path):
     """The CLI through our DDP hook: it trains, records the levels, every rank holds the same
-    levels, and a run resumed from the checkpoint after epoch 2 ends at step 88 with the
+    levels, and a run resumed from the checkpoint kept after epoch 2 ends at step 88 with the
     parameters, error feedback, levels and counters of the run that never stopped."""
-    whole, half, resumed = tmp_path / "whole", tmp_path / "half", tmp_path / "resumed"
-    out = cli(*ACCORDION, "--epochs", "4", "--checkpoint", str(whole), "--logdir", str(tmp_path / "log"))
+    whole, half, resumed = tmp_path / "whole", tmp_path / "whole.epoch2", tmp_path / "resumed"
+    out = cli(*ACCORDION, "--epochs", "4", "--checkpoint", str(whole), "--keep-checkpoints",
+              "--logdir", str(tmp_path / "log"))
     assert "2 ranks on cpu (ddp)" in out and "final test accuracy" in out, out
     accuracy = float(out.split("final test accuracy: ")[1].split()[0])
     assert accuracy > 0.5, out  # chance is 0.1
@@ -61,7 +62,6 @@ def test_cli_under_ddp_records_levels_agreed_on_every_rank_and_resumes_bit_for_b
     assert len(rows) == 4 * ((1438 // 2) // 32)
     assert {v for k, v in rows[-1].items() if k.startswith("level/")} <= {"normal", "critical", "dense"}
     assert int(rows[-1]["floats_sent"]) < int(rows[-1]["floats_dense"])
-    cli(*ACCORDION, "--epochs", "2", "--checkpoint", str(half))
     out = cli(*ACCORDION, "--epochs", "4", "--resume", str(half), "--checkpoint", str(resumed))
     assert "resumed from" in out, out
     states = []

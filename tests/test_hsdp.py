@@ -75,17 +75,17 @@ def test_the_cli_trains_the_transformer_under_fsdp(codec, tmp_path):
 @pytest.mark.torchrun
 def test_the_cli_checkpoints_and_resumes_under_fsdp_bit_for_bit(tmp_path):
     """``--checkpoint``/``--resume`` under ``--launcher fsdp`` (a torch.distributed.checkpoint
-    directory): a run stopped after epoch 1 and resumed trains its second epoch exactly as the
-    run that never stopped (every step's loss, the final perplexity, the error feedback and
+    directory): a run resumed from the checkpoint kept after epoch 1 trains its second epoch
+    exactly as the run that never stopped (every step's loss, the final perplexity, the error feedback and
     levels carried by the hook's state)."""
     common = ["--launcher", "fsdp", "--nodes", "2", "--dataset", "text", "--model", "transformer",
               "--optimizer", "adamw", "--lr", "0.001", "--batch-size", "128", "--no-progress",
               "--codec", "powersgd", "--rank", "1", "--critical-rank", "4", "--interval", "3",
               "--max-train-samples", "2048", "--max-eval-samples", "256"]  # 4 steps an epoch
-    whole, ckpt, resumed = tmp_path / "whole", tmp_path / "ckpt", tmp_path / "resumed"
-    a = run_ddp_module("accordion_hvd.train", *common, "--epochs", "2", "--logdir", str(whole), np=4, timeout=400)
-    run_ddp_module("accordion_hvd.train", *common, "--epochs", "1", "--checkpoint", str(ckpt), np=4, timeout=400)
-    assert (ckpt / ".metadata").is_file() and not (tmp_path / "ckpt.tmp").exists()
+    whole, ckpt, resumed = tmp_path / "whole", tmp_path / "ckpt.epoch1", tmp_path / "resumed"
+    a = run_ddp_module("accordion_hvd.train", *common, "--epochs", "2", "--logdir", str(whole), "--checkpoint",
+                       str(tmp_path / "ckpt"), "--keep-checkpoints", np=4, timeout=400)
+    assert (ckpt / ".metadata").is_file() and not (tmp_path / "ckpt.epoch1.tmp").exists()
     b = run_ddp_module("accordion_hvd.train", *common, "--epochs", "2", "--resume", str(ckpt), "--logdir",
                        str(resumed), np=4, timeout=400)
     assert "resumed from" in b and "at epoch 1, step 4" in b, b

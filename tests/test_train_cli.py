@@ -46,13 +46,14 @@ RESUME_CASES = {
 
 @pytest.mark.parametrize("codec", RESUME_CASES.values(), ids=RESUME_CASES.keys())
 def test_resume_is_bit_identical_to_an_uninterrupted_run(tmp_path, codec):
-    """A checkpoint after epoch 2 (step 44), restored into a fresh job, reaches step 110
+    """The checkpoint kept after epoch 2 (step 44), restored into a fresh job, reaches step 110
     (66 steps later) with the parameters, optimizer state (momentum), error feedback, levels
     and counters of the run that never stopped, bit for bit; and it really resumed: its
     first step is 45, not 1."""
-    whole, half, resumed = tmp_path / "whole", tmp_path / "half", tmp_path / "resumed"
-    run_module("accordion_hvd.train", *codec, "--epochs", "5", "--checkpoint", str(whole), np=2, backend="gloo")
-    run_module("accordion_hvd.train", *codec, "--epochs", "2", "--checkpoint", str(half), np=2, backend="gloo")
+    whole, resumed = tmp_path / "whole", tmp_path / "resumed"
+    half = tmp_path / "whole.epoch2"  # --keep-checkpoints: the uninterrupted run's checkpoint after epoch 2
+    run_module("accordion_hvd.train", *codec, "--epochs", "5", "--checkpoint", str(whole), "--keep-checkpoints",
+               np=2, backend="gloo")
     out = run_module("accordion_hvd.train", *codec, "--epochs", "5", "--resume", str(half),
                      "--checkpoint", str(resumed), np=2, backend="gloo")
     assert "resumed from" in out and "at epoch 2, step 44" in out, out
@@ -110,9 +111,9 @@ def test_resume_is_exact_with_dropout(tmp_path):
     never stopped, bit for bit (without them, the masks after the resume differ)."""
     lstm = ["--dataset", "text", "--model", "lstm", "--lr", "0.5", "--batch-size", "256", "--codec", "powersgd",
             "--rank", "2", "--no-progress", "--max-train-samples", "2048", "--max-eval-samples", "256"]
-    whole, half, resumed = tmp_path / "whole", tmp_path / "half", tmp_path / "resumed"
-    run_module("accordion_hvd.train", *lstm, "--epochs", "2", "--checkpoint", str(whole), np=2, backend="gloo")
-    run_module("accordion_hvd.train", *lstm, "--epochs", "1", "--checkpoint", str(half), np=2, backend="gloo")
+    whole, half, resumed = tmp_path / "whole", tmp_path / "whole.epoch1", tmp_path / "resumed"
+    run_module("accordion_hvd.train", *lstm, "--epochs", "2", "--checkpoint", str(whole), "--keep-checkpoints",
+               np=2, backend="gloo")
     out = run_module("accordion_hvd.train", *lstm, "--epochs", "2", "--resume", str(half), "--checkpoint",
                      str(resumed), np=2, backend="gloo")
     assert "resumed from" in out and "at epoch 1" in out, out

@@ -175,6 +175,9 @@ def parse_args(argv=None, description: str | None = None) -> argparse.Namespace:
     p.add_argument("--checkpoint", type=Path, default=None,
                    help="save here every epoch (PATH.rank<r> per rank; under --launcher fsdp a "
                         "torch.distributed.checkpoint directory PATH)")
+    p.add_argument("--keep-checkpoints", action="store_true",
+                   help="with --checkpoint PATH: also keep each epoch's checkpoint as PATH.epoch<E> (resume from "
+                        "one with --resume PATH.epoch<E>)")
     p.add_argument("--resume", type=Path, default=None, help="continue from this --checkpoint PATH")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--inject-nonfinite", type=_fault, action="append", default=[], metavar="STEP@RANK",
@@ -186,6 +189,8 @@ def parse_args(argv=None, description: str | None = None) -> argparse.Namespace:
             p.error(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
     if args.lr <= 0:
         p.error(f"--lr must be positive, got {args.lr}")
+    if args.keep_checkpoints and args.checkpoint is None:
+        p.error("--keep-checkpoints keeps each epoch's --checkpoint PATH as PATH.epoch<E>: give --checkpoint PATH")
     if args.large_passes < 1:
         p.error(f"--large-passes must be at least 1, got {args.large_passes}")
     if (args.codec == "bf16") != (args.launcher == "fsdp" and args.codec in ("bf16", "fp16")):

@@ -286,8 +286,10 @@ def end_epoch(run: Run, epoch: int, loss: torch.Tensor, bar) -> float:
     log.info("epoch %d/%d  loss %.4f  %s %s %.4f", epoch + 1, run.args.epochs, loss.item(),
              "test" if run.task.valid is None else "validation", metric, score)
     if run.args.checkpoint is not None:
-        save_checkpoint(run.args.checkpoint, run.front, epoch + 1, run.step, run.model, run.opt, run.compression,
-                        run.batch)
+        path = run.args.checkpoint
+        kept = [path.with_name(f"{path.name}.epoch{epoch + 1}")] if run.args.keep_checkpoints else []
+        for target in (path, *kept):
+            save_checkpoint(target, run.front, epoch + 1, run.step, run.model, run.opt, run.compression, run.batch)
     return score
 
 
