@@ -85,7 +85,7 @@ def test_elastic_resumes_from_the_last_commit_with_nothing_lost(kind, tmp_path):
     with Cluster(2, rate="1gbit", prefix=PREFIX) as cluster:
         cluster.set_hosts(["node1:1", "node2:1"])
         run = run_with_fault(
-            cluster, [str(REPO / "benchmarks" / "elastic_train.py"), "--epochs", "12", "--lr-milestones", "9",
+            cluster, [str(REPO / "benchmarks" / "elastic_train.py"), "--epochs", "8", "--lr-milestones", "6",
                       "--step-seconds", "0.03", "--mark-at", "40", "--mark-file", str(mark), "--pid-dir", str(tmp_path)],
             Fault(kind, "node2", hold=35), ready=mark.exists, timeout=420, marker="elastic_train.py",
             np=2, elastic=True, env={"ACCORDION_COLLECTIVE_TIMEOUT": str(TIMEOUT)},
