@@ -7,6 +7,7 @@ workers) is killed and an AssertionError carries the output so far.
 
 from __future__ import annotations
 
+import functools
 import os
 import signal
 import subprocess
@@ -26,10 +27,23 @@ def horovodrun(args: list[str], *, np: int = 2, backend: str = "gloo", timeout: 
     """``horovodrun -np NP -H localhost:NP --gloo|--mpi python ARGS...``; returns the result."""
     if backend not in ("gloo", "mpi"):
         raise ValueError(f"backend must be 'gloo' or 'mpi', got {backend!r}")
-    cmd = [str(BIN / "horovodrun"), "-np", str(np), "-H", f"localhost:{np}", f"--{backend}"]
+    # horovodrun's own code, its build checks asked once per process (horovodrun_known_build.py)
+    cmd = [sys.executable, str(Path(__file__).with_name("horovodrun_known_build.py")),
+           "-np", str(np), "-H", f"localhost:{np}", f"--{backend}"]
     if backend == "mpi":
         cmd.append(f"--mpi-args={MPI_ARGS}")
-    return _launch([*cmd, sys.executable, *args], timeout, env)
+    return _launch([*cmd, sys.executable, *args], timeout, {"HOROVOD_KNOWN_BUILD": horovod_build(), **(env or {})})
+
+
+@functools.cache
+def horovod_build() -> str:
+    """What Horovod was built with, by its own checks, in a process of its own: "gloo,mpi"."""
+    ask = ("from horovod.common.util import gloo_built, mpi_built; "
+           "print(','.join(n for n, built in (('gloo', gloo_built), ('mpi', mpi_built)) if built()))")
+    result = subprocess.run([sys.executable, "-c", ask], capture_output=True, text=True, timeout=120)
+    if result.returncode != 0:
+        raise RuntimeError(f"cannot ask Horovod what it was built with:\n{result.stdout}{result.stderr}")
+    return result.stdout.strip().splitlines()[-1] if result.stdout.strip() else ""
 
 
 def torchrun(args: list[str], *, np: int = 2, timeout: float = 180,
