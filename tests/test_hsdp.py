@@ -76,8 +76,8 @@ def test_the_cli_trains_the_transformer_under_fsdp(codec, tmp_path):
 def test_the_cli_checkpoints_and_resumes_under_fsdp_bit_for_bit(tmp_path):
     """``--checkpoint``/``--resume`` under ``--launcher fsdp`` (a torch.distributed.checkpoint
     directory): a run resumed from the checkpoint kept after epoch 1 trains its second epoch
-    exactly as the run that never stopped (every step's loss, the final perplexity, the error feedback and
-    levels carried by the hook's state)."""
+    exactly as the run that never stopped (every step's loss, the final perplexity, the error
+    feedback and levels carried by the hook's state)."""
     common = ["--launcher", "fsdp", "--nodes", "2", "--dataset", "text", "--model", "transformer",
               "--optimizer", "adamw", "--lr", "0.001", "--batch-size", "128", "--no-progress",
               "--codec", "powersgd", "--rank", "1", "--critical-rank", "4", "--interval", "3",

@@ -1,9 +1,9 @@
 """``horovodrun``, with its two build checks answered by the caller (localrun.py).
 
-Before every launch ``horovodrun`` asks whether Horovod was built with Gloo (and, under
-``--mpi``, with MPI) by forking a process that imports torch and Horovod's extension: about
-2 s a launch on this project's 2-core machines (4 s under ``--mpi``), a fifth of the test
-suite's time. localrun.py asks Horovod's own checks once per process and passes the answers
+Before every launch ``horovodrun`` asks whether Horovod was built with Gloo (under ``--mpi``,
+with MPI) by forking a process that imports torch and Horovod's extension: about 2 s of a
+launch on this project's 2-core machines, and the test suite launches a few hundred jobs.
+localrun.py asks Horovod's own checks once per process and passes the answers
 here in HOROVOD_KNOWN_BUILD ("gloo,mpi"); all the rest is horovodrun's own code
 (``run_commandline``, what the ``horovodrun`` script runs). The emulated cluster
 (cluster.py) runs the ``horovodrun`` script itself, as a user does.
