@@ -107,7 +107,8 @@ class DDPHook:
         self.__name__ = self.__qualname__ = "accordion_hook"  # DDP logs its hooks by name
         self._names = {id(p): (weakref.ref(p), n) for p, n in names.items()}  # no reference kept to the model
         self._unknown_warned: set[tuple] = set()
-        self._buckets: list = []  # this step: (future, buffer, entries, handles by dtype); whole: (.., key, handle)
+        self._buckets: list = []  # this step, per bucket: (future, buffer, entries, handles of its averages by dtype)
+        self._whole: list = []    # this step, once settled, per bucket: (future, buffer, key, handle of its average)
         self._early: dict[int, tuple] = {}  # this step: id(param) -> the engine's (out, route) for it
         self._armed = False  # a forward that synchronizes ran: DDP will call the hook this backward
         self._handles: list = []
@@ -183,7 +184,7 @@ class DDPHook:
         key = f"ddp:bucket{bucket.index()}"
         half = self.engine.add_whole(key, bucket.buffer(), layers)
         handle = self.channel.allreduce_mean_async([half], name=f"acc.ddp.whole.b{bucket.index()}")
-        self._buckets.append((future, bucket.buffer(), key, handle))
+        self._whole.append((future, bucket.buffer(), key, handle))
         if bucket.is_last():
             self._finish_step()
         return future
@@ -191,13 +192,12 @@ class DDPHook:
     def _finish_step(self) -> None:
         """Every bucket is in: wait for the averages, finish every layer and end the engine's
         step, then write the results into DDP's buckets."""
-        buckets, self._buckets = self._buckets, []
+        buckets, whole, self._buckets, self._whole = self._buckets, self._whole, [], []
         self._early, self._armed = {}, False
+        for _, buffer, key, handle in whole:
+            self.engine.finish_whole(key, buffer, self.channel.wait(handle)[0])
         results = []
-        for future, buffer, entries, handles in buckets:
-            if isinstance(entries, str):  # a bucket sent whole: entries is its key, handles its average's
-                self.engine.finish_whole(entries, buffer, self.channel.wait(handles)[0])
-                continue
+        for _, _, entries, handles in buckets:
             averages = {dtype: self.channel.wait(handle) for dtype, handle in handles.items()}
             for grad, ctx, where in entries:
                 if ctx is None:
@@ -210,7 +210,7 @@ class DDPHook:
         for grad, result in results:  # after end_step: a skipped step zeroed its results
             if result.data_ptr() != grad.data_ptr():
                 grad.copy_(result.view_as(grad))
-        for future, buffer, _, _ in buckets:
+        for future, buffer, _, _ in buckets + whole:
             future.set_result(buffer)
 
     def _warn_unknown(self, index: int, param: torch.Tensor) -> None:

@@ -1,8 +1,9 @@
 """The ways the CLI trains data-parallel: Horovod (``horovodrun``, the default), PyTorch DDP
-(``torchrun``, ``--launcher ddp``) and FSDP2 as HSDP (``torchrun``, ``--launcher fsdp``). The loop (cli/train.py) sees only this face:
-``rank``, ``size``, ``local_rank``, ``wrap`` (the model and optimizer with the compression on),
-``step`` (apply the averaged gradients unless the compression skipped the step), ``sum``
-(a small reduction for the evaluation), ``close``."""
+(``torchrun``, ``--launcher ddp``) and FSDP2 as HSDP (``torchrun``, ``--launcher fsdp``). The
+loop (cli/train.py) sees only this face: ``name``, ``label`` (for the log), ``rank``, ``size``,
+``local_rank``, ``wrap`` (the model and optimizer with the compression on), ``step`` (apply the
+averaged gradients unless the compression skipped the step), ``sum`` (a small reduction for the
+evaluation), ``close``."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ class HorovodFrontEnd:
     """``hvd.DistributedOptimizer`` with the compression as its ``compression=``."""
 
     name = "horovod"
+    label = name  # as the run's log says it
 
     def __init__(self, quiet_cycle: bool = False) -> None:
         import horovod.torch as hvd
@@ -58,6 +60,7 @@ class DDPFrontEnd:
     training, NCCL for GPUs)."""
 
     name = "ddp"
+    label = name  # as the run's log says it
 
     def __init__(self, device_type: str = "cpu") -> None:
         import torch.distributed as dist
@@ -106,6 +109,7 @@ class FSDPFrontEnd(DDPFrontEnd):
     ``MixedPrecisionPolicy(reduce_dtype=torch.bfloat16)``)."""
 
     name = "fsdp"
+    label = name  # as the run's log says it
 
     def __init__(self, device_type: str = "cpu", nodes: int | None = None, reduce_dtype: str | None = None) -> None:
         super().__init__(device_type)
@@ -116,7 +120,6 @@ class FSDPFrontEnd(DDPFrontEnd):
         if self.nodes < 1 or self.size % self.nodes:
             raise SystemExit(f"--nodes {self.nodes} does not divide the {self.size} ranks")
         self.hook = None  # our compressed all-reduce's hook (checkpoints), once wrapped
-        self.label = self.name  # as the run's log says it
 
     def wrap(self, model: torch.nn.Module, opt: torch.optim.Optimizer, compression, device: torch.device):
         from torch.distributed.device_mesh import init_device_mesh

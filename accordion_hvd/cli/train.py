@@ -182,7 +182,7 @@ def set_up(args, front) -> Run:
         log.info("resumed from %s at epoch %d, step %d", args.resume, run.epoch, run.step)
     log.info("training %s (%s parameters) on %s, %d ranks on %s (%s), compression %s, %d train / %d test samples",
              args.model, f"{sum(p.numel() for p in model.parameters()):,}", args.dataset, front.size,
-             device.type, getattr(front, "label", front.name), compression, len(task.train.y), len(task.test.y))
+             device.type, front.label, compression, len(task.train.y), len(task.test.y))
     if front.size == 1 and args.codec != "none" and front.name == "horovod":
         log.warning("1 rank: Horovod's DistributedOptimizer exchanges nothing and never calls the "
                     "compressor, so --codec %s has no effect (launch 2 or more ranks)", args.codec)
