@@ -26,9 +26,11 @@ compressor, ``--interval 20``, over FSDP's reduce-scatter in float32 and in bflo
    of all ranks to the next (a step's time: the block's over its steps; the barrier's cost,
    one small collective, is in every method's blocks alike).
 
-Reported: each method's median step over all its blocks, and for each of ours the ratio to
-the faster FSDP baseline within each cycle: the median over cycles and in how many ours was
-faster. The raw block times go to the .json beside the .md.
+Reported: each method's median step over all its blocks, and for each of ours its ratio to
+the faster FSDP baseline (the one with the shorter median over all blocks) within each cycle:
+the median over cycles and in how many ours was faster; beside it the stricter reading against
+whichever baseline was faster in each cycle (``write``). ``--jobs`` pools the cycles of several
+jobs. The raw block times go to the .json beside the .md.
 """
 
 from __future__ import annotations

@@ -17,8 +17,9 @@ FSDP's reduce-scatter in bfloat16 inside the node, ``--reduce-dtype bfloat16``: 
 with ``hsdp-bf16`` but for the all-reduce across nodes). A run's step time is the median
 time between steps' ends over steps 50 to the end (rank 0's records). In each round every
 method runs once, back to back, in a rotated order; the ratio of ours to the faster of the two
-FSDP baselines (the one with the shorter median over rounds) is taken within a round. Reported: per rate, each method's median over rounds,
-and for each of ours the median of the per-round ratios with how many rounds it was faster.
+FSDP baselines (the one with the shorter median over rounds) is taken within a round.
+Reported: per rate, each method's median over rounds, and for each of ours the median of the
+per-round ratios with how many rounds it was faster.
 
 The issue's bars (47): at most 0.6x at 100 Mbit/s, never slower (at most 1.0x) at 1 Gbit/s.
 ``--methods`` runs a subset (the FSDP baselines always), ``--no-floor`` skips the runs with no
