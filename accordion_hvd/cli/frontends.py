@@ -8,6 +8,7 @@ evaluation), ``close``."""
 from __future__ import annotations
 
 import os
+import warnings
 
 import torch
 
@@ -124,6 +125,12 @@ class FSDPFrontEnd(DDPFrontEnd):
     def wrap(self, model: torch.nn.Module, opt: torch.optim.Optimizer, compression, device: torch.device):
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        # FSDP2 warns (once a rank) when the root returns a view (the language models' logits
+        # are one: a Linear over (batch, time, dim)), lest an in-place op on it drop its hook;
+        # the loop only reads the logits (loss_of), so the warning says nothing here.
+        warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor",
+                                category=UserWarning)
 
         mesh = init_device_mesh(self.device_type, (self.nodes, self.size // self.nodes),
                                 mesh_dim_names=("replicate", "shard"))
