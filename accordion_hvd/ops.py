@@ -190,6 +190,25 @@ def fill_if_(tensors: list[torch.Tensor], flag: torch.Tensor, value: float = 0.0
         torch.ops.accordion.fill_if_.default(tensors, flag, value)
 
 
+def flush_whole(grad: torch.Tensor, residual: torch.Tensor, dtype: torch.dtype,
+                finite: torch.Tensor | None = None) -> torch.Tensor:
+    """A layer or flat buffer sent whole, in one pass: ``residual += grad`` (float32 error
+    feedback; not where ``finite``, a 0-d bool on their device, is False) and returns a new
+    tensor of ``residual`` in ``dtype`` (float32, float16 or bfloat16), NaN everywhere if not
+    finite (see ``reference.flush_whole``)."""
+    _check_dense_pair("accordion::flush_whole", grad, residual)
+    return torch.ops.accordion.flush_whole.default(grad, residual, dtype, finite)
+
+
+def settle_sent_(residual: torch.Tensor, dtype: torch.dtype, done: torch.Tensor) -> None:
+    """After ``flush_whole``'s step, in one pass: if ``done`` (0-d bool on the residual's
+    device), ``residual`` keeps only what ``dtype`` rounded away; if the step was skipped,
+    all of it (see ``reference.settle_sent``). CPU reads the flag; CUDA's kernel does."""
+    if not isinstance(done, torch.Tensor):
+        raise TypeError(f"accordion::settle_sent_: done must be a torch.Tensor, got {type(done).__name__}")
+    torch.ops.accordion.settle_sent_.default(residual, dtype, done)
+
+
 def restore_if_(residual: torch.Tensor, indices: torch.Tensor, values: torch.Tensor, flag: torch.Tensor) -> None:
     """``residual[indices] = values`` if ``flag`` (a 0-d bool tensor on their device) is True,
     decided on the device: the CPU kernel reads the flag and touches nothing when it is
@@ -301,6 +320,17 @@ def _restore_if_fake(residual, indices, values, flag):
 @torch.library.register_fake("accordion::quantize_ef_")
 def _quantize_ef_fake(grad, residual, bits, chunk, finite=None):
     return residual.new_empty(quantize_payload_bytes(residual.numel(), bits, chunk), dtype=torch.uint8)
+
+
+@torch.library.register_fake("accordion::flush_whole")
+def _flush_whole_fake(grad, residual, dtype, finite=None):
+    torch._check(grad.shape == residual.shape, lambda: "accordion::flush_whole: shapes differ")
+    return torch.empty_like(residual, dtype=dtype, memory_format=torch.contiguous_format)
+
+
+@torch.library.register_fake("accordion::settle_sent_")
+def _settle_sent_fake(residual, dtype, done):
+    return None
 
 
 @torch.library.register_fake("accordion::quantize_average")

@@ -151,3 +151,24 @@ def quantized_chunks_average(payloads: list[tuple[torch.Tensor, torch.Tensor, to
         for i, c in enumerate(indices.tolist()):
             total[c * chunk:(c + 1) * chunk] += q[i * chunk:(i + 1) * chunk].float() * scales[i]
     return total[:numel] / len(payloads)
+
+
+def flush_whole(grad: torch.Tensor, residual: torch.Tensor, dtype: torch.dtype, finite: bool = True):
+    """A layer or flat buffer sent whole, as ``accordion::flush_whole`` must compute it:
+    returns ``(out, new_residual)``: ``g = residual + grad`` (float32) becomes the residual
+    (kept until ``settle_sent``), sent as ``g`` in ``dtype``; if not ``finite``, the residual
+    stays as it was and ``out`` is NaN."""
+    if not finite:
+        return torch.full(residual.shape, float("nan"), dtype=dtype), residual.clone()
+    g = ef_add(grad, residual)
+    return g.to(dtype), g
+
+
+def settle_sent(residual: torch.Tensor, dtype: torch.dtype, done: bool = True) -> torch.Tensor:
+    """After a step that sent ``residual`` (which held all of g) whole in ``dtype``, as
+    ``accordion::settle_sent_`` must compute it: the new residual, what ``dtype`` rounded
+    away if the step went through (``done``), else all of g."""
+    if not done:
+        return residual.clone()
+    return residual - residual.to(dtype).to(residual.dtype)
+

@@ -25,5 +25,7 @@ TORCH_LIBRARY(accordion, m) {
   m.def("fill_if_(Tensor(a!)[] tensors, Tensor flag, Scalar value) -> ()");
   m.def("restore_if_(Tensor(a!) residual, Tensor indices, Tensor values, Tensor flag) -> ()");
   m.def("quantize_ef_(Tensor grad, Tensor(a!) residual, int bits, int chunk, Tensor? finite=None) -> Tensor");
+  m.def("flush_whole(Tensor grad, Tensor(a!) residual, ScalarType dtype, Tensor? finite=None) -> Tensor");
+  m.def("settle_sent_(Tensor(a!) residual, ScalarType dtype, Tensor done) -> ()");
   m.def("quantize_average(Tensor rows, int numel, int bits, int chunk, ScalarType dtype) -> Tensor");
 }

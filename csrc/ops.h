@@ -450,4 +450,34 @@ inline void check_quantize_average_args(const at::Tensor& rows, int64_t numel, i
   TORCH_CHECK(at::isFloatingType(dtype), op, ": dtype must be a floating-point type, got ", dtype);
 }
 
+// flush_whole and settle_sent_: a layer, or a front end's flat buffer, sent whole in a wire
+// dtype (float16 or bfloat16 at DENSE16, float32 at DENSE) with its rounding kept in error
+// feedback (accordion_hvd/codecs/_common.py; the plain-torch reference is reference.
+// flush_whole / settle_sent). flush_whole: residual (float32) += grad, unless `finite` is
+// false, and a new tensor of residual in `dtype`, NaN everywhere if `finite` is false.
+// settle_sent_: if `done`, residual -= residual rounded to `dtype` (what the wire carried),
+// else nothing (a skipped step keeps all of g).
+inline void check_wire_dtype(at::ScalarType dtype, const char* op) {
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kHalf || dtype == at::kBFloat16, op,
+              ": dtype must be float32, float16 or bfloat16, got ", dtype);
+}
+
+inline void check_flush_whole_args(const at::Tensor& grad, const at::Tensor& residual, at::ScalarType dtype,
+                                   const std::optional<at::Tensor>& finite) {
+  constexpr const char* op = "accordion::flush_whole";
+  check_ef_add_args(grad, residual, op);
+  check_contiguous_float(residual, op, "residual");
+  check_wire_dtype(dtype, op);
+  check_finite_flag(finite, grad, op);
+}
+
+inline void check_settle_sent_args(const at::Tensor& residual, at::ScalarType dtype, const at::Tensor& done) {
+  constexpr const char* op = "accordion::settle_sent_";
+  check_contiguous_float(residual, op, "residual");
+  check_wire_dtype(dtype, op);
+  TORCH_CHECK(done.layout() == at::kStrided && done.dim() == 0 && done.scalar_type() == at::kBool, op,
+              ": done must be a 0-d bool tensor, got a ", done.dim(), "-d ", done.scalar_type(), " tensor");
+  check_same_device(residual, done, op, "residual and done");
+}
+
 }  // namespace accordion

@@ -26,13 +26,22 @@ def wire_dtype(level: Level, grad_dtype: torch.dtype) -> torch.dtype:
     return grad_dtype
 
 
+def _fused(e: torch.Tensor) -> bool:
+    """Whether the one-pass kernels serve this error feedback: float32 (that of every 16-bit
+    and float32 gradient), contiguous, on a device with kernels; float64 takes torch's ops."""
+    return e.dtype == torch.float32 and e.is_contiguous() and ops.has_kernel(e)
+
+
 def flush_whole(e: torch.Tensor, grad: torch.Tensor, level: Level, finite: torch.Tensor) -> torch.Tensor:
     """A layer sent whole this step (a dense level): g = grad + e, kept in ``e`` until
     ``settle_sent`` (so that a skipped step can keep it; not added if ``finite`` is False),
     returned in the level's wire dtype as a new tensor (the front end averages it in place),
     NaN if not finite, shaped like ``grad``."""
+    dtype = wire_dtype(level, grad.dtype)
+    if _fused(e):  # one pass (accordion::flush_whole)
+        return ops.flush_whole(grad.reshape(e.shape), e, dtype, finite).view(grad.shape)
     ops.ef_add_(grad.reshape(e.shape), e, finite)
-    out = e.to(wire_dtype(level, grad.dtype), copy=True)
+    out = e.to(dtype, copy=True)
     ops.fill_if_([out], ~finite, float("nan"))
     return out.view(grad.shape)
 
@@ -41,7 +50,9 @@ def settle_sent(e: torch.Tensor, sent_dtype: torch.dtype, done: torch.Tensor) ->
     """After a step that sent ``e`` (which held all of ``g = grad + e``) whole in
     ``sent_dtype``: if it went through (``done``, 0-d bool), ``e`` keeps only what that dtype
     rounded away; if it was skipped, all of it. Decided on the device."""
-    if sent_dtype == e.dtype:
+    if _fused(e):  # one pass (accordion::settle_sent_)
+        ops.settle_sent_(e, sent_dtype, done)
+    elif sent_dtype == e.dtype:
         ops.fill_if_([e], done)
     else:
         sent = e.to(sent_dtype).to(e.dtype)

@@ -33,6 +33,11 @@ void powersgd_qt_cpu(const at::Tensor& p, const at::Tensor& residual, at::Tensor
 void powersgd_finish_cpu(const at::Tensor& p, const at::Tensor& qt_avg, at::Tensor& out);
 void powersgd_settle_cpu(const at::Tensor& residual, const at::Tensor& p, const at::Tensor& qt);
 
+// A layer or buffer sent whole (cpu/whole.cpp), residual float32: e += grad and out = e in out's
+// dtype; e -= e rounded to `sent` (float32: e = 0).
+void flush_whole_cpu(const at::Tensor& grad, const at::Tensor& residual, at::Tensor& out);
+void settle_sent_cpu(const at::Tensor& residual, at::ScalarType sent);
+
 // Quantize (cpu/quantize.cpp): e += grad (unless !add) and this rank's payload written (see
 // ops.h quantize_payload_bytes), its scales NaN when !add; and the mean over the rows' payloads,
 // dequantized, in float32.

@@ -148,6 +148,22 @@ void restore_if_(const at::Tensor& residual, const at::Tensor& indices, const at
   const_cast<at::Tensor&>(residual).index_put_({indices.to(at::kLong)}, values);
 }
 
+// The flags read directly: a non-finite gradient adds nothing (its NaN payload filled), a
+// skipped step touches nothing.
+at::Tensor flush_whole(const at::Tensor& grad, const at::Tensor& residual, at::ScalarType dtype,
+                       const std::optional<at::Tensor>& finite) {
+  check_flush_whole_args(grad, residual, dtype, finite);
+  at::Tensor out = at::empty(residual.sizes(), residual.options().dtype(dtype));
+  if (finite && !finite->item<bool>()) return out.fill_(std::numeric_limits<double>::quiet_NaN());
+  flush_whole_cpu(grad.contiguous(), residual, out);
+  return out;
+}
+
+void settle_sent_(const at::Tensor& residual, at::ScalarType dtype, const at::Tensor& done) {
+  check_settle_sent_args(residual, dtype, done);
+  if (done.item<bool>()) settle_sent_cpu(residual, dtype);
+}
+
 }  // namespace
 
 at::Tensor quantize_ef_(const at::Tensor& grad, const at::Tensor& residual, int64_t bits, int64_t chunk,
@@ -184,6 +200,8 @@ TORCH_LIBRARY_IMPL(accordion, CPU, m) {
   m.impl("restore_if_", &restore_if_);
   m.impl("quantize_ef_", &quantize_ef_);
   m.impl("quantize_average", &quantize_average);
+  m.impl("flush_whole", &flush_whole);
+  m.impl("settle_sent_", &settle_sent_);
 }
 
 }  // namespace accordion

@@ -121,6 +121,15 @@ cudaError_t powersgd_settle(const PowerSGDLayer* layers, int count, const bool* 
 cudaError_t error_update(float* residual, const float* approx, int64_t n, void* out,
                          DType out_dtype, cudaStream_t stream);
 
+// --- A layer or buffer sent whole (whole.cu) ------------------------------------------------
+// The CPU kernels' function (csrc/cpu/whole.cpp), bit for bit. flush_whole: residual (float32,
+// n) += grad (float32, float16 or bfloat16) and out = residual in out_dtype, unless *finite is
+// false (finite may be nullptr): then out is NaN and residual unchanged. settle_sent: if
+// *done, residual -= residual rounded to sent_dtype (float16 or bfloat16). Asynchronous.
+cudaError_t flush_whole(const void* grad, DType grad_dtype, float* residual, int64_t n, void* out,
+                        DType out_dtype, const bool* finite, cudaStream_t stream);
+cudaError_t settle_sent(float* residual, int64_t n, DType sent_dtype, const bool* done, cudaStream_t stream);
+
 // --- Quantize (quantize.cu) -------------------------------------------------------------------
 // The CPU kernels' function (csrc/cpu/quantize.cpp), bit for bit. quantize_ef: residual
 // (float32, n entries) += grad (float32, float16 or bfloat16; not where *finite is false) and

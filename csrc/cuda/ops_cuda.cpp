@@ -278,6 +278,31 @@ void restore_if_(const at::Tensor& residual, const at::Tensor& indices, const at
   const_cast<at::Tensor&>(residual).index_put_({index}, at::where(flag, values, residual.index({index})));
 }
 
+// The flags stay on the device: the kernels read them.
+at::Tensor flush_whole(const at::Tensor& grad, const at::Tensor& residual, at::ScalarType dtype,
+                       const std::optional<at::Tensor>& finite) {
+  check_flush_whole_args(grad, residual, dtype, finite);
+  const c10::cuda::CUDAGuard guard(residual.device());
+  at::Tensor out = at::empty(residual.sizes(), residual.options().dtype(dtype));
+  const at::Tensor g = grad.contiguous();
+  C10_CUDA_CHECK(cuda::flush_whole(g.const_data_ptr(), to_kernel_dtype(g.scalar_type()),
+                                   residual.mutable_data_ptr<float>(), residual.numel(), out.mutable_data_ptr(),
+                                   to_kernel_dtype(dtype), finite ? finite->const_data_ptr<bool>() : nullptr,
+                                   current_stream()));
+  return out;
+}
+
+void settle_sent_(const at::Tensor& residual, at::ScalarType dtype, const at::Tensor& done) {
+  check_settle_sent_args(residual, dtype, done);
+  const c10::cuda::CUDAGuard guard(residual.device());
+  if (dtype == at::kFloat) {  // nothing rounded away: e = 0 where the step went through
+    const_cast<at::Tensor&>(residual).masked_fill_(done, 0);
+    return;
+  }
+  C10_CUDA_CHECK(cuda::settle_sent(residual.mutable_data_ptr<float>(), residual.numel(), to_kernel_dtype(dtype),
+                                   done.const_data_ptr<bool>(), current_stream()));
+}
+
 at::Tensor quantize_ef_(const at::Tensor& grad, const at::Tensor& residual, int64_t bits, int64_t chunk,
                         const std::optional<at::Tensor>& finite) {
   check_quantize_ef_args(grad, residual, bits, chunk, finite);
@@ -321,6 +346,8 @@ TORCH_LIBRARY_IMPL(accordion, CUDA, m) {
   m.impl("restore_if_", &restore_if_);
   m.impl("quantize_ef_", &quantize_ef_);
   m.impl("quantize_average", &quantize_average);
+  m.impl("flush_whole", &flush_whole);
+  m.impl("settle_sent_", &settle_sent_);
 }
 
 }  // namespace accordion
