@@ -153,11 +153,40 @@ EF_ADD = Case("ef_add_ (grad -> fp32 residual)", _ef_add_inputs,  # in place: re
               ours=lambda g, r: acc.ops.ef_add_(g, r),
               torch_pipeline=lambda g, r: r.add_(g),
               bytes_moved=lambda n, dt: n * (_bytes(dt) + 4 + 4))
+
+
+def _wire(dtype):
+    """A layer sent whole at 16-bit dense travels in float16, or in its own 16-bit dtype."""
+    return torch.float16 if dtype == torch.float32 else dtype
+
+
+def _torch_flush(g, e, finite):  # what codecs/_common.py ran before the kernel
+    acc.ops.ef_add_(g, e, finite)
+    out = e.to(_wire(g.dtype), copy=True)
+    acc.ops.fill_if_([out], ~finite, float("nan"))
+    return out
+
+
+def _torch_settle(e, sent, done):
+    sent = e.to(sent).to(e.dtype)
+    acc.ops.fill_if_([sent], ~done)
+    e.sub_(sent)
+
+
+FLUSH_WHOLE = Case("flush_whole (sent whole in 16 bits)",
+                   lambda n, dt, dev: (*_ef_add_inputs(n, dt, dev), torch.tensor(True, device=dev)),
+                   ours=lambda g, e, f: acc.ops.flush_whole(g, e, _wire(g.dtype), f),
+                   torch_pipeline=_torch_flush,
+                   bytes_moved=lambda n, dt: n * (_bytes(dt) + 4 + 4 + _bytes(_wire(dt))))
+SETTLE_SENT = Case("settle_sent_ (what 16 bits rounded away)",
+                   lambda n, dt, dev: (torch.randn(n, device=dev), _wire(dt), torch.tensor(True, device=dev)),
+                   ours=acc.ops.settle_sent_, torch_pipeline=_torch_settle,
+                   bytes_moved=lambda n, dt: n * (4 + 4))
 CASES = {
-    "cpu": [EF_ADD, _topk_case(0.01), _topk_case(0.10), _sparse_case(0.01), _sparse_case(0.10),
+    "cpu": [EF_ADD, FLUSH_WHOLE, SETTLE_SENT, _topk_case(0.01), _topk_case(0.10), _sparse_case(0.01), _sparse_case(0.10),
             _quantize_case(8), _quantize_average_case(8)],
     # The GPU issue's grid: ratios 0.1% to 25%.
-    "cuda": [EF_ADD] + [_topk_case(r) for r in (0.001, 0.01, 0.10, 0.25)]
+    "cuda": [EF_ADD, FLUSH_WHOLE, SETTLE_SENT] + [_topk_case(r) for r in (0.001, 0.01, 0.10, 0.25)]
             + [_sparse_case(0.01), _sparse_case(0.10)],
 }
 DEFAULT_SIZES = {"cpu": "1e6,1e7", "cuda": "1e6,1e7,1e8"}
