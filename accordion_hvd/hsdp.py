@@ -27,7 +27,11 @@ and DDP front ends:
 2. **At the end of backward** (an autograd final callback, queued at the first hook): the
    step's results are collected, and one flag, reduced inside the node, says whether any
    rank's results were not finite (a non-finite gradient skips the step on every rank, in
-   every shard group: the shard groups are separate worlds for the data). The engine ends
+   every shard group: the shard groups are separate worlds for the data). On the settled
+   route that flag is reduced earlier, in the hook of the step's last buffer (this node's
+   own gradients' flags, as its ranks leave that buffer's reduce-scatter), and goes across
+   nodes inside that buffer (NaN if set): every rank reads every fault in its own averages,
+   and the end of the step waits for no other rank of the node. The engine ends
    the step, and the results are written into FSDP's buffer, which its sharded gradients view,
    or, where FSDP reduces in a dtype other than the parameters' (``MixedPrecisionPolicy(
    reduce_dtype=torch.bfloat16)`` with float32 parameters: the reduce-scatter inside the node
@@ -61,6 +65,7 @@ import logging
 
 import torch
 
+from . import ops
 from .comm.channel import collective_timeout
 from .comm.control import ProcessGroupControlPlane
 from .comm.process_group import ProcessGroupChannel, timeout_delta
@@ -82,6 +87,9 @@ class HookedModule:
     def __init__(self, layout: list[tuple], cast: bool) -> None:
         self.layout, self.cast = layout, cast
         self.key = f"hsdp:{layout[0][0]}" if layout else None  # its buffer, on the settled route
+        # (name, elements) of each padded shard in the buffer: fixed, as FSDP's layout is
+        self.sizes = [(name, fsdp_param.padded_sharded_param_size.numel()) for name, fsdp_param in layout]
+        self.numel = sum(numel for _, numel in self.sizes)
 
 
 def compress_hsdp(model, compressor: AccordionCompressor, mesh, *, optimizer=None,
@@ -129,7 +137,8 @@ def compress_hsdp(model, compressor: AccordionCompressor, mesh, *, optimizer=Non
         if row == mesh.mesh[mesh.get_local_rank("replicate")].tolist():
             node_faults = ProcessGroupChannel(made, shard_index, mesh.size(1), timeout)
     compressor.bind(model, channel=channel, control=control, optimizer=optimizer)
-    hook = HSDPHook(compressor, channel, node_faults if mesh.size(1) > 1 else None, mesh)
+    hook = HSDPHook(compressor, channel, node_faults if mesh.size(1) > 1 else None, mesh,
+                    buffers=sum(1 for _, known in groups if known.layout))
     for module, known in groups:
         module.set_reduce_scatter_unused_params(True, recurse=False)  # a fixed buffer layout every step
         module.set_all_reduce_hook(hook.for_module(known))
@@ -217,7 +226,7 @@ class HSDPHook:
     for ``torch.distributed.checkpoint``."""
 
     def __init__(self, compressor: AccordionCompressor, channel: ProcessGroupChannel,
-                 node_faults: ProcessGroupChannel | None, mesh) -> None:
+                 node_faults: ProcessGroupChannel | None, mesh, buffers: int) -> None:
         import torch.distributed as dist
 
         self.compressor, self.engine, self.channel = compressor, compressor.engine, channel
@@ -229,6 +238,8 @@ class HSDPHook:
         self._entries: list[tuple] = []
         self._dense: list[dict] = []     # this step, per hook call: dtype -> handle of its average
         self._whole: list[tuple] | None = None  # this step, once settled: (HookedModule, buffer, handle) per hook call
+        self._buffers = buffers  # hook calls with parameters to reduce in a step where every module takes part
+        self._verdict_sent = False  # this step: the node's fault verdict went out in the last buffer
         self._queued = False
 
     def for_module(self, module: HookedModule):
@@ -242,10 +253,10 @@ class HSDPHook:
             torch.autograd.Variable._execution_engine.queue_callback(self._finish_step)
             self._queued = True
             self._whole = [] if self.engine.settled_dense else None  # (the same on every rank)
-        expected = sum(fsdp_param.padded_sharded_param_size.numel() for _, fsdp_param in layout)
-        if reduce_output.numel() != expected or not reduce_output.is_contiguous():
+        if reduce_output.numel() != module.numel or not reduce_output.is_contiguous():
             raise RuntimeError(f"compress_hsdp: FSDP's reduce-scatter output has {reduce_output.numel()} elements, "
-                               f"its parameters {expected}: a layout this front end does not know")
+                               f"its parameters {module.numel}: a layout this front end does not know")
+        self._check_fresh(reduce_output, layout)
         if self._whole is not None:
             if layout:
                 self._send_whole(reduce_output, module)
@@ -266,35 +277,58 @@ class HSDPHook:
             for dtype, tensors in sorted(dense.items(), key=lambda item: str(item[0]))})
 
     @staticmethod
-    def _shards(reduce_output: torch.Tensor, layout: list[tuple], fresh: bool = True):
-        """(name, FSDPParam, view) of each parameter's padded shard in FSDP's buffer. ``fresh``
-        (in the hook): the padding rows zeroed (FSDP pads with zeros; made sure), and a
-        gradient left from an earlier backward refused (FSDP would add into it after the hook)."""
+    def _shards(reduce_output: torch.Tensor, layout: list[tuple]):
+        """(name, FSDPParam, view) of each parameter's padded shard in FSDP's buffer."""
         offset = 0
         for name, fsdp_param in layout:
             shape = fsdp_param.padded_sharded_param_size
-            view = reduce_output[offset:offset + shape.numel()].view(shape)
+            yield name, fsdp_param, reduce_output[offset:offset + shape.numel()].view(shape)
             offset += shape.numel()
-            if fresh and fsdp_param.sharded_param.grad is not None:
+
+    @staticmethod
+    def _check_fresh(reduce_output: torch.Tensor, layout: list[tuple]) -> None:
+        """In the hook: a gradient left from an earlier backward refused (FSDP would add into
+        it after the hook), and the padding rows zeroed (FSDP pads with zeros; made sure)."""
+        offset = 0
+        for name, fsdp_param in layout:
+            shape = fsdp_param.padded_sharded_param_size
+            if fsdp_param.sharded_param.grad is not None:
                 raise RuntimeError(f"compress_hsdp: {name} has a gradient from an earlier backward; set gradients "
                                    f"to None before each backward (optimizer.zero_grad() does by default)")
-            if fresh and fsdp_param.sharded_size[0] < shape[0]:
-                view[fsdp_param.sharded_size[0]:].zero_()
-            yield name, fsdp_param, view
+            rows = fsdp_param.sharded_size[0]
+            if rows < shape[0]:
+                reduce_output[offset:offset + shape.numel()].view(shape)[rows:].zero_()
+            offset += shape.numel()
 
     def _send_whole(self, reduce_output: torch.Tensor, module: HookedModule) -> None:
         """Once the policy settled on 16-bit dense for good: the module's buffer whole, one
         average (engine/whole.py), as FSDP's own all-reduce would send it: a float32 buffer in
         float16 with its rounding kept in error feedback, a bfloat16 one as it is."""
-        sizes = [(name, view.numel()) for name, _, view in self._shards(reduce_output, module.layout)]
-        half = self.engine.add_whole(module.key, reduce_output, sizes)
+        half = self.engine.add_whole(module.key, reduce_output, module.sizes)
+        if self.node_faults is not None and len(self._whole) + 1 == self._buffers:
+            self._send_node_verdict(half)
         handle = self.channel.allreduce_mean_async([half], name=f"acc.hsdp.whole.{len(self._whole)}")
         self._whole.append((module, reduce_output, handle))
+
+    def _send_node_verdict(self, half: torch.Tensor) -> None:
+        """The step's last buffer carries the node's fault verdict across nodes: NaN if any
+        rank of this node had a non-finite gradient this step (one flag reduced inside the
+        node, whose ranks have just met in FSDP's reduce-scatter of this very module: little
+        waiting). Every rank then finds every rank's fault in its own averages (a NaN from any
+        node reaches every rank of each shard group), and the end of the step needs no
+        agreement inside the node (``_agree_faults``). On the settled route only: the
+        per-layer route's layers take routes that carry no such poison."""
+        bad = self.engine.faults.local_bad()
+        flag = torch.zeros((), device=half.device) if bad is None else bad.to(torch.float32)
+        node_bad = self.node_faults.wait(self.node_faults.allreduce_mean_async([flag], name="acc.hsdp.fault.node"))[0]
+        ops.fill_if_([half], node_bad > 0, float("nan"))
+        self._verdict_sent = True
 
     def _finish_step(self) -> None:
         """The end of backward: collect, agree on faults, end the step, write the results."""
         entries, dense, self._entries, self._dense, self._queued = self._entries, self._dense, [], [], False
         whole, self._whole = self._whole or [], None
+        verdict_sent, self._verdict_sent = self._verdict_sent, False
         for module, buffer, handle in whole:
             self.engine.finish_whole(module.key, buffer, self.channel.wait(handle)[0])
         averages = [{dtype: self.channel.wait(handle) for dtype, handle in handles.items()} for handles in dense]
@@ -302,7 +336,7 @@ class HSDPHook:
         for view, name, route, where, target in entries:
             average = None if where is None else averages[where[0]][where[1]][where[2]]
             results.append((view, self.engine.finish(route, name, average), name, target))
-        if self.node_faults is not None:
+        if self.node_faults is not None and not verdict_sent:
             device = (results[0][1].device if results else whole[0][1].device if whole else torch.device("cpu"))
             self._agree_faults(device)
         self.engine.end_step()
@@ -314,7 +348,7 @@ class HSDPHook:
                 view.copy_(result.view_as(view))
         for module, buffer, _ in whole:
             if module.cast:
-                for name, fsdp_param, view in self._shards(buffer, module.layout, fresh=False):
+                for name, fsdp_param, view in self._shards(buffer, module.layout):
                     self._write_grad(name, fsdp_param, view)
 
     @staticmethod

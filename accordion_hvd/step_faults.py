@@ -56,6 +56,14 @@ class StepFaults:
         """This rank's gradient of ``name`` and its finite flag."""
         self._local.append((name, finite))
 
+    def local_bad(self) -> torch.Tensor | None:
+        """Whether any of this rank's gradients so far this step was not finite (0-d bool on
+        their device; None before the first): for a front end that shares the verdict with
+        ranks whose data never meets this rank's (hsdp.py)."""
+        if not self._local:
+            return None
+        return ~torch.stack([finite for _, finite in self._local]).all()
+
     def seen(self, bad: torch.Tensor | None) -> None:
         """A fault flag from the exchanged data (the same on every rank)."""
         self.bad = either(self.bad, bad)
