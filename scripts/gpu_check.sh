@@ -72,7 +72,8 @@ if [ $dry = 0 ]; then
 fi
 IMPORT="$py -c 'import torch, accordion_hvd'"
 CUDA_TESTS="tests/test_cuda_kernels.py tests/test_ef_add.py tests/test_topk_ef.py tests/test_topk_ef_many.py \
-tests/test_powersgd_ops.py tests/test_powersgd_many.py tests/test_no_host_sync.py tests/test_quantize_ops.py"
+tests/test_powersgd_ops.py tests/test_powersgd_many.py tests/test_no_host_sync.py tests/test_quantize_ops.py \
+tests/test_flag_ops.py tests/test_whole_ops.py"
 
 if [ "$phase" = 1 ]; then
   # ccache, where the image has one, makes a rebuild on a warm machine take seconds
