@@ -29,6 +29,7 @@ import torch
 
 import accordion_hvd as acc
 from accordion_hvd import reference
+from accordion_hvd.codecs._common import flush_whole_in_torch, settle_sent_in_torch
 from accordion_hvd.codecs.quantize import dequantize_flat, quantize_flat
 from machine import cpu_model
 
@@ -160,27 +161,14 @@ def _wire(dtype):
     return torch.float16 if dtype == torch.float32 else dtype
 
 
-def _torch_flush(g, e, finite):  # what codecs/_common.py ran before the kernel
-    acc.ops.ef_add_(g, e, finite)
-    out = e.to(_wire(g.dtype), copy=True)
-    acc.ops.fill_if_([out], ~finite, float("nan"))
-    return out
-
-
-def _torch_settle(e, sent, done):
-    sent = e.to(sent).to(e.dtype)
-    acc.ops.fill_if_([sent], ~done)
-    e.sub_(sent)
-
-
 FLUSH_WHOLE = Case("flush_whole (sent whole in 16 bits)",
                    lambda n, dt, dev: (*_ef_add_inputs(n, dt, dev), torch.tensor(True, device=dev)),
                    ours=lambda g, e, f: acc.ops.flush_whole(g, e, _wire(g.dtype), f),
-                   torch_pipeline=_torch_flush,
+                   torch_pipeline=lambda g, e, f: flush_whole_in_torch(e, g, _wire(g.dtype), f),
                    bytes_moved=lambda n, dt: n * (_bytes(dt) + 4 + 4 + _bytes(_wire(dt))))
 SETTLE_SENT = Case("settle_sent_ (what 16 bits rounded away)",
                    lambda n, dt, dev: (torch.randn(n, device=dev), _wire(dt), torch.tensor(True, device=dev)),
-                   ours=acc.ops.settle_sent_, torch_pipeline=_torch_settle,
+                   ours=acc.ops.settle_sent_, torch_pipeline=settle_sent_in_torch,
                    bytes_moved=lambda n, dt: n * (4 + 4))
 CASES = {
     "cpu": [EF_ADD, FLUSH_WHOLE, SETTLE_SENT, _topk_case(0.01), _topk_case(0.10), _sparse_case(0.01), _sparse_case(0.10),

@@ -40,10 +40,16 @@ def flush_whole(e: torch.Tensor, grad: torch.Tensor, level: Level, finite: torch
     dtype = wire_dtype(level, grad.dtype)
     if _fused(e):  # one pass (accordion::flush_whole)
         return ops.flush_whole(grad.reshape(e.shape), e, dtype, finite).view(grad.shape)
-    ops.ef_add_(grad.reshape(e.shape), e, finite)
+    return flush_whole_in_torch(e, grad.reshape(e.shape), dtype, finite).view(grad.shape)
+
+
+def flush_whole_in_torch(e: torch.Tensor, grad: torch.Tensor, dtype: torch.dtype, finite: torch.Tensor) -> torch.Tensor:
+    """``flush_whole`` in torch's ops (three passes), for error feedback the kernel does not
+    take (float64); ``grad`` shaped like ``e``."""
+    ops.ef_add_(grad, e, finite)
     out = e.to(dtype, copy=True)
     ops.fill_if_([out], ~finite, float("nan"))
-    return out.view(grad.shape)
+    return out
 
 
 def settle_sent(e: torch.Tensor, sent_dtype: torch.dtype, done: torch.Tensor) -> None:
@@ -52,7 +58,13 @@ def settle_sent(e: torch.Tensor, sent_dtype: torch.dtype, done: torch.Tensor) ->
     rounded away; if it was skipped, all of it. Decided on the device."""
     if _fused(e):  # one pass (accordion::settle_sent_)
         ops.settle_sent_(e, sent_dtype, done)
-    elif sent_dtype == e.dtype:
+    else:
+        settle_sent_in_torch(e, sent_dtype, done)
+
+
+def settle_sent_in_torch(e: torch.Tensor, sent_dtype: torch.dtype, done: torch.Tensor) -> None:
+    """``settle_sent`` in torch's ops, for error feedback the kernel does not take (float64)."""
+    if sent_dtype == e.dtype:
         ops.fill_if_([e], done)
     else:
         sent = e.to(sent_dtype).to(e.dtype)

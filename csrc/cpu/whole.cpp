@@ -141,8 +141,6 @@ void settle_range(float* e, int64_t begin, int64_t end) {
   }
 }
 
-}  // namespace
-
 // Calls f(T{}) with T the storage type of `dtype`: float, at::Half or at::BFloat16 (checked).
 template <typename F>
 void with_type(at::ScalarType dtype, F f) {
@@ -153,6 +151,8 @@ void with_type(at::ScalarType dtype, F f) {
     default: TORCH_CHECK(false, "accordion::flush_whole: unsupported dtype ", dtype);
   }
 }
+
+}  // namespace
 
 void flush_whole_cpu(const at::Tensor& grad, const at::Tensor& residual, at::Tensor& out) {
   const int64_t n = residual.numel();
