@@ -76,6 +76,12 @@ def register_ddp_hook(ddp_model, compressor: AccordionCompressor, *, optimizer=N
                         f"{type(ddp_model).__name__} (wrap the model in DDP first)")
     if not isinstance(compressor, AccordionCompressor):
         raise TypeError(f"compressor must be an acc.AccordionCompressor, got {type(compressor).__name__}")
+    if any(p.grad is not None for p in ddp_model.module.parameters()):
+        # A backward has run: DDP has averaged that step its own way, and a hook registered now
+        # would start mid-training with no error feedback. (Checked before any collective:
+        # every rank of a job that trains alike refuses here.)
+        raise RuntimeError("register_ddp_hook must be called before the model's first backward (its parameters "
+                           "already have gradients): register the hook right after wrapping the model in DDP")
     group = ddp_model.process_group
     ranks = dist.get_process_group_ranks(group)
     if process_group is not None and dist.get_process_group_ranks(process_group) != ranks:

@@ -136,7 +136,8 @@ def compress_hsdp(model, compressor: AccordionCompressor, mesh, *, optimizer=Non
         made = dist.new_group(row, timeout=delta, backend=backend)
         if row == mesh.mesh[mesh.get_local_rank("replicate")].tolist():
             node_faults = ProcessGroupChannel(made, shard_index, mesh.size(1), timeout)
-    compressor.bind(model, channel=channel, control=control, optimizer=optimizer)
+    compressor.bind(model, channel=channel, control=control, optimizer=optimizer,
+                    speaks=dist.get_rank() == 0)  # each shard group's data plane has a rank 0: one speaks
     hook = HSDPHook(compressor, channel, node_faults if mesh.size(1) > 1 else None, mesh,
                     buffers=sum(1 for _, known in groups if known.layout))
     for module, known in groups:

@@ -34,12 +34,12 @@ def messages_by_rank(out):
 @pytest.mark.horovod
 @pytest.mark.parametrize("backend", ["gloo", "mpi"])
 @pytest.mark.parametrize("mode,fields", [
-    ("rank", ["'rank': 2 (rank 0) vs 4 (rank 1)", "'critical_rank': 2 (rank 0) vs 4 (rank 1)"]),
-    ("codec", ["'codec': 'powersgd' (rank 0) vs 'topk' (rank 1)", "'ratio': (not set) (rank 0) vs 0.1 (rank 1)"]),
-    ("ratio", ["'ratio': 0.05 (rank 0) vs 0.1 (rank 1)"]),
-    ("eta", ["'eta': 0.5 (rank 0) vs 0.3 (rank 1)"]),
+    ("rank", ["'rank': 2 (process 0) vs 4 (process 1)", "'critical_rank': 2 (process 0) vs 4 (process 1)"]),
+    ("codec", ["'codec': 'powersgd' (process 0) vs 'topk' (process 1)", "'ratio': (not set) (process 0) vs 0.1 (process 1)"]),
+    ("ratio", ["'ratio': 0.05 (process 0) vs 0.1 (process 1)"]),
+    ("eta", ["'eta': 0.5 (process 0) vs 0.3 (process 1)"]),
     ("policy", ["'policy'"]),
-    ("interval", ["'interval': 100 (rank 0) vs None (rank 1)"]),
+    ("interval", ["'interval': 100 (process 0) vs None (process 1)"]),
 ])
 def test_different_settings_fail_with_the_same_message_on_every_rank(mode, fields, backend):
     result, elapsed = run_mismatch(mode, backend)
@@ -91,17 +91,17 @@ def test_simulated_different_rank_raises_the_same_error_on_every_rank():
     errors = first_step_errors(3, lambda r: acc.PowerSGD(rank=4 if r == 1 else 2))
     assert errors[0] == errors[1] == errors[2]
     assert errors[0] == (
-        "AccordionCompressor: ranks were started with different compressor settings; every rank must create "
-        "AccordionCompressor with the same codec and arguments. Differing: 'critical_rank': 2 (ranks 0, 2) "
-        "vs 4 (rank 1); 'rank': 2 (ranks 0, 2) vs 4 (rank 1).")
+        "AccordionCompressor: ranks were started with different compressor settings; every process must create "
+        "AccordionCompressor with the same codec and arguments. Differing (process N is the job's rank N): 'critical_rank': 2 (processes 0, 2) "
+        "vs 4 (process 1); 'rank': 2 (processes 0, 2) vs 4 (process 1).")
 
 
 def test_simulated_different_codec_eta_and_interval_are_named():
     errors = first_step_errors(2, lambda r: acc.PowerSGD(rank=2) if r == 0 else acc.TopK(ratio=0.1),
                                args=lambda r: {"eta": 0.5 + r, "interval": 100 * (r + 1)})
     assert errors[0] == errors[1]
-    for field in ["'codec': 'powersgd' (rank 0) vs 'topk' (rank 1)", "'eta': 0.5 (rank 0) vs 1.5 (rank 1)",
-                  "'interval': 100 (rank 0) vs 200 (rank 1)", "'rank': 2 (rank 0) vs (not set) (rank 1)"]:
+    for field in ["'codec': 'powersgd' (process 0) vs 'topk' (process 1)", "'eta': 0.5 (process 0) vs 1.5 (process 1)",
+                  "'interval': 100 (process 0) vs 200 (process 1)", "'rank': 2 (process 0) vs (not set) (process 1)"]:
         assert field in errors[0]
     assert "min_compression_rate" not in errors[0]  # equal on both ranks
 

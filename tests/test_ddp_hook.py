@@ -93,9 +93,9 @@ def test_cli_under_ddp_runs_the_uncompressed_baselines(codec):
 
 # --- bad input -----------------------------------------------------------------------------------
 @pytest.mark.torchrun
-@pytest.mark.parametrize("mode,field", [("rank", "'rank': 2 (rank 0) vs 4 (rank 1)"),
-                                        ("codec", "'codec': 'powersgd' (rank 0) vs 'topk' (rank 1)"),
-                                        ("eta", "'eta': 0.5 (rank 0) vs 0.3 (rank 1)")])
+@pytest.mark.parametrize("mode,field", [("rank", "'rank': 2 (process 0) vs 4 (process 1)"),
+                                        ("codec", "'codec': 'powersgd' (process 0) vs 'topk' (process 1)"),
+                                        ("eta", "'eta': 0.5 (process 0) vs 0.3 (process 1)")])
 def test_different_settings_fail_with_the_same_message_on_every_rank_under_ddp(mode, field):
     result = torchrun([str(WORKERS / "mismatch_check.py"), mode, "ddp"], np=2, timeout=120)
     assert result.returncode != 0, result.stdout

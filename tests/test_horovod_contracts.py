@@ -11,7 +11,7 @@ CODECS = ("powersgd", "topk")
 # The checks of one world run in one launch, one after another (tests/workers/in_turn.py):
 # one start-up per world instead of one per check. The refusals come last in their job.
 SUMS = tuple((codec, "sum") for codec in CODECS)
-REFUSALS = (("powersgd", "refuse-adasum"), ("powersgd", "refuse-min"))
+REFUSALS = (("powersgd", "refuse-adasum"), ("powersgd", "refuse-min"), ("topk", "two-optimizers"))
 JOBS = {("gloo", 2): SUMS + tuple((codec, mode) for mode in ("predivide", "passes", "sparse") for codec in CODECS)
         + REFUSALS, ("mpi", 2): SUMS + REFUSALS, ("gloo", 3): SUMS, ("mpi", 3): SUMS}
 
@@ -52,10 +52,15 @@ def test_an_op_the_codecs_cannot_honour_is_refused_on_every_rank(mode, named, ba
     assert out.count(f"OK refused: ValueError: AccordionCompressor cannot honour {named}") == 2, out
 
 
-def test_a_process_set_smaller_than_the_world_is_refused():
+def test_a_process_set_smaller_than_the_world_is_refused_on_every_rank():
     out = run_worker("horovod_op_check.py", "topk", "process-set", np=3, backend="gloo")
-    assert out.count("OK refused: ValueError: AccordionCompressor cannot honour process_set=") == 2, out
-    assert "OK (not in the process set)" in out, out
+    assert out.count("OK refused: ValueError: AccordionCompressor cannot honour process_set=") == 3, out
+
+
+def test_one_compressor_for_two_optimizers_is_refused_on_every_rank():
+    out = _in_turn("topk", "two-optimizers")
+    assert out.count("OK refused: ValueError: AccordionCompressor: this compressor is already bound to another "
+                     "hvd.DistributedOptimizer") == 2, out
 
 
 @pytest.mark.parametrize("backend", ["gloo", "mpi"])

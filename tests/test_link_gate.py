@@ -51,7 +51,9 @@ def test_a_window_without_a_measured_step_repeats_its_trial(missing, caplog):
     gate.end_window(window(0.5))
     assert levels_of(gate.end_window(window(missing))) == [NORMAL, NORMAL] and gate.phase == "compressed-trial"
     gate.end_window(window(0.2))
-    assert gate.phase == "compressed" and "compression pays" in caplog.text
+    assert gate.phase == "compressed" and gate.verdict()["verdict"] == "compress"
+    assert gate.verdict()["summary"] == ("link-gate: a dense 16-bit step took 0.500 s, a compressed one 0.200 s "
+                                         "(2.50x): compression pays (more than 1.25x), compressing from now on")
 
 
 def test_no_learning_rate_reaction_before_compression_is_found_to_pay():
@@ -138,6 +140,40 @@ def settle(comp):
     gate.load_state_dict({**gate.state_dict(), "phase": "dense", "dense_s": 1.0, "compressed_s": 1.0})
 
 
+def test_the_verdict_is_in_stats_and_said_once_by_rank_0(caplog):
+    """stats()["gate"] on every rank; rank 0 alone logs the verdict, once, under
+    accordion_hvd.levels (shown by default, as level changes are)."""
+    caplog.set_level("INFO", logger="accordion_hvd.levels")
+
+    def worker(rank, channel):
+        comp = acc.AccordionCompressor(acc.Quantize(8, min_numel=8), policy="link-gate", interval=100, channel=channel)
+        seen = [comp.stats()["gate"]["verdict"]]
+        settle(comp)
+        for _ in range(2):
+            out, ctx = comp.compress_named("a.weight", torch.ones(3, 4))
+            comp.decompress(out, ctx)
+        return seen + [comp.stats()["gate"]]
+
+    got = SimulatedWorld(2).run(worker)
+    for rank in (0, 1):
+        assert got[rank][0] == "pending"
+        assert {k: v for k, v in got[rank][1].items() if k != "summary"} == {
+            "verdict": "dense16", "dense_step_s": 1.0, "compressed_step_s": 1.0, "pays": 1.05}
+    said = [r.getMessage() for r in caplog.records if "link-gate:" in r.getMessage()]
+    assert said == ["after step 1: link-gate: a dense 16-bit step took 1.000 s, a compressed one 1.000 s (1.00x): "
+                    "compression does not pay (at most 1.05x), every layer 16-bit dense from now on"], said
+
+
+def test_other_policies_have_no_gate_in_stats():
+    assert acc.AccordionCompressor(acc.PowerSGD(1, 4)).stats()["gate"] is None
+
+
+def test_a_codec_class_instead_of_an_instance_is_refused_naming_what_to_pass():
+    with pytest.raises(TypeError, match=r"codec must be a codec instance, got the class PowerSGD itself; pass an "
+                                        r"instance, e\.g\. acc\.PowerSGD\(\.\.\.\)"):
+        acc.AccordionCompressor(acc.PowerSGD)
+
+
 def test_once_settled_flat_buffers_go_whole_in_float16_with_error_feedback():
     """engine/whole.py on the simulated world, against the same math written out: each
     buffer's average is the mean of float16(g), g = flat + e, and e keeps what float16 rounded
@@ -196,8 +232,14 @@ def test_once_settled_flat_buffers_go_whole_in_float16_with_error_feedback():
 
 @pytest.mark.horovod
 def test_under_horovodrun_the_default_trials_decides_and_ranks_agree():
+    """Also what a plain script shows by default: the gate's verdict in one line, and the hint
+    about Horovod's 1 ms cycle (this job leaves $HOROVOD_CYCLE_TIME unset), each from rank 0 only."""
     out = run_worker("default_check.py", "horovod", np=2, backend="gloo")
     assert out.count("OK default (horovod)") == 2, out
+    verdicts = [line for line in out.splitlines() if "accordion_hvd.levels: after step" in line and "link-gate:" in line]
+    assert len(verdicts) == 1 and verdicts[0].startswith("[0]"), out
+    hints = [line for line in out.splitlines() if "Call acc.quiet_horovod_cycle() before hvd.init()" in line]
+    assert len(hints) == 1 and hints[0].startswith("[0]"), out
 
 
 @pytest.mark.torchrun

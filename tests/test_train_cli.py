@@ -186,7 +186,7 @@ def test_language_model_on_the_standard_library_reports_perplexity(tmp_path):
     vocabulary = int(out.split("vocabulary: ")[1].split()[0])
     perplexity = float(out.split("final test perplexity: ")[1].split()[0])
     assert vocabulary > 5_000 and 1 < perplexity < vocabulary / 10, out
-    assert "stopped after 30 optimizer steps" in out and "(2 ranks, 1 epochs, 30 steps" in out, out
+    assert "stopped after 30 optimizer steps" in out and "(2 ranks, 1 epoch, 30 steps" in out, out
     with open(tmp_path / "eval.csv") as f:
         rows = list(csv.DictReader(f))
     assert len(rows) == 1 and rows[0]["accuracy"] == "" and float(rows[0]["perplexity"]) > 1

@@ -228,8 +228,25 @@ def progress(total: int, enabled: bool, desc: str):
     """A tqdm bar for rank 0; ``enabled=False`` (other ranks) prints nothing.
 
     It also draws when stderr is not a terminal, so that CI logs show progress, but then
-    at most every 30 s: each redraw is a line in a log file.
+    at most every 30 s, each redraw a whole line of its own: a launcher that prefixes every
+    line of a rank's output (horovodrun's ``[0]<stderr>:``) would otherwise glue the next log
+    line onto a bar left without its newline.
     """
     interactive = hasattr(sys.stderr, "isatty") and sys.stderr.isatty()
-    return tqdm(total=total, desc=desc, disable=not enabled, file=sys.stderr,
+    return tqdm(total=total, desc=desc, disable=not enabled, file=sys.stderr if interactive else _WholeLines(sys.stderr),
                 mininterval=0.1 if interactive else 30.0, dynamic_ncols=interactive)
+
+
+class _WholeLines:
+    """A stream for tqdm where each redraw (``\r`` + bar) is written as one whole line."""
+
+    def __init__(self, stream) -> None:
+        self.stream = stream
+
+    def write(self, text: str) -> None:
+        text = text.replace("\r", "").rstrip()
+        if text:
+            self.stream.write(text + "\n")
+
+    def flush(self) -> None:
+        self.stream.flush()

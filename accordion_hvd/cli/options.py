@@ -93,8 +93,8 @@ def parse_args(argv=None, description: str | None = None) -> argparse.Namespace:
                         "(MixedPrecisionPolicy(reduce_dtype=...)); bfloat16 sends half the bytes there, and ours "
                         "writes its results into the float32 gradients (default: float32; --codec bf16 is FSDP's own "
                         "all-reduce in bfloat16)")
-    p.add_argument("--codec", choices=CODECS, default="powersgd",
-                   help="gradient compression: default (acc.AccordionCompressor()'s codec and policy; the codec and "
+    p.add_argument("--codec", choices=CODECS, default="default",
+                   help="gradient compression: default (the default; acc.AccordionCompressor()'s codec and policy: the codec and "
                         "policy flags are then ignored), none, 16-bit (Horovod's fp16 or DDP's fp16 hook; under --launcher "
                         "fsdp: bf16, FSDP's reduce in bfloat16), or ours")
     p.add_argument("--rank", type=int, default=1, help="PowerSGD rank in normal regimes")
@@ -205,6 +205,12 @@ def parse_args(argv=None, description: str | None = None) -> argparse.Namespace:
         p.error("--batch-mode needs --launcher horovod (it sets Horovod's backward_passes_per_step)")
     if args.interval < 0:
         p.error(f"--interval must be 0 (per epoch) or a positive number of steps, got {args.interval}")
+    for flags, codec in ((("rank", "critical_rank"), "powersgd"), (("ratio", "critical_ratio"), "topk"),
+                         (("bits", "critical_bits", "skip_energy"), "quantize")):
+        given = [f"--{f.replace('_', '-')}" for f in flags if getattr(args, f) != p.get_default(f)]
+        if given and args.codec != codec:  # say so rather than ignore them (--codec default is the default)
+            p.error(f"{' and '.join(given)} {'are' if len(given) > 1 else 'is'} {codec}'s: add --codec {codec} "
+                    f"(this run's --codec is {args.codec})")
     if args.low_rate is not None and not 0 <= args.low_rate < 1:
         p.error(f"--low-rate must be 0 (off) or a fraction in (0, 1) of the peak learning rate, got {args.low_rate}")
     if args.low_rate is not None and (args.codec not in OURS or args.policy not in ("accordion", "link-gate")):

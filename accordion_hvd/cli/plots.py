@@ -82,8 +82,8 @@ def _accuracy_figure(curves: dict[str, tuple[np.ndarray, np.ndarray]], xlabel: s
         log_x = bool(xs.size) and xs.min() > 0 and xs.max() / xs.min() >= 100
     if log_x:
         ax.set_xscale("log")
-    else:
-        ax.xaxis.set_major_formatter(EngFormatter())  # 20M rather than 2 with a 1e7 offset
+    elif "(s)" not in xlabel:  # counts: 20M rather than 2 with a 1e7 offset (seconds keep plain numbers: 0.5, not 500 m)
+        ax.xaxis.set_major_formatter(EngFormatter())
     ax.set_xlabel(xlabel)
     ax.set_ylabel("test accuracy (%)" if metric == "accuracy" else "validation perplexity")
     ax.set_title(title)

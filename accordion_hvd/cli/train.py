@@ -180,8 +180,8 @@ def set_up(args, front) -> Run:
     if args.resume is not None:
         run.epoch, run.step = load_checkpoint(args.resume, front, model, opt, compression, batch, device)
         log.info("resumed from %s at epoch %d, step %d", args.resume, run.epoch, run.step)
-    log.info("training %s (%s parameters) on %s, %d ranks on %s (%s), compression %s, %d train / %d test samples",
-             args.model, f"{sum(p.numel() for p in model.parameters()):,}", args.dataset, front.size,
+    log.info("training %s (%s parameters) on %s, %s on %s (%s), compression %s, %d train / %d test samples",
+             args.model, f"{sum(p.numel() for p in model.parameters()):,}", args.dataset, _count(front.size, "rank"),
              device.type, front.label, compression, len(task.train.y), len(task.test.y))
     if front.size == 1 and args.codec != "none" and front.name == "horovod":
         log.warning("1 rank: Horovod's DistributedOptimizer exchanges nothing and never calls the "
@@ -296,7 +296,7 @@ def end_epoch(run: Run, epoch: int, loss: torch.Tensor, bar) -> float:
 def finish(run: Run, acc: float) -> None:
     """The final lines on rank 0, and the plots."""
     if run.front.rank == 0:
-        print(f"final test {run.task.metric}: {acc:.4f} ({run.front.size} ranks, {run.epoch} epochs, {run.step} steps, "
+        print(f"final test {run.task.metric}: {acc:.4f} ({_count(run.front.size, 'rank')}, {_count(run.epoch, 'epoch')}, {_count(run.step, 'step')}, "
               f"{time.perf_counter() - run.started:.1f} s)", flush=True)
         stats = run.compression.stats()
         if not stats["floats_sent"]:
@@ -330,6 +330,10 @@ def _log_step(run: Run, epoch: int, loss: torch.Tensor, *, lr: float, **extra) -
                          comm_s=now["comm"] - before.get("comm", 0.0), wall_s=time.perf_counter() - run.started,
                          **extra)
     return now
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}{'' if n == 1 else 's'}"
 
 
 if __name__ == "__main__":

@@ -56,8 +56,15 @@ class BetweenSteps:
             if name in self.layers:
                 self.codec.set_level(self.layers[name], level)
                 applied.setdefault(str(level), []).append(name)
-        if self.channel.rank == 0:  # every rank switches alike: one line for the job
+        if self.speaks:  # every rank switches alike: one line for the job
             self.announcer.levels(self.counters.steps, applied, self.controller)
+            self.announcer.verdict(self.counters.steps, self.policy.verdict())
+
+    @property
+    def speaks(self) -> bool:
+        """Whether this rank logs for the job: the front end's choice (``speaks_for_job``),
+        else rank 0 of the data plane."""
+        return self.channel.rank == 0 if self.speaks_for_job is None else self.speaks_for_job
 
     def measure_link(self) -> LinkMeasurement:
         self.between_steps("measure_link")

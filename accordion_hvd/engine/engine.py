@@ -84,6 +84,7 @@ class StepEngine(Planes, BetweenSteps, WholeRoute):
         self.settings_agreed = False
         self.loaded_owner = None              # (rank, world size) of a state loaded before both were known
         self.announcer = announce.LevelAnnouncer()
+        self.speaks_for_job: bool | None = None  # a front end's choice of the rank that logs (HSDP: global rank 0)
         self.in_flight: set[str] = set()      # this step: layers added, not finished yet
         self._exchange = None                 # the codec's exchange (accordion_hvd/exchange/)
         self._dense_round = None              # the uncompressed layers' round

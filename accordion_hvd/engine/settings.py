@@ -3,7 +3,7 @@
 Ranks started with different settings would issue collectives that never pair (a hang) or
 pair the wrong tensors. Instead every rank allgathers its settings (one fixed-size blocking
 collective) and, if any differ, every rank raises the same ValueError naming the settings
-that differ and which ranks have which value.
+that differ and which processes (numbered by rank in the job) have which value.
 """
 
 from __future__ import annotations
@@ -35,18 +35,21 @@ def agree(channel, settings: dict) -> None:
 
 
 def mismatch_message(configs: list[dict]) -> str:
-    """Which settings differ, and which ranks have which value (the same text on every rank)."""
+    """Which settings differ, and which processes have which value (the same text on every rank).
+    Processes are called "process N" (N its rank in the job), never "rank N": a codec's
+    settings have a ``rank`` of their own (PowerSGD's)."""
     differences = []
     for key in sorted({k for c in configs for k in c}):
         values = [repr(c[key]) if key in c else "(not set)" for c in configs]
         if len(set(values)) == 1:
             continue
-        ranks_by_value: dict[str, list[int]] = {}
-        for rank, value in enumerate(values):
-            ranks_by_value.setdefault(value, []).append(rank)
+        processes_by_value: dict[str, list[int]] = {}
+        for process, value in enumerate(values):
+            processes_by_value.setdefault(value, []).append(process)
         differences.append(f"{key!r}: " + " vs ".join(
-            f"{value} (rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))})"
-            for value, ranks in ranks_by_value.items()))
-    return ("AccordionCompressor: ranks were started with different compressor settings; every rank "
-            "must create AccordionCompressor with the same codec and arguments. Differing: "
+            f"{value} (process{'es' if len(processes) > 1 else ''} {', '.join(map(str, processes))})"
+            for value, processes in processes_by_value.items()))
+    return ("AccordionCompressor: ranks were started with different compressor settings; every process "
+            "must create AccordionCompressor with the same codec and arguments. Differing (process N is the "
+            "job's rank N): "
             + "; ".join(differences) + ".")

@@ -112,4 +112,5 @@ def stats(engine) -> dict:
                    for n in sorted(counters.dense)},
         "link": None if link is None else {
             "latency_s": link.link.alpha, "bytes_per_s": 1.0 / link.link.beta, "collectives": link.collectives},
+        "gate": engine.policy.verdict(),
     }

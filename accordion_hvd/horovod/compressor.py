@@ -34,7 +34,7 @@ from ..comm.link import LinkMeasurement
 from ..engine import StepEngine, state
 from ..exchange import BUCKET_BYTES
 from ..levels import Level
-from .patches import check_wait, install_bypass, install_polite_wait, placeholder
+from .patches import check_wait, cycle_hint, install_bypass, install_construction_check, install_polite_wait, placeholder
 from .seam import GradientNames, bypass_allowed, find_optimizer, horovod_op_name, horovod_parameter, reduction_scale
 
 log = logging.getLogger("accordion_hvd.horovod")
@@ -120,7 +120,8 @@ class AccordionCompressor(HorovodCompressor):
         self.wait = check_wait(wait)
         self._met_horovod = False   # compress() was called by Horovod: its op checked, patches installed
         self._bypass = False        # uncompressed layers travel on our data plane too
-        self._owner = None          # weakref to the model of a front end that bound it
+        self._owner = None          # weakref to the optimizer or model this compressor serves (one)
+        install_construction_check(_built_with)  # refusals at hvd.DistributedOptimizer(...), on every rank
 
     @classmethod
     def default_instance(cls) -> "AccordionCompressor":
@@ -145,16 +146,14 @@ class AccordionCompressor(HorovodCompressor):
     seconds = property(lambda self: self.engine.counters.seconds, doc="Cumulative seconds of math and waits.")
     steps = property(lambda self: self.engine.counters.steps, doc="Steps taken (skipped ones included).")
 
-    def bind(self, owner, *, channel, control, optimizer=None) -> None:
+    def bind(self, owner, *, channel, control, optimizer=None, speaks: bool | None = None) -> None:
         """Attach this compressor to a front end other than Horovod's optimizer (the DDP hook:
         accordion_hvd/ddp.py): its data plane, control plane and, if given, the optimizer
-        whose learning rates the policy reads. One compressor serves one model."""
-        bound = self._owner() if self._owner is not None else None
-        if bound is not None and bound is not owner:
-            raise ValueError("AccordionCompressor: this compressor is already bound to another model; create one "
-                             "compressor per model (its error feedback and levels belong to that model's layers)")
+        whose learning rates the policy reads, and whether this rank logs for the job
+        (``speaks``; default: rank 0 of the data plane). One compressor serves one model."""
+        _serve(self, owner)
         self.engine.use_planes(channel, control)
-        self._owner = weakref.ref(owner)
+        self.engine.speaks_for_job = speaks
         if optimizer is not None:
             self.engine.lrs.watch(optimizer)
 
@@ -192,12 +191,16 @@ class AccordionCompressor(HorovodCompressor):
         # worker that joined and meets Horovod for the first time.
         self.engine.front_end = {"horovod_op": None if optimizer is None else horovod_op_name(optimizer)}
         self.engine.agree_settings()
+        if optimizer is not None:  # (also checked as Horovod built it, where the wrapper was in place)
+            _serve(self, optimizer)
         install_polite_wait(self.wait)  # first: it also makes Horovod's optimizer read bypass handles
         install_bypass()
         why_not = bypass_allowed(optimizer)
         self._bypass = why_not is None
         if why_not:
             log.info("AccordionCompressor: uncompressed gradients go through Horovod's allreduce: %s", why_not)
+        if self._bypass and self.engine.speaks:  # none of the steps' data goes through Horovod's loop
+            _hint_cycle()
         self._met_horovod = True
 
     @_DefaultInstanceMethod
@@ -325,5 +328,42 @@ class AccordionCompressor(HorovodCompressor):
         feedback starts from zero, whoever saved it."""
         state.load_state_dict(self.engine, state_dict, error_feedback)
 
+
+_cycle_hinted = False  # the hint about Horovod's cycle is given once per process
+
+
+def _hint_cycle() -> None:
+    """Once per process, where Horovod's loop carries nothing of the steps and still wakes
+    every 1 ms: its cycle then only costs CPU (patches.cycle_hint)."""
+    global _cycle_hinted
+    hint = None if _cycle_hinted else cycle_hint()
+    if hint:
+        log.warning(hint)
+        _cycle_hinted = True
+
+
+def _serve(compressor: AccordionCompressor, owner) -> None:
+    """Take ``owner`` (a model, or Horovod's optimizer) as the one ``compressor`` serves."""
+    served = compressor._owner() if compressor._owner is not None else None
+    if served is not None and served is not owner:
+        what = "hvd.DistributedOptimizer" if hasattr(served, "_parameter_names") else f"model ({type(served).__name__})"
+        raise ValueError(f"AccordionCompressor: this compressor is already bound to another {what}; create one "
+                         f"compressor per model and optimizer (its error feedback and levels belong to that model's "
+                         f"layers)")
+    compressor._owner = weakref.ref(owner)
+
+
+def _built_with(compression, optimizer) -> None:
+    """``hvd.DistributedOptimizer`` has just built ``optimizer`` with ``compression``
+    (patches.install_construction_check): if it is ours, refuse here, on every rank that built
+    it, an op or a process set it cannot honour and a second optimizer for one compressor."""
+    if isinstance(compression, type) and issubclass(compression, AccordionCompressor):
+        compression = compression.default_instance()
+    if isinstance(compression, AccordionCompressor):
+        reduction_scale(optimizer)  # raises naming op= or process_set=
+        _serve(compression, optimizer)
+
+
+install_construction_check(_built_with)  # for the class form too, where horovod.torch came first
 
 __all__ = ["AccordionCompressor", "HorovodCompressor"]

@@ -141,6 +141,11 @@ class Policy:
         """Per-step policies: the level of every compressed layer in this step."""
         raise NotImplementedError(f"policy {self.name!r} does not decide per step")
 
+    def verdict(self) -> dict | None:
+        """A decision this policy takes once for the whole job (the link gate's: compress or
+        not), for ``stats()["gate"]`` and rank 0's log; None for policies that take none."""
+        return None
+
     def state_dict(self) -> dict:
         return {}
 

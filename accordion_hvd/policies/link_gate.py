@@ -29,10 +29,10 @@ the dense run's steps and still arrives sooner. The inner policy sees every wind
 dense ones included, so its regime detection is current whenever it takes over.
 
 The decision is not revisited (a network that changes during training is
-network_aware.py's case). It is logged with both timings (logger ``accordion_hvd.policies``,
-INFO), the levels it sets are announced on rank 0 like every level change
-(``accordion_hvd.levels``), and it is kept in ``state_dict``, so a resumed job does not run
-its trials again.
+network_aware.py's case). Rank 0 says it in one line with both timings, shown by default like
+every level change (logger ``accordion_hvd.levels``: ``verdict()``, engine/announce.py);
+``stats()["gate"]`` holds it; it is kept in ``state_dict``, so a resumed job does not run its
+trials again.
 """
 
 from __future__ import annotations
@@ -109,14 +109,25 @@ class LinkGate(Policy):
             self.compressed_s = float(step)
             pays = self.dense_s > self.pays * self.compressed_s
             self.phase = _COMPRESSED if pays else _DENSE
-            log.info("link-gate: a dense 16-bit step took %.3f s, a compressed one %.3f s (%.2fx): %s",
-                     self.dense_s, self.compressed_s, self.dense_s / self.compressed_s,
-                     f"compression pays (more than {self.pays}x), compressing from now on" if pays else
-                     f"compression does not pay (at most {self.pays}x), every layer dense in 16 bits from now on")
         elif not measured and self.phase in (_DENSE_TRIAL, _COMPRESSED_TRIAL):
             log.info("link-gate: window of %d steps gave no measured step; its trial (%s) is repeated",
                      report.steps, self.phase)
         return {layer: self._level(level) for layer, level in inner.items()}
+
+    def verdict(self) -> dict:
+        """``{"verdict", "dense_step_s", "compressed_step_s", "pays", "summary"}``: the
+        verdict is "pending" during the trials, then "compress" or "dense16"; the summary is
+        the one line rank 0 logs when it is taken."""
+        verdict = {_COMPRESSED: "compress", _DENSE: "dense16"}.get(self.phase, "pending")
+        if verdict == "pending":
+            summary = f"link-gate: trials under way ({self.phase})"
+        else:
+            summary = (f"link-gate: a dense 16-bit step took {self.dense_s:.3f} s, a compressed one "
+                       f"{self.compressed_s:.3f} s ({self.dense_s / self.compressed_s:.2f}x): " +
+                       (f"compression pays (more than {self.pays}x), compressing from now on" if verdict == "compress"
+                        else f"compression does not pay (at most {self.pays}x), every layer 16-bit dense from now on"))
+        return {"verdict": verdict, "dense_step_s": self.dense_s, "compressed_step_s": self.compressed_s,
+                "pays": self.pays, "summary": summary}
 
     def lr_decreased(self, layers: list[str]) -> dict[str, Level] | None:
         levels = self.inner.lr_decreased(layers)

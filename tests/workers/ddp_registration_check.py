@@ -1,6 +1,6 @@
 """Worker run by tests/test_ddp_hook.py under torchrun: register_ddp_hook refuses, at
-registration and on every rank, a process group whose ranks differ from the model's; and the
-hook averages, uncompressed and with a warning, a parameter it was not told about at
+registration and on every rank, a process group whose ranks differ from the model's and a
+model that has already run a backward; and the hook averages, uncompressed and with a warning, a parameter it was not told about at
 registration, never handing it another parameter's result."""
 
 import logging
@@ -53,6 +53,15 @@ check(torch.allclose(unknown.grad, local / size, atol=1e-6), "the unknown parame
 check(any("did not have when the hook was registered" in m for m in recorder.messages), f"no warning: {recorder.messages}")
 check("0.weight" not in compression.stats()["layers"], "the unknown parameter reached the compressor")
 check("2.weight" in compression.stats()["layers"], "the known parameters did not")
+
+# Registered after the model's first backward: refused, naming what to do, on every rank.
+late = DistributedDataParallel(torch.nn.Linear(8, 8))
+late(torch.randn(2, 8)).sum().backward()
+try:
+    acc.register_ddp_hook(late, acc.AccordionCompressor(acc.PowerSGD(2)))
+    check(False, "a hook registered after the first backward was accepted")
+except RuntimeError as exc:
+    check("before the model's first backward" in str(exc), f"unclear: {exc}")
 # Every rank done before any tears its groups down: a rank that exits while another still
 # holds open Gloo pairs to it can abort that one (SIGABRT in Gloo's I/O loop).
 dist.barrier()

@@ -12,8 +12,11 @@ Horovod's own sum (C).
 MODE "predivide": B uses op=hvd.Average with gradient_predivide_factor=4: still the average.
 MODE "refuse-adasum", "refuse-min": the first step raises a ValueError naming the op, on
 every rank, before any collective (then the worker prints OK and exits).
-MODE "process-set": (3 ranks) the optimizer of ranks 0 and 1 reduces over the process set
-{0, 1}: they raise a ValueError naming process_set; rank 2 is not in it and does nothing.
+MODE "process-set": (3 ranks) every rank builds an optimizer reducing over the process set
+{0, 1}: every rank, rank 2 outside it too, gets a ValueError naming process_set as Horovod
+builds it (Horovod would call the compressor on ranks 0 and 1 only).
+MODE "two-optimizers": one compressor given to two optimizers: the second is refused as it
+is built, on every rank, with a ValueError naming the first.
 MODE "passes": B uses backward_passes_per_step=2, each pass on half the batch with half the
 loss: its reduced gradients equal A's, whose one pass takes the whole batch.
 MODE "sparse": a model with a sparse embedding (sparse_as_dense=False: Horovod reduces that
@@ -73,12 +76,11 @@ def reduced_gradients(model, opt, passes: int = 1) -> dict:
 if mode.startswith("refuse-") or mode == "process-set":
     op = {"refuse-adasum": hvd.Adasum, "refuse-min": hvd.Min}.get(mode, hvd.Average)
     expected = {"refuse-adasum": "op=hvd.Adasum", "refuse-min": "op=hvd.Min"}.get(mode, "process_set=")
-    if mode == "process-set" and rank not in (0, 1):
-        say(f"rank {rank}: OK (not in the process set)")
-        sys.exit(0)
+    # Every rank builds the optimizer, those outside the process set too (as Horovod's own tests
+    # do): each must be refused, as Horovod builds it, not only the ranks that would compress.
     model = make_model()
-    opt, _ = make_optimizer(model, True, op=op, **({"process_set": pair} if pair is not None else {}))
     try:
+        opt, _ = make_optimizer(model, True, op=op, **({"process_set": pair} if pair is not None else {}))
         opt.zero_grad()
         F.cross_entropy(model(x), y).backward()
         opt.step()
@@ -88,6 +90,20 @@ if mode.startswith("refuse-") or mode == "process-set":
         say(f"rank {rank}: OK refused: {text[:160]}")
         sys.exit(0)
     check(False, f"{mode}: the step ran; expected a ValueError naming {expected}")
+
+if mode == "two-optimizers":
+    first_model, second_model = make_model(), make_model()
+    compression = acc.AccordionCompressor(make_codec())
+    first = hvd.DistributedOptimizer(torch.optim.SGD(first_model.parameters(), lr=0.1),
+                                     named_parameters=first_model.named_parameters(), compression=compression)
+    try:
+        hvd.DistributedOptimizer(torch.optim.SGD(second_model.parameters(), lr=0.1),
+                                 named_parameters=second_model.named_parameters(), compression=compression)
+    except ValueError as exc:
+        check("already bound to another hvd.DistributedOptimizer" in str(exc), f"unclear: {exc}")
+        say(f"rank {rank}: OK refused: ValueError: {str(exc)[:120]}")
+        sys.exit(0)
+    check(False, "one compressor was accepted by two optimizers")
 
 if mode == "sparse":
     torch.manual_seed(0)
