@@ -1,0 +1,209 @@
+"""The runs of protocol evidence-v3 (benchmarks/protocols/evidence-v3.md), resumable.
+
+    .venv/bin/python benchmarks/evidence_v3.py --setting lstm-100mbit --methods hvd-fp16,ddp-fp16
+    .venv/bin/python benchmarks/evidence_v3.py --setting lstm-100mbit --max-runs 2   # the next 2 runs left
+    .venv/bin/python benchmarks/evidence_v3.py --status                             # what is done, per cell
+
+A setting is a task on a link rate. Its two 16-bit baselines (Horovod's fp16 compression and
+DDP's ``fp16_compress_hook``) run first, 3 seeds, no target; once all six are done the faster
+one (shorter mean wall time) sets the setting's target (its mean final validation perplexity)
+and cap (twice its mean wall time), frozen in ``SETTING/setting.json``; every other method then
+runs with ``--target`` and ``--time-cap``. Every run happens on 2 emulated nodes
+(benchmarks/cluster; needs root), one rank per node, one thread each: Horovod's methods under
+``horovodrun --gloo``, DDP's and the periodic ones under ``torchrun``. Records per run in
+``benchmarks/results/evidence-v3/SETTING/METHOD/seedS/`` as evidence-v2's (``steps.csv``,
+``eval.csv``, ``log.txt``, ``run.json``); a run whose ``run.json`` exists is not run again.
+
+Which cells are measured at which rate, and which are computed from the 100 Mbit/s
+trajectory and a measured step time, is the protocol's (its "Cells" table); this runner only
+runs what it is asked to and refuses a method the protocol does not run at a setting. The
+methods the protocol names but the CLI cannot run yet (``torch-localsgd``, ``diloco-*``) join
+here with their code, before their runs. Run it from a checkout nobody edits while it runs
+(time_to_quality.py's docstring says how): each run records its commit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "benchmarks"))
+sys.path.insert(0, str(REPO / "benchmarks" / "cluster"))
+from cluster import Cluster  # noqa: E402
+from evidence import commit, machine  # noqa: E402
+
+PROTOCOL = "evidence-v3"
+OUT = REPO / "benchmarks" / "results" / PROTOCOL
+SEEDS = (0, 1, 2)
+PILOT_SEED = 3  # never scored (the protocol)
+CAP_FACTOR = 2.0
+
+TASKS = {  # evidence-v2's tasks, unchanged (the protocol)
+    "lstm": ["--dataset", "text", "--model", "lstm", "--epochs", "6", "--lr", "0.5", "--lr-milestones", "4"],
+    "transformer": ["--dataset", "text", "--model", "transformer", "--optimizer", "adamw", "--epochs", "6",
+                    "--lr", "0.001", "--lr-milestones", "4"],
+}
+RATES = ("10mbit", "100mbit", "1gbit")
+SETTINGS = {f"{task}-{rate}": (task, rate) for task in TASKS for rate in RATES}
+COMMON = ["--batch-size", "32", "--interval", "0", "--eta", "0.5", "--no-progress", "--evals-per-epoch", "4"]
+METHODS = {  # name -> (launcher, CLI arguments), the protocol's table
+    "hvd-fp16": ("horovod", ["--codec", "fp16"]),
+    "ddp-fp16": ("ddp", ["--launcher", "ddp", "--codec", "fp16"]),
+    "default": ("horovod", ["--codec", "default", "--interval", "100"]),
+    "quantize-accordion": ("horovod", ["--codec", "quantize", "--bits", "8", "--critical-bits", "16",
+                                       "--policy", "accordion", "--interval", "100"]),
+    "batch-accordion": ("horovod", ["--codec", "none", "--batch-mode", "--large-passes", "8"]),
+}
+BASELINES = ("hvd-fp16", "ddp-fp16")
+# The protocol's cells: where a method runs (the others' figures at 10 Mbit/s and 1 Gbit/s
+# are computed from their 100 Mbit/s runs); the 1 Gbit/s check of the faster baseline is seed 0 only.
+MEASURED_EVERYWHERE = ("default", "diloco-auto")
+
+
+def run_dir(setting: str, method: str, seed: int) -> Path:
+    return OUT / setting / method / f"seed{seed}"
+
+
+def runs_at(setting: str, method: str) -> bool:
+    rate = SETTINGS[setting][1]
+    return rate == "100mbit" or method in MEASURED_EVERYWHERE or (rate == "1gbit" and method in BASELINES)
+
+
+def final_and_wall(where: Path) -> tuple[float, float] | None:
+    """A finished run's final validation perplexity and wall time (its last evaluation)."""
+    if not (where / "run.json").exists():
+        return None
+    record = json.loads((where / "run.json").read_text())
+    if record.get("protocol") != PROTOCOL:
+        raise SystemExit(f"{where}: a run of protocol {record.get('protocol')!r}, not {PROTOCOL!r}")
+    if record["exit"] != 0 or not (where / "eval.csv").exists():
+        return None
+    rows = (where / "eval.csv").read_text().splitlines()
+    header, last = rows[0].split(","), rows[-1].split(",")
+    return float(last[header.index("perplexity")]), float(last[header.index("wall_s")])
+
+
+def frozen_setting(setting: str) -> dict | None:
+    """The setting's target and cap from the faster baseline, computed once all six baseline
+    runs are done and then frozen. Settings whose baselines are computed (10 Mbit/s, 1 Gbit/s)
+    take their target from the same task at 100 Mbit/s (the math is the link's twin)."""
+    task, rate = SETTINGS[setting]
+    source = f"{task}-100mbit"
+    path = OUT / source / "setting.json"
+    if path.exists():
+        return json.loads(path.read_text())
+    done = {m: [r for s in SEEDS if (r := final_and_wall(run_dir(source, m, s))) is not None] for m in BASELINES}
+    if any(len(runs) < len(SEEDS) for runs in done.values()):
+        return None
+    walls = {m: statistics.mean(w for _, w in runs) for m, runs in done.items()}
+    faster = min(walls, key=walls.get)
+    frozen = {"protocol": PROTOCOL, "baseline": faster, "baseline_wall_s": walls[faster], "mean_wall_s": walls,
+              "target_perplexity": statistics.mean(f for f, _ in done[faster]),
+              "cap_s": CAP_FACTOR * walls[faster],
+              "from": [str(run_dir(source, m, s).relative_to(OUT)) for m in BASELINES for s in SEEDS]}
+    path.write_text(json.dumps(frozen, indent=1) + "\n")
+    return frozen
+
+
+def one_run(cluster: Cluster, setting: str, method: str, seed: int, timeout: float) -> dict:
+    task, rate = SETTINGS[setting]
+    launcher, method_args = METHODS[method]
+    where = run_dir(setting, method, seed)
+    extra = []
+    if method not in BASELINES:
+        frozen = frozen_setting(setting)
+        extra = ["--target", f"{frozen['target_perplexity']:.6f}", "--time-cap", f"{frozen['cap_s']:.1f}"]
+    with tempfile.TemporaryDirectory() as tmp:
+        args = ["-m", "accordion_hvd.train", *TASKS[task], *COMMON, *method_args, *extra, "--seed", str(seed),
+                "--logdir", tmp]
+        started, at_commit = time.monotonic(), commit()
+        if launcher == "horovod":
+            result = cluster.horovodrun(args, timeout=timeout)
+            exit_code, output = result.returncode, result.stdout + result.stderr
+            launched = "horovodrun -np 2 -H node1:1,node2:1 --gloo python "
+        else:
+            results = cluster.torchrun(args, timeout=timeout, per_node=1)
+            exit_code = next((r.returncode for r in results.values() if r.returncode != 0), 0)
+            output = "".join(f"--- node {k + 1} ---\n" * (k > 0) + r.stdout + r.stderr
+                             for k, r in sorted(results.items()))
+            launched = "torchrun --nnodes 2 --nproc_per_node 1 (node1 and node2) python "
+        seconds = time.monotonic() - started
+        where.mkdir(parents=True, exist_ok=True)
+        for name in ("steps.csv", "eval.csv"):
+            if (Path(tmp) / name).exists():
+                shutil.copy(Path(tmp) / name, where / name)
+    (where / "log.txt").write_text(output[-20000:])
+    record = {"protocol": PROTOCOL, "setting": setting, "method": method, "seed": seed, "exit": exit_code,
+              "seconds": round(seconds, 1), "command": f"{launched}{' '.join(args[:-1])} DIR",
+              "commit": at_commit, "machine": machine(),
+              "cluster": f"2 emulated nodes, {rate} links, 1 rank per node, 1 thread per rank"}
+    (where / "run.json").write_text(json.dumps(record, indent=1) + "\n")
+    return record
+
+
+def run_all(setting: str, methods: list[str], seeds: tuple[int, ...], timeout: float, max_runs: int | None) -> None:
+    if any(m not in BASELINES for m in methods) and frozen_setting(setting) is None:
+        methods = [m for m in methods if m in BASELINES]
+        print(f"{setting}: the baselines' runs are not all done: running only {methods} now", flush=True)
+    todo = [(m, s) for s in seeds for m in methods if not (run_dir(setting, m, s) / "run.json").exists()]
+    todo = todo[:max_runs] if max_runs else todo
+    print(f"{setting}: {len(todo)} runs now", flush=True)
+    if not todo:
+        return
+    with Cluster(2, rate=SETTINGS[setting][1], prefix="accv3-") as cluster:
+        for i, (method, seed) in enumerate(todo, 1):
+            record = one_run(cluster, setting, method, seed, timeout)
+            print(f"[{i}/{len(todo)}] {setting} {method} seed {seed}: exit {record['exit']}, "
+                  f"{record['seconds']:.0f} s", flush=True)
+
+
+def status() -> None:
+    for setting in SETTINGS:
+        cells = []
+        for method in METHODS:
+            if not runs_at(setting, method):
+                continue
+            done = sum((run_dir(setting, method, s) / "run.json").exists() for s in SEEDS)
+            cells.append(f"{method} {done}/{len(SEEDS)}")
+        frozen = frozen_setting(setting)
+        target = f"target {frozen['target_perplexity']:.2f} ({frozen['baseline']})" if frozen else "no target yet"
+        print(f"{setting}: {target}; " + ", ".join(cells))
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--setting", choices=sorted(SETTINGS))
+    p.add_argument("--methods", default=None, help="comma-separated, of: " + ", ".join(METHODS))
+    p.add_argument("--seeds", default=",".join(map(str, SEEDS)),
+                   help=f"comma-separated; {PILOT_SEED} is the pilot seed, never scored")
+    p.add_argument("--max-runs", type=int, default=None, help="stop after this many runs (resumable)")
+    p.add_argument("--timeout", type=float, default=7200, help="seconds one run may take")
+    p.add_argument("--status", action="store_true", help="what is done, per setting and method")
+    args = p.parse_args()
+    if args.status:
+        return status()
+    if args.setting is None:
+        p.error("--setting is required unless --status")
+    methods = [m.strip() for m in args.methods.split(",") if m.strip()] if args.methods else list(METHODS)
+    unknown = sorted(set(methods) - set(METHODS))
+    if unknown:
+        p.error(f"--methods: {unknown} unknown; the methods are {list(METHODS)}")
+    elsewhere = [m for m in methods if not runs_at(args.setting, m)]
+    if elsewhere:
+        p.error(f"--methods: {elsewhere} run at 100 Mbit/s only (the protocol computes {args.setting} from them)")
+    seeds = tuple(int(s) for s in args.seeds.split(","))
+    if any(s not in (*SEEDS, PILOT_SEED) for s in seeds):
+        p.error(f"--seeds: the protocol's seeds are {SEEDS} and the pilot seed {PILOT_SEED}")
+    run_all(args.setting, methods, seeds, args.timeout, args.max_runs)
+
+
+if __name__ == "__main__":
+    main()
