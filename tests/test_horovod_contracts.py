@@ -12,8 +12,9 @@ CODECS = ("powersgd", "topk")
 # one start-up per world instead of one per check. The refusals come last in their job.
 SUMS = tuple((codec, "sum") for codec in CODECS)
 REFUSALS = (("powersgd", "refuse-adasum"), ("powersgd", "refuse-min"), ("topk", "two-optimizers"))
+CHECKS = (("topk", "broadcast-state"),)
 JOBS = {("gloo", 2): SUMS + tuple((codec, mode) for mode in ("predivide", "passes", "sparse") for codec in CODECS)
-        + REFUSALS, ("mpi", 2): SUMS + REFUSALS, ("gloo", 3): SUMS, ("mpi", 3): SUMS}
+        + CHECKS + REFUSALS, ("mpi", 2): SUMS + REFUSALS, ("gloo", 3): SUMS, ("mpi", 3): SUMS}
 
 
 def _in_turn(codec, mode, backend="gloo", np=2) -> str:
@@ -55,6 +56,12 @@ def test_an_op_the_codecs_cannot_honour_is_refused_on_every_rank(mode, named, ba
 def test_a_process_set_smaller_than_the_world_is_refused_on_every_rank():
     out = run_worker("horovod_op_check.py", "topk", "process-set", np=3, backend="gloo")
     assert out.count("OK refused: ValueError: AccordionCompressor cannot honour process_set=") == 3, out
+
+
+def test_horovods_broadcast_optimizer_state_still_knows_its_optimizer_with_this_package_imported():
+    """Found by Horovod's own test suite (make peer-tests): test_broadcast_state hung."""
+    out = _in_turn("topk", "broadcast-state")
+    assert out.count(": OK broadcast-state") == 2, out
 
 
 def test_one_compressor_for_two_optimizers_is_refused_on_every_rank():

@@ -147,19 +147,23 @@ def install_construction_check(on_build) -> None:
     hvd_optimizer = sys.modules.get("horovod.torch.optimizer")
     if hvd is None or hvd_optimizer is None or getattr(hvd.DistributedOptimizer, "_accordion_check", False):
         return
+    import functools
     import inspect
 
     build = hvd.DistributedOptimizer
     signature = inspect.signature(build)
 
+    # functools.wraps keeps Horovod's __module__ too: hvd.broadcast_optimizer_state compares an
+    # optimizer's __module__ with DistributedOptimizer's to tell Horovod's optimizer from a
+    # plain one, and steps a plain one; with another __module__ it would step Horovod's on one
+    # rank only, a collective no other rank joins (a hang, found by Horovod's own test suite).
+    @functools.wraps(build)
     def DistributedOptimizer(*args, **kwargs):  # noqa: N802 - Horovod's name
         optimizer = build(*args, **kwargs)
         on_build(signature.bind(*args, **kwargs).arguments.get("compression"), optimizer)
         return optimizer
 
     DistributedOptimizer._accordion_check = True
-    DistributedOptimizer.__wrapped__ = build
-    DistributedOptimizer.__doc__ = build.__doc__
     hvd.DistributedOptimizer = hvd_optimizer.DistributedOptimizer = DistributedOptimizer
 
 

@@ -15,6 +15,10 @@ every rank, before any collective (then the worker prints OK and exits).
 MODE "process-set": (3 ranks) every rank builds an optimizer reducing over the process set
 {0, 1}: every rank, rank 2 outside it too, gets a ValueError naming process_set as Horovod
 builds it (Horovod would call the compressor on ranks 0 and 1 only).
+MODE "broadcast-state": with this package imported (its construction check in place), Horovod's
+own ``broadcast_optimizer_state`` still tells Horovod's optimizer from a plain one: rank 0's
+optimizer has state, rank 1's is fresh, and the broadcast must not step Horovod's optimizer on
+rank 1 alone (a collective rank 0 never joins: a hang).
 MODE "two-optimizers": one compressor given to two optimizers: the second is refused as it
 is built, on every rank, with a ValueError naming the first.
 MODE "passes": B uses backward_passes_per_step=2, each pass on half the batch with half the
@@ -90,6 +94,22 @@ if mode.startswith("refuse-") or mode == "process-set":
         say(f"rank {rank}: OK refused: {text[:160]}")
         sys.exit(0)
     check(False, f"{mode}: the step ran; expected a ValueError naming {expected}")
+
+if mode == "broadcast-state":
+    check(hvd.DistributedOptimizer.__module__ == "horovod.torch.optimizer",
+          f"the wrapped DistributedOptimizer's __module__ is {hvd.DistributedOptimizer.__module__}")
+    model = make_model()
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+                                   named_parameters=model.named_parameters())
+    if rank == 0:  # momentum buffers on rank 0 only
+        with opt.skip_synchronize():
+            F.cross_entropy(model(x), y).backward()
+            torch.optim.SGD.step(opt)
+    hvd.broadcast_optimizer_state(opt, root_rank=0)
+    state = opt.state_dict()["state"]
+    check(len(state) == len(list(model.parameters())), f"rank {rank} has state for {len(state)} parameters")
+    say(f"rank {rank}: OK broadcast-state")
+    sys.exit(0)
 
 if mode == "two-optimizers":
     first_model, second_model = make_model(), make_model()
