@@ -49,12 +49,12 @@ from .comm.channel import collective_timeout
 from .comm.control import ProcessGroupControlPlane
 from .comm.process_group import ProcessGroupChannel, timeout_delta
 from .engine import DENSE
-from .horovod.compressor import AccordionCompressor
+from .compressor import Compressor
 
 log = logging.getLogger("accordion_hvd.ddp")
 
 
-def register_ddp_hook(ddp_model, compressor: AccordionCompressor, *, optimizer=None, process_group=None,
+def register_ddp_hook(ddp_model, compressor: Compressor, *, optimizer=None, process_group=None,
                       timeout: float | None = None) -> "DDPHook":
     """Register ``compressor`` as ``ddp_model``'s comm hook; returns the hook.
 
@@ -74,7 +74,7 @@ def register_ddp_hook(ddp_model, compressor: AccordionCompressor, *, optimizer=N
     if not isinstance(ddp_model, DistributedDataParallel):
         raise TypeError(f"ddp_model must be a torch.nn.parallel.DistributedDataParallel, got "
                         f"{type(ddp_model).__name__} (wrap the model in DDP first)")
-    if not isinstance(compressor, AccordionCompressor):
+    if not isinstance(compressor, Compressor):
         raise TypeError(f"compressor must be an acc.AccordionCompressor, got {type(compressor).__name__}")
     if any(p.grad is not None for p in ddp_model.module.parameters()):
         # A backward has run: DDP has averaged that step its own way, and a hook registered now
@@ -108,7 +108,7 @@ class DDPHook:
     """The comm hook (see module doc). ``hook(state, bucket)`` -> a future of the bucket's
     averaged gradients."""
 
-    def __init__(self, compressor: AccordionCompressor, channel: ProcessGroupChannel, names: dict) -> None:
+    def __init__(self, compressor: Compressor, channel: ProcessGroupChannel, names: dict) -> None:
         self.compressor, self.engine, self.channel = compressor, compressor.engine, channel
         self.__name__ = self.__qualname__ = "accordion_hook"  # DDP logs its hooks by name
         self._names = {id(p): (weakref.ref(p), n) for p, n in names.items()}  # no reference kept to the model

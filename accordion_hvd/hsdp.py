@@ -70,7 +70,7 @@ from .comm.channel import collective_timeout
 from .comm.control import ProcessGroupControlPlane
 from .comm.process_group import ProcessGroupChannel, timeout_delta
 from .engine import DENSE, settings
-from .horovod.compressor import AccordionCompressor
+from .compressor import Compressor
 
 log = logging.getLogger("accordion_hvd.hsdp")
 
@@ -92,7 +92,7 @@ class HookedModule:
         self.numel = sum(numel for _, numel in self.sizes)
 
 
-def compress_hsdp(model, compressor: AccordionCompressor, mesh, *, optimizer=None,
+def compress_hsdp(model, compressor: Compressor, mesh, *, optimizer=None,
                   timeout: float | None = None) -> "HSDPHook":
     """Compress ``model``'s cross-node all-reduce with ``compressor``; returns the hook.
 
@@ -108,7 +108,7 @@ def compress_hsdp(model, compressor: AccordionCompressor, mesh, *, optimizer=Non
     """
     import torch.distributed as dist
 
-    if not isinstance(compressor, AccordionCompressor):
+    if not isinstance(compressor, Compressor):
         raise TypeError(f"compressor must be an acc.AccordionCompressor, got {type(compressor).__name__}")
     _check_mesh(mesh)
     world = dist.get_world_size()
@@ -226,7 +226,7 @@ class HSDPHook:
     """One step of the compressed all-reduce (module doc); ``state_dict``/``load_state_dict``
     for ``torch.distributed.checkpoint``."""
 
-    def __init__(self, compressor: AccordionCompressor, channel: ProcessGroupChannel,
+    def __init__(self, compressor: Compressor, channel: ProcessGroupChannel,
                  node_faults: ProcessGroupChannel | None, mesh, buffers: int) -> None:
         import torch.distributed as dist
 

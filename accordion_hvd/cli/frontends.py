@@ -12,7 +12,7 @@ import warnings
 
 import torch
 
-from ..horovod.compressor import AccordionCompressor
+from ..compressor import Compressor
 
 LAUNCHERS = ("horovod", "ddp", "fsdp")
 
@@ -78,7 +78,7 @@ class DDPFrontEnd:
 
         # Broadcasts rank 0's parameters; DDP's default buckets.
         ddp = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
-        if isinstance(compression, AccordionCompressor):
+        if isinstance(compression, Compressor):
             from ..ddp import register_ddp_hook
             register_ddp_hook(ddp, compression, optimizer=opt)
         else:
@@ -134,7 +134,7 @@ class FSDPFrontEnd(DDPFrontEnd):
 
         mesh = init_device_mesh(self.device_type, (self.nodes, self.size // self.nodes),
                                 mesh_dim_names=("replicate", "shard"))
-        ours = isinstance(compression, AccordionCompressor)
+        ours = isinstance(compression, Compressor)
         kwargs = {"mesh": mesh["shard"] if ours else mesh}
         if getattr(compression, "name", None) == "bf16" or (ours and self.reduce_dtype == "bfloat16"):
             kwargs["mp_policy"] = MixedPrecisionPolicy(reduce_dtype=torch.bfloat16)
@@ -154,7 +154,7 @@ class FSDPFrontEnd(DDPFrontEnd):
         return model, opt
 
     def step(self, opt, compression) -> None:
-        if not isinstance(compression, AccordionCompressor):
+        if not isinstance(compression, Compressor):
             compression.count(self.shard_floats)  # FSDP's all-reduce across nodes: this rank's shards
         super().step(opt, compression)
 

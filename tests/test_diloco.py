@@ -1,0 +1,22 @@
+"""``acc.DiLoCo`` (accordion_hvd/diloco.py) under real torchrun jobs, 2 and 3 ranks: round by
+round against a plain-torch DiLoCo, with Quantize's error feedback, as local SGD, a
+non-finite round skipped on every rank, resume bit for bit, bad input refused on every rank
+(tests/workers/diloco_check.py)."""
+
+import pytest
+
+from launch import run_ddp_worker
+
+pytestmark = pytest.mark.torchrun
+
+
+@pytest.mark.parametrize("np", [2, 3])
+def test_rounds_match_plain_diloco_through_a_lossless_codec(np):
+    out = run_ddp_worker("diloco_check.py", "lossless", np=np)
+    assert out.count(": OK lossless") == np, out
+
+
+@pytest.mark.parametrize("mode", ["quantize", "local-sgd", "nonfinite", "resume", "bad-input"])
+def test_diloco(mode):
+    out = run_ddp_worker("diloco_check.py", mode, np=2)
+    assert out.count(f": OK {mode}") == 2, out
