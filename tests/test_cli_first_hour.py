@@ -66,7 +66,7 @@ def smoke_run(tmp_path_factory):
     """One short 2-rank run, as a user's first: detection every 10 steps, --max-steps 30 of
     2 epochs' 44, progress bar on, figures written. Shared by the tests below (one job)."""
     logdir = tmp_path_factory.mktemp("smoke")
-    out = run_module("accordion_hvd.train", "--critical-rank", "4", "--interval", "10", "--epochs", "2",
+    out = run_module("accordion_hvd.train", "--codec", "powersgd", "--critical-rank", "4", "--interval", "10", "--epochs", "2",
                      "--max-steps", "30", "--logdir", str(logdir), np=2, backend="gloo")
     return out, logdir
 
@@ -103,7 +103,7 @@ def test_each_figure_is_announced_once_on_rank_0(smoke_run):
 def test_batch_mode_with_step_windows_and_max_steps(tmp_path):
     """--batch-mode with --interval: no epoch_end() warning from either controller (the
     compressor's or the batch size's), and with --max-steps the bar counts the steps to it."""
-    out = run_module("accordion_hvd.train", "--critical-rank", "4", "--batch-mode", "--interval", "10",
+    out = run_module("accordion_hvd.train", "--codec", "powersgd", "--critical-rank", "4", "--batch-mode", "--interval", "10",
                      "--epochs", "2", "--max-steps", "15", np=2, backend="gloo")
     assert "stopped after 15 optimizer steps" in out and "epoch_end() ignored" not in out, out
     counts = _bar_counts(out)

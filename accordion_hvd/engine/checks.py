@@ -20,7 +20,7 @@ def resolve(codec, policy: Any, eta: float, interval: int | None):
     if isinstance(codec, type):  # acc.PowerSGD rather than acc.PowerSGD(...): say so, not "no exchange"
         raise TypeError(f"codec must be a codec instance, got the class {codec.__name__} "
                         f"itself; pass an instance, e.g. acc.{codec.__name__}(...) "
-                        f"(acc.PowerSGD(rank=1), acc.TopK(ratio=0.01), acc.Quantize(bits=8)), or no codec for the default")
+                        f"(acc.PowerSGD(rank=1), acc.TopK(ratio=0.01)), or no codec for the default")
     if codec is None:
         codec = default_codec()
         policy = "link-gate" if policy is None else policy
