@@ -112,3 +112,11 @@ def test_a_rank_that_dies_mid_step_stops_every_other_rank_naming_it():
     assert "step 3 done" not in out, out  # no rank completed the step the dead one left
     assert re.search(r"rank\s*:\s*3 \(local_rank: 3\)", out) and "exitcode  : 17" in out, out
     assert elapsed < 20 + 60, f"the job took {elapsed:.0f} s to end after a rank died"
+
+
+def test_a_plain_script_hears_each_level_line_once_not_once_per_shard_group():
+    """Without logging configured the level lines go to stderr: from global rank 0 only
+    (each shard group's data plane has a rank 0 of its own; with both speaking: 2 lines)."""
+    out = run_ddp_worker("hsdp_speaker_check.py", np=4, timeout=300)
+    assert out.count(": OK speaker") == 4, out
+    assert out.count("accordion_hvd.levels: after step") == 1, out
