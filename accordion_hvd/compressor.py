@@ -95,7 +95,8 @@ class Compressor:
         learning rates the policy reads (if given), and whether this rank logs for the job
         (``speaks``; default: rank 0 of the data plane)."""
         self.serve(owner)
-        self.engine.use_planes(channel, control)
+        if channel is not None:  # else the default planes (comm/planes.py: Horovod's world)
+            self.engine.use_planes(channel, control)
         self.engine.speaks_for_job = speaks
         if optimizer is not None:
             self.engine.lrs.watch(optimizer)

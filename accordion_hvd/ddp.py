@@ -46,9 +46,9 @@ import weakref
 import torch
 
 from .comm.channel import collective_timeout
-from .comm.control import ProcessGroupControlPlane
-from .comm.process_group import ProcessGroupChannel, timeout_delta
-from .engine import DENSE
+from .comm.control import new_control_plane
+from .comm.process_group import ProcessGroupChannel, new_channel
+from .buffered_step import BufferedStep
 from .compressor import Compressor
 
 log = logging.getLogger("accordion_hvd.ddp")
@@ -88,16 +88,9 @@ def register_ddp_hook(ddp_model, compressor: Compressor, *, optimizer=None, proc
         raise ValueError(f"process_group has ranks {dist.get_process_group_ranks(process_group)}, but the model "
                          f"communicates in ranks {ranks}; pass the model's own group or none")
     timeout = collective_timeout(timeout)
-    delta = timeout_delta(timeout)
-    backend = dist.get_backend(group)
     # New groups are collective calls: every rank makes them here, in the same order.
-    data = dist.new_group(ranks, timeout=delta, backend=backend)
-    q_lane = dist.new_group(ranks, timeout=delta, backend=backend)
-    control = dist.new_group(ranks, timeout=delta, backend="gloo")
-    rank, size = group.rank(), group.size()
-    channel = ProcessGroupChannel(data, rank, size, timeout, lanes={"q": q_lane})
-    compressor.bind(ddp_model, channel=channel, control=ProcessGroupControlPlane(control, rank, size, timeout),
-                    optimizer=optimizer)
+    channel = new_channel(ranks, timeout, dist.get_backend(group), lanes=("q",))
+    compressor.bind(ddp_model, channel=channel, control=new_control_plane(ranks, timeout), optimizer=optimizer)
     hook = DDPHook(compressor, channel, {p: n for n, p in ddp_model.module.named_parameters()})
     ddp_model.register_comm_hook(None, hook)
     hook.attach(ddp_model)
@@ -110,11 +103,11 @@ class DDPHook:
 
     def __init__(self, compressor: Compressor, channel: ProcessGroupChannel, names: dict) -> None:
         self.compressor, self.engine, self.channel = compressor, compressor.engine, channel
+        self.step = BufferedStep(self.engine, "acc.ddp")
         self.__name__ = self.__qualname__ = "accordion_hook"  # DDP logs its hooks by name
         self._names = {id(p): (weakref.ref(p), n) for p, n in names.items()}  # no reference kept to the model
         self._unknown_warned: set[tuple] = set()
-        self._buckets: list = []  # this step, per bucket: (future, buffer, entries, handles of its averages by dtype)
-        self._whole: list = []    # this step, once settled, per bucket: (future, buffer, key, handle of its average)
+        self._futures: list = []  # this step, per bucket: (future, buffer)
         self._early: dict[int, tuple] = {}  # this step: id(param) -> the engine's (out, route) for it
         self._armed = False  # a forward that synchronizes ran: DDP will call the hook this backward
         self._handles: list = []
@@ -141,42 +134,30 @@ class DDPHook:
             return  # DDP's bucket brings it to the comm hook
         if self.engine.settled_dense:
             return  # the bucket goes whole (_whole_bucket)
-        self._early[id(param)] = self.engine.add(name, param.grad)
+        self._early[id(param)] = self.engine.add(name, param.grad)  # (out, route): the bucket's step.took
 
     def __call__(self, state, bucket):  # no annotations: DDP compares them to its own types
         future: torch.futures.Future = torch.futures.Future()
         if self.engine.settled_dense and not self._early:  # (the same on every rank, all step long)
-            return self._whole_bucket(bucket, future)
-        entries, dense = [], {}  # dense: dtype -> the tensors averaged as they are, one collective per dtype
-
-        def average(tensor):
-            group = dense.setdefault(tensor.dtype, [])
-            group.append(tensor)
-            return tensor.dtype, len(group) - 1
-
-        for param, grad in zip(bucket.parameters(), bucket.gradients()):
-            ref, name = self._names.get(id(param), (None, None))
-            if ref is None or ref() is not param:  # not the model's at registration: averaged as it is
-                self._warn_unknown(bucket.index(), param)
-                entries.append((grad, None, average(grad)))
-                continue
-            if id(param) not in self._early:  # no accumulated gradient this step, or not armed
-                self._early[id(param)] = self.engine.add(name, grad)
-            else:  # came early: its result straight into DDP's bucket if the codec can, not copied there
-                self.engine.write_result_into(name, grad)  # in _finish_step (the values there are not read)
-            out, route = self._early[id(param)]
-            # a layer sent whole (float16 at DENSE16: its own collective, not promoted to float32)
-            entries.append((grad, (route, name), average(out) if route == DENSE else None))
-        # every rank has the same dtypes here (levels agree): issued in the same order everywhere
-        handles = {dtype: self.channel.allreduce_mean_async(
-            tensors, name=f"acc.ddp.dense.b{bucket.index()}.{str(dtype).removeprefix('torch.')}.{len(tensors)}")
-            for dtype, tensors in sorted(dense.items(), key=lambda item: str(item[0]))}
-        self._buckets.append((future, bucket.buffer(), entries, handles))
+            self._whole_bucket(bucket)
+        else:
+            for param, grad in zip(bucket.parameters(), bucket.gradients()):
+                ref, name = self._names.get(id(param), (None, None))
+                if ref is None or ref() is not param:  # not the model's at registration: averaged as it is
+                    self._warn_unknown(bucket.index(), param)
+                    self.step.add_as_is(grad, grad)
+                elif id(param) not in self._early:  # no accumulated gradient this step, or not armed
+                    self.step.add(name, grad, grad)
+                else:  # came early: its result straight into DDP's bucket if the codec can, not copied there
+                    self.engine.write_result_into(name, grad)  # in finish (the values there are not read)
+                    self.step.took(name, *self._early[id(param)], grad)
+            self.step.send(f"b{bucket.index()}")
+        self._futures.append((future, bucket.buffer()))
         if bucket.is_last():
             self._finish_step()
         return future
 
-    def _whole_bucket(self, bucket, future):
+    def _whole_bucket(self, bucket) -> None:
         """Once the policy settled every layer at 16-bit dense for good (the default's link
         gate, where compression does not pay): DDP's bucket whole, one float16 average with
         the bucket's own error feedback (engine/whole.py), none of the per-layer host work."""
@@ -188,35 +169,18 @@ class DDPHook:
                 name = f"<bucket {bucket.index()} parameter {i}>"
             layers.append((name, grad.numel()))
         key = f"ddp:bucket{bucket.index()}"
-        half = self.engine.add_whole(key, bucket.buffer(), layers)
-        handle = self.channel.allreduce_mean_async([half], name=f"acc.ddp.whole.b{bucket.index()}")
-        self._whole.append((future, bucket.buffer(), key, handle))
-        if bucket.is_last():
-            self._finish_step()
-        return future
+        self.step.send_whole(key, bucket.buffer(), self.engine.add_whole(key, bucket.buffer(), layers), None)
 
     def _finish_step(self) -> None:
-        """Every bucket is in: wait for the averages, finish every layer and end the engine's
-        step, then write the results into DDP's buckets."""
-        buckets, whole, self._buckets, self._whole = self._buckets, self._whole, [], []
+        """Every bucket is in: finish the step (buffered_step.py), then write the results into
+        DDP's buckets and complete every future."""
+        futures, self._futures = self._futures, []
         self._early, self._armed = {}, False
-        for _, buffer, key, handle in whole:
-            self.engine.finish_whole(key, buffer, self.channel.wait(handle)[0])
-        results = []
-        for _, _, entries, handles in buckets:
-            averages = {dtype: self.channel.wait(handle) for dtype, handle in handles.items()}
-            for grad, ctx, where in entries:
-                if ctx is None:
-                    results.append((grad, averages[where[0]][where[1]]))
-                else:
-                    route, name = ctx
-                    results.append((grad, self.engine.finish(route, name, None if where is None
-                                                             else averages[where[0]][where[1]])))
-        self.engine.end_step()
+        results, _ = self.step.finish()
         for grad, result in results:  # after end_step: a skipped step zeroed its results
             if result.data_ptr() != grad.data_ptr():
                 grad.copy_(result.view_as(grad))
-        for future, buffer, _, _ in buckets + whole:
+        for future, buffer in futures:
             future.set_result(buffer)
 
     def _warn_unknown(self, index: int, param: torch.Tensor) -> None:

@@ -68,8 +68,9 @@ import torch
 from . import ops
 from .comm.channel import collective_timeout
 from .comm.control import ProcessGroupControlPlane
-from .comm.process_group import ProcessGroupChannel, timeout_delta
-from .engine import DENSE, settings
+from .comm.process_group import ProcessGroupChannel, new_channel, timeout_delta
+from .engine import settings
+from .buffered_step import BufferedStep
 from .compressor import Compressor
 
 log = logging.getLogger("accordion_hvd.hsdp")
@@ -116,26 +117,17 @@ def compress_hsdp(model, compressor: Compressor, mesh, *, optimizer=None,
         raise ValueError(f"mesh must span every rank of the job ({world}), got {mesh.mesh.numel()} ranks")
     groups = _fsdp_groups(model, mesh)
     timeout = collective_timeout(timeout)
-    delta = timeout_delta(timeout)
     # Every rank makes every group, in the same order (new_group is collective).
-    control_group = dist.new_group(list(range(world)), timeout=delta, backend="gloo")
+    control_group = dist.new_group(list(range(world)), timeout=timeout_delta(timeout), backend="gloo")
     control = ProcessGroupControlPlane(control_group, dist.get_rank(), world, timeout)
     _agree(control_group, model, compressor, mesh, timeout)
     backend = dist.get_backend(mesh.get_group("replicate"))
-    shard_index = mesh.get_local_rank("shard")
-    mine = None
+    channel = node_faults = None
     for column in mesh.mesh.transpose(0, 1).tolist():  # one replicate group per shard index
         # the data, PowerSGD's Q rounds and the uncompressed layers' round: lanes that pair apart
-        made = [dist.new_group(column, timeout=delta, backend=backend) for _ in range(3)]
-        if column == mesh.mesh[:, shard_index].tolist():
-            mine = made
-    channel = ProcessGroupChannel(mine[0], mesh.get_local_rank("replicate"), mesh.size(0), timeout,
-                                  lanes={"q": mine[1], "dense": mine[2]})
-    node_faults = None
+        channel = new_channel(column, timeout, backend, lanes=("q", "dense")) or channel
     for row in mesh.mesh.tolist():  # one shard group per node: the step's fault flag, inside the node
-        made = dist.new_group(row, timeout=delta, backend=backend)
-        if row == mesh.mesh[mesh.get_local_rank("replicate")].tolist():
-            node_faults = ProcessGroupChannel(made, shard_index, mesh.size(1), timeout)
+        node_faults = new_channel(row, timeout, backend) or node_faults
     compressor.bind(model, channel=channel, control=control, optimizer=optimizer,
                     speaks=dist.get_rank() == 0)  # each shard group's data plane has a rank 0: one speaks
     hook = HSDPHook(compressor, channel, node_faults if mesh.size(1) > 1 else None, mesh,
@@ -231,14 +223,12 @@ class HSDPHook:
         import torch.distributed as dist
 
         self.compressor, self.engine, self.channel = compressor, compressor.engine, channel
+        self.step = BufferedStep(self.engine, "acc.hsdp")
         self.node_faults = node_faults  # this node's shard group; None with one shard group
         self.mesh_key = "x".join(map(str, mesh.shape))  # replicate x shard
         self.rank_key = f"accordion.{self.mesh_key}.rank{dist.get_rank()}"
-        # this step: (view, name, route, (hook call, dtype, index) or None, the FSDPParam whose
-        # gradient takes the result where FSDP casts, else None)
-        self._entries: list[tuple] = []
-        self._dense: list[dict] = []     # this step, per hook call: dtype -> handle of its average
-        self._whole: list[tuple] | None = None  # this step, once settled: (HookedModule, buffer, handle) per hook call
+        self._calls = 0  # this step: hook calls so far
+        self._whole = False  # this step: settled, the buffers go whole (the same on every rank)
         self._buffers = buffers  # hook calls with parameters to reduce in a step where every module takes part
         self._verdict_sent = False  # this step: the node's fault verdict went out in the last buffer
         self._queued = False
@@ -253,29 +243,20 @@ class HSDPHook:
         if not self._queued:
             torch.autograd.Variable._execution_engine.queue_callback(self._finish_step)
             self._queued = True
-            self._whole = [] if self.engine.settled_dense else None  # (the same on every rank)
+            self._whole = self.engine.settled_dense
         if reduce_output.numel() != module.numel or not reduce_output.is_contiguous():
             raise RuntimeError(f"compress_hsdp: FSDP's reduce-scatter output has {reduce_output.numel()} elements, "
                                f"its parameters {module.numel}: a layout this front end does not know")
         self._check_fresh(reduce_output, layout)
-        if self._whole is not None:
+        if self._whole:
             if layout:
                 self._send_whole(reduce_output, module)
             return
-        dense: dict[torch.dtype, list[torch.Tensor]] = {}
-        call = len(self._dense)
         for name, fsdp_param, view in self._shards(reduce_output, layout):
-            out, route = self.engine.add(name, view, uncompressed_here=True)
-            where = None
-            if route == DENSE:
-                tensors = dense.setdefault(out.dtype, [])
-                tensors.append(out)
-                where = (call, out.dtype, len(tensors) - 1)
-            self._entries.append((view, name, route, where, fsdp_param if module.cast else None))
-        # every rank of the group issues the same averages in the same order (levels agree)
-        self._dense.append({dtype: self.channel.allreduce_mean_async(
-            tensors, name=f"acc.hsdp.dense.{call}.{str(dtype).removeprefix('torch.')}.{len(tensors)}")
-            for dtype, tensors in sorted(dense.items(), key=lambda item: str(item[0]))})
+            # the result goes into the gradient FSDP casts from the buffer, or into the buffer
+            self.step.add(name, view, (view, name, fsdp_param if module.cast else None), uncompressed_here=True)
+        self.step.send(str(self._calls))  # every rank of the group: the same averages, in the same order
+        self._calls += 1
 
     @staticmethod
     def _shards(reduce_output: torch.Tensor, layout: list[tuple]):
@@ -306,10 +287,9 @@ class HSDPHook:
         average (engine/whole.py), as FSDP's own all-reduce would send it: a float32 buffer in
         float16 with its rounding kept in error feedback, a bfloat16 one as it is."""
         half = self.engine.add_whole(module.key, reduce_output, module.sizes)
-        if self.node_faults is not None and len(self._whole) + 1 == self._buffers:
+        if self.node_faults is not None and self.step.sent_whole + 1 == self._buffers:
             self._send_node_verdict(half)
-        handle = self.channel.allreduce_mean_async([half], name=f"acc.hsdp.whole.{len(self._whole)}")
-        self._whole.append((module, reduce_output, handle))
+        self.step.send_whole(module.key, reduce_output, half, (module, reduce_output))
 
     def _send_node_verdict(self, half: torch.Tensor) -> None:
         """The step's last buffer carries the node's fault verdict across nodes: NaN if any
@@ -319,35 +299,25 @@ class HSDPHook:
         node reaches every rank of each shard group), and the end of the step needs no
         agreement inside the node (``_agree_faults``). On the settled route only: the
         per-layer route's layers take routes that carry no such poison."""
-        bad = self.engine.faults.local_bad()
+        bad = self.engine.local_fault()
         flag = torch.zeros((), device=half.device) if bad is None else bad.to(torch.float32)
         node_bad = self.node_faults.wait(self.node_faults.allreduce_mean_async([flag], name="acc.hsdp.fault.node"))[0]
         ops.fill_if_([half], node_bad > 0, float("nan"))
         self._verdict_sent = True
 
     def _finish_step(self) -> None:
-        """The end of backward: collect, agree on faults, end the step, write the results."""
-        entries, dense, self._entries, self._dense, self._queued = self._entries, self._dense, [], [], False
-        whole, self._whole = self._whole or [], None
-        verdict_sent, self._verdict_sent = self._verdict_sent, False
-        for module, buffer, handle in whole:
-            self.engine.finish_whole(module.key, buffer, self.channel.wait(handle)[0])
-        averages = [{dtype: self.channel.wait(handle) for dtype, handle in handles.items()} for handles in dense]
-        results = []
-        for view, name, route, where, target in entries:
-            average = None if where is None else averages[where[0]][where[1]][where[2]]
-            results.append((view, self.engine.finish(route, name, average), name, target))
-        if self.node_faults is not None and not verdict_sent:
-            device = (results[0][1].device if results else whole[0][1].device if whole else torch.device("cpu"))
-            self._agree_faults(device)
-        self.engine.end_step()
+        """The end of backward: finish the step (agreeing on faults inside the node unless the
+        last buffer carried them), then write the results (module doc)."""
+        agree = self.node_faults is not None and not self._verdict_sent
+        self._queued, self._verdict_sent, self._calls, self._whole = False, False, 0, False
+        results, wholes = self.step.finish(self._agree_faults if agree else None)
         # after end_step: a skipped step zeroed its results
-        for view, result, name, target in results:
+        for (view, name, target), result in results:
             if target is not None:
                 self._write_grad(name, target, result.view_as(view))
             elif result.data_ptr() != view.data_ptr():
                 view.copy_(result.view_as(view))
-        for module, buffer, _ in whole:
+        for module, buffer in wholes:
             if module.cast:
                 for name, fsdp_param, view in self._shards(buffer, module.layout):
                     self._write_grad(name, fsdp_param, view)
@@ -369,10 +339,10 @@ class HSDPHook:
         every rank of the group), and every node holds one rank of each shard group: so one
         reduction inside the node, over its shard group, gives every rank the answer, without
         a collective across the slow link. The flag stays on the device (no host read)."""
-        bad = self.engine.faults.bad
+        bad = self.engine.step_fault()
         flag = (torch.zeros((), device=device) if bad is None else bad.to(device=device, dtype=torch.float32))
         handle = self.node_faults.allreduce_mean_async([flag], name="acc.hsdp.fault")
-        self.engine.faults.seen(self.node_faults.wait(handle)[0] > 0)
+        self.engine.saw_fault(self.node_faults.wait(handle)[0] > 0)
 
     # --- torch.distributed.checkpoint --------------------------------------------------------
     def state_dict(self) -> dict:

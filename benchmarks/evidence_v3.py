@@ -17,8 +17,9 @@ runs with ``--target`` and ``--time-cap``. Every run happens on 2 emulated nodes
 Which cells are measured at which rate, and which are computed from the 100 Mbit/s
 trajectory and a measured step time, is the protocol's (its "Cells" table); this runner only
 runs what it is asked to and refuses a method the protocol does not run at a setting. The
-methods the protocol names but the CLI cannot run yet (``torch-localsgd``, ``diloco-*``) join
-here with their code, before their runs. Run it from a checkout nobody edits while it runs
+periodic methods run under torchrun with the CLI's ``--sync`` (cli/periodic.py); DiLoCo's H for
+``diloco-paper`` and ``diloco-h-ours`` comes from the pilot (``pilot-diloco-h16/64/256``, seed 3,
+100 Mbit/s, the standard schedule) through the protocol's amendment into ``DILOCO_H``. Run it from a checkout nobody edits while it runs
 (time_to_quality.py's docstring says how): each run records its commit.
 """
 
@@ -60,7 +61,29 @@ METHODS = {  # name -> (launcher, CLI arguments), the protocol's table
     "quantize-accordion": ("horovod", ["--codec", "quantize", "--bits", "8", "--critical-bits", "16",
                                        "--policy", "accordion", "--interval", "100"]),
     "batch-accordion": ("horovod", ["--codec", "none", "--batch-mode", "--large-passes", "8"]),
+    "torch-localsgd": ("ddp", ["--launcher", "ddp", "--codec", "none", "--sync", "torch-localsgd", "--sync-every", "4",
+                               "--localsgd-warmup", "100"]),
+    "diloco-auto": ("ddp", ["--launcher", "ddp", "--codec", "default", "--interval", "100", "--sync", "diloco",
+                            "--sync-every", "auto"]),
+    "diloco-paper": ("ddp", []),   # (arguments: method_args_of, with the pilot's H)
+    "diloco-h-ours": ("ddp", []),
 }
+# DiLoCo's H per task, from the pilot: the protocol's amendment names it; until then the two
+# methods that use it (their arguments made in method_args) refuse to run.
+DILOCO_H: dict[str, int] = {}
+PILOT_H = (16, 64, 256)
+WITH_H = ("diloco-paper", "diloco-h-ours")
+
+
+def diloco_args(h: int, ours: bool) -> list[str]:
+    return ["--launcher", "ddp", "--codec", "default" if ours else "none", *(["--interval", "100"] if ours else []),
+            "--sync", "diloco", "--sync-every", str(h)]
+
+
+# The pilot (seed 3 only, the standard schedule, never scored): diloco-paper at each H, and
+# diloco-auto to fix its ladder.
+PILOTS = {f"pilot-diloco-h{h}": ("ddp", diloco_args(h, ours=False)) for h in PILOT_H}
+PILOTS["pilot-diloco-auto"] = METHODS["diloco-auto"]
 BASELINES = ("hvd-fp16", "ddp-fp16")
 # The protocol's cells: where a method runs (the others' figures at 10 Mbit/s and 1 Gbit/s
 # are computed from their 100 Mbit/s runs); the 1 Gbit/s check of the faster baseline is seed 0 only.
@@ -73,6 +96,8 @@ def run_dir(setting: str, method: str, seed: int) -> Path:
 
 def runs_at(setting: str, method: str) -> bool:
     rate = SETTINGS[setting][1]
+    if method in PILOTS:
+        return rate == "100mbit"
     return rate == "100mbit" or method in MEASURED_EVERYWHERE or (rate == "1gbit" and method in BASELINES)
 
 
@@ -114,10 +139,10 @@ def frozen_setting(setting: str) -> dict | None:
 
 def one_run(cluster: Cluster, setting: str, method: str, seed: int, timeout: float) -> dict:
     task, rate = SETTINGS[setting]
-    launcher, method_args = METHODS[method]
+    launcher, method_args = method_args_of(method, task)
     where = run_dir(setting, method, seed)
     extra = []
-    if method not in BASELINES:
+    if method not in BASELINES and method not in PILOTS:  # a pilot runs the standard schedule, no target
         frozen = frozen_setting(setting)
         extra = ["--target", f"{frozen['target_perplexity']:.6f}", "--time-cap", f"{frozen['cap_s']:.1f}"]
     with tempfile.TemporaryDirectory() as tmp:
@@ -148,9 +173,18 @@ def one_run(cluster: Cluster, setting: str, method: str, seed: int, timeout: flo
     return record
 
 
+def method_args_of(method: str, task: str) -> tuple[str, list[str]]:
+    """(launcher, CLI arguments) of a method or pilot on ``task``."""
+    if method in WITH_H:
+        if task not in DILOCO_H:
+            raise SystemExit(f"{method}: DiLoCo's H for {task} is not fixed yet (the pilot's amendment sets DILOCO_H)")
+        return "ddp", diloco_args(DILOCO_H[task], ours=method == "diloco-h-ours")
+    return METHODS[method] if method in METHODS else PILOTS[method]
+
+
 def run_all(setting: str, methods: list[str], seeds: tuple[int, ...], timeout: float, max_runs: int | None) -> None:
-    if any(m not in BASELINES for m in methods) and frozen_setting(setting) is None:
-        methods = [m for m in methods if m in BASELINES]
+    if any(m not in BASELINES and m not in PILOTS for m in methods) and frozen_setting(setting) is None:
+        methods = [m for m in methods if m in BASELINES or m in PILOTS]
         print(f"{setting}: the baselines' runs are not all done: running only {methods} now", flush=True)
     todo = [(m, s) for s in seeds for m in methods if not (run_dir(setting, m, s) / "run.json").exists()]
     todo = todo[:max_runs] if max_runs else todo
@@ -193,9 +227,13 @@ def main() -> None:
     if args.setting is None:
         p.error("--setting is required unless --status")
     methods = [m.strip() for m in args.methods.split(",") if m.strip()] if args.methods else list(METHODS)
-    unknown = sorted(set(methods) - set(METHODS))
+    unknown = sorted(set(methods) - set(METHODS) - set(PILOTS))
     if unknown:
-        p.error(f"--methods: {unknown} unknown; the methods are {list(METHODS)}")
+        p.error(f"--methods: {unknown} unknown; the methods are {list(METHODS)}, the pilots {list(PILOTS)}")
+    pilots = [m for m in methods if m in PILOTS]
+    if pilots and (set(methods) - set(PILOTS) or args.seeds != str(PILOT_SEED)
+                   or SETTINGS[args.setting][1] != "100mbit"):
+        p.error(f"the pilots run alone, on --seeds {PILOT_SEED}, at 100 Mbit/s (the protocol)")
     elsewhere = [m for m in methods if not runs_at(args.setting, m)]
     if elsewhere:
         p.error(f"--methods: {elsewhere} run at 100 Mbit/s only (the protocol computes {args.setting} from them)")

@@ -5,18 +5,27 @@ non-finite round skipped on every rank, resume bit for bit, bad input refused on
 
 import pytest
 
-from launch import run_ddp_worker
-
-pytestmark = pytest.mark.torchrun
+from launch import run_ddp_worker, run_worker
 
 
+@pytest.mark.torchrun
 @pytest.mark.parametrize("np", [2, 3])
 def test_rounds_match_plain_diloco_through_a_lossless_codec(np):
     out = run_ddp_worker("diloco_check.py", "lossless", np=np)
     assert out.count(": OK lossless") == np, out
 
 
-@pytest.mark.parametrize("mode", ["quantize", "local-sgd", "nonfinite", "resume", "bad-input"])
+@pytest.mark.torchrun
+@pytest.mark.parametrize("mode", ["quantize", "local-sgd", "nonfinite", "resume", "bad-input", "auto"])
 def test_diloco(mode):
     out = run_ddp_worker("diloco_check.py", mode, np=2)
     assert out.count(f": OK {mode}") == 2, out
+
+
+@pytest.mark.horovod
+@pytest.mark.parametrize("mode,np", [("lossless", 2), ("lossless", 3), ("auto", 2), ("nonfinite", 2)])
+def test_diloco_under_horovodrun(mode, np):
+    """The same checks under horovodrun: DiLoCo on the compressor's default planes over
+    Horovod's world (no torch.distributed)."""
+    out = run_worker("diloco_check.py", mode, "horovod", np=np)
+    assert out.count(f": OK {mode}") == np, out

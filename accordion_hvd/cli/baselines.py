@@ -30,6 +30,7 @@ class Uncompressed(HorovodCompressor):
         self.seconds = {"compress": 0.0, "comm": 0.0}
         self.step_skipped = False
         self._floats = 0
+        self._dense = 0  # what a dense step each time would have sent (the periodic front ends send less)
 
     def __repr__(self) -> str:
         return f"uncompressed ({self.kind})"
@@ -38,9 +39,11 @@ class Uncompressed(HorovodCompressor):
     def name(self) -> str:
         return self.kind
 
-    def count(self, floats: int) -> None:
-        """Floats a front end without a per-gradient call (FSDP) sent this step."""
+    def count(self, floats: int, dense: int | None = None) -> None:
+        """Floats a front end without a per-gradient call (FSDP, the periodic ones) sent this
+        step; ``dense``: what a dense step would have sent (default: as many)."""
         self._floats += floats
+        self._dense += floats if dense is None else dense
 
     @property
     def _horovod(self):
@@ -49,7 +52,7 @@ class Uncompressed(HorovodCompressor):
         return hvd.Compression.fp16 if self.kind == "fp16" else hvd.Compression.none
 
     def compress(self, tensor: torch.Tensor):  # Horovod's DistributedOptimizer calls these two
-        self._floats += tensor.numel()
+        self.count(tensor.numel())
         return self._horovod.compress(tensor)
 
     def decompress(self, tensor: torch.Tensor, ctx):
@@ -62,21 +65,22 @@ class Uncompressed(HorovodCompressor):
         inner = default_hooks.fp16_compress_hook if self.kind == "fp16" else default_hooks.allreduce_hook
 
         def hook(state, bucket):
-            self._floats += bucket.buffer().numel()
+            self.count(bucket.buffer().numel())
             return inner(state, bucket)
         return hook
 
     def stats(self) -> dict:
-        return {"floats_sent": self._floats, "floats_dense": self._floats, "layers": {}}
+        return {"floats_sent": self._floats, "floats_dense": self._dense, "layers": {}}
 
     def epoch_end(self) -> None:
         pass
 
     def state_dict(self) -> dict:
-        return {"format": _STATE_FORMAT, "kind": self.kind, "floats": self._floats}
+        return {"format": _STATE_FORMAT, "kind": self.kind, "floats": self._floats, "dense": self._dense}
 
     def load_state_dict(self, state: dict, error_feedback: bool = True) -> None:  # none to keep
         if not isinstance(state, dict) or state.get("format") != _STATE_FORMAT or state.get("kind") != self.kind:
             found = state.get("kind", state.get("format")) if isinstance(state, dict) else type(state).__name__
             raise ValueError(f"the checkpoint's compression is {found!r}, this run's is uncompressed {self.kind!r}")
         self._floats = int(state["floats"])
+        self._dense = int(state.get("dense", self._floats))  # (checkpoints from before it: as many)

@@ -33,7 +33,8 @@ def save_checkpoint(path: Path, front, epoch: int, step: int, model, opt, compre
         return _save_sharded(path, front, epoch, step, model, opt, compression)
     state = {"epoch": epoch, "step": step, "world_size": front.size, "model": model.state_dict(),
              "optimizer": opt.state_dict(), "compression": compression.state_dict(),
-             "batch": batch.state_dict() if batch is not None else None, "rng": _rng_state()}
+             "batch": batch.state_dict() if batch is not None else None, "rng": _rng_state(),
+             "sync": front.sync_state()}
     target = checkpoint_path(path, front.rank)
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = target.with_name(target.name + ".tmp")
@@ -78,6 +79,14 @@ def load_checkpoint(path: Path, front, model, opt, compression, batch, device: t
         compression.load_state_dict(state.get("compression"), error_feedback=same_world)
     except ValueError as exc:
         raise SystemExit(f"--resume {path}: {exc}") from None
+    if (state.get("sync") is None) != (front.sync_state() is None):
+        raise SystemExit(f"--resume {path}: saved {'with' if state.get('sync') is not None else 'without'} "
+                         f"periodic synchronisation (--sync), this run is {front.name}'s: resume with the same --sync")
+    if state.get("sync") is not None:  # DiLoCo's outer loop: start-of-round parameters, outer momentum, interval
+        try:
+            front.load_sync_state(state["sync"])
+        except ValueError as exc:
+            raise SystemExit(f"--resume {path}: {exc}") from None
     if batch is not None:
         if state.get("batch") is None:
             raise SystemExit(f"--resume {path}: that run had no --batch-mode")

@@ -3,10 +3,13 @@
 loop (cli/train.py) sees only this face: ``name``, ``label`` (for the log), ``rank``, ``size``,
 ``local_rank``, ``wrap`` (the model and optimizer with the compression on), ``step`` (apply the
 averaged gradients unless the compression skipped the step), ``sum`` (a small reduction for the
-evaluation), ``close``."""
+evaluation), ``close``; and, for the periodic ones (cli/periodic.py, ``--sync``), what they
+change: ``evaluating()`` (the model every rank evaluates), ``record()`` (steps.csv's extra
+columns), ``sync_state()``/``load_sync_state()`` (their part of a checkpoint)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import warnings
 
@@ -17,7 +20,26 @@ from ..compressor import Compressor
 LAUNCHERS = ("horovod", "ddp", "fsdp")
 
 
-class HorovodFrontEnd:
+class FrontEnd:
+    """What every front end shares: the face's parts only the periodic ones change."""
+
+    def evaluating(self):
+        """A context in which the model is the one every rank evaluates (here: as it is)."""
+        return contextlib.nullcontext()
+
+    def record(self) -> dict:
+        """Extra columns of this step's steps.csv row."""
+        return {}
+
+    def sync_state(self):
+        """The front end's own part of a checkpoint (None: nothing)."""
+        return None
+
+    def load_sync_state(self, state) -> None:
+        pass
+
+
+class HorovodFrontEnd(FrontEnd):
     """``hvd.DistributedOptimizer`` with the compression as its ``compression=``."""
 
     name = "horovod"
@@ -56,7 +78,7 @@ class HorovodFrontEnd:
         pass
 
 
-class DDPFrontEnd:
+class DDPFrontEnd(FrontEnd):
     """``DistributedDataParallel`` with the compression as its comm hook (Gloo for CPU
     training, NCCL for GPUs)."""
 
@@ -159,10 +181,17 @@ class FSDPFrontEnd(DDPFrontEnd):
         super().step(opt, compression)
 
 
-def make_front_end(launcher: str, device_type: str, ours: bool = False, nodes: int | None = None,
-                   reduce_dtype: str | None = None):
-    """``ours``: the job compresses with AccordionCompressor (no gradient through Horovod's
-    loop, so Horovod's cycle is made long: comm/horovod.py ``quiet_horovod_cycle``)."""
-    if launcher == "fsdp":
-        return FSDPFrontEnd(device_type, nodes, reduce_dtype)
-    return HorovodFrontEnd(quiet_cycle=ours) if launcher == "horovod" else DDPFrontEnd(device_type)
+def make_front_end(args, device_type: str, ours: bool = False):
+    """The front end of the CLI's ``args`` (``--launcher``, ``--sync``; ``--nodes`` and
+    ``--reduce-dtype`` for fsdp). ``ours``: the job compresses with AccordionCompressor (no
+    gradient through Horovod's loop, so Horovod's cycle is made long: comm/horovod.py
+    ``quiet_horovod_cycle``)."""
+    if args.sync != "every-step":  # under torchrun (options.py refuses other launchers)
+        from .periodic import DiLoCoFrontEnd, TorchLocalSGDFrontEnd
+
+        if args.sync == "diloco":
+            return DiLoCoFrontEnd(device_type, args.sync_every, args.outer_lr, args.outer_momentum)
+        return TorchLocalSGDFrontEnd(device_type, args.sync_every, args.localsgd_warmup)
+    if args.launcher == "fsdp":
+        return FSDPFrontEnd(device_type, args.nodes, args.reduce_dtype)
+    return HorovodFrontEnd(quiet_cycle=ours) if args.launcher == "horovod" else DDPFrontEnd(device_type)

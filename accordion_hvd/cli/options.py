@@ -60,6 +60,54 @@ def low_rate_policy(args, name):
     return LinkGate(accordion) if name == "link-gate" else accordion
 
 
+def _interval(text: str):
+    if text == "auto":
+        return text
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be auto or a positive number of steps, got {text!r}")
+    return value
+
+
+def _check_sync(p, args) -> None:
+    """--sync and its flags: refused where they do not apply, defaults resolved."""
+    periodic = ("sync_every", "outer_lr", "outer_momentum", "localsgd_warmup")
+    defaults = {"sync_every": None, "outer_lr": 0.7, "outer_momentum": 0.9, "localsgd_warmup": 100}
+    own = {"diloco": ("sync_every", "outer_lr", "outer_momentum"), "torch-localsgd": ("sync_every", "localsgd_warmup")}
+    given = [n for n in periodic if getattr(args, n) != defaults[n] and n not in own.get(args.sync, ())]
+    if given:
+        whose = {"sync_every": "diloco or torch-localsgd", "outer_lr": "diloco", "outer_momentum": "diloco",
+                 "localsgd_warmup": "torch-localsgd"}
+        p.error(f"--{given[0].replace('_', '-')} is for --sync {whose[given[0]]}"
+                f"{'' if args.sync == 'every-step' else f', not --sync {args.sync}'}")
+    if args.sync == "every-step":
+        return
+    if args.launcher != "ddp":
+        p.error(f"--sync {args.sync} runs under torchrun: add --launcher ddp")
+    if args.batch_mode:
+        p.error(f"--batch-mode and --sync {args.sync} do not go together (one sets the batch, one the interval)")
+    if args.sync == "torch-localsgd":
+        if args.codec != "none" or args.sync_every == "auto":
+            p.error("--sync torch-localsgd is PyTorch's local SGD: --codec none, --sync-every a number of steps")
+        args.sync_every = args.sync_every or 4
+        if args.localsgd_warmup < 0:
+            p.error(f"--localsgd-warmup must be at least 0, got {args.localsgd_warmup}")
+        return
+    if args.codec not in (*OURS, "default", "none"):
+        p.error(f"--sync diloco takes --codec none (DiLoCo as published) or ours (default, {', '.join(OURS)}), "
+                f"got --codec {args.codec}")
+    args.sync_every = args.sync_every or "auto"
+    if args.codec == "none" and args.sync_every == "auto":
+        p.error("--sync-every auto is our interval policy, with our compression: with --codec none (DiLoCo as "
+                "published) give --sync-every N")
+    if not args.outer_lr > 0 or not 0 <= args.outer_momentum < 1:
+        p.error(f"--outer-lr must be positive and --outer-momentum in [0, 1), got {args.outer_lr} and "
+                f"{args.outer_momentum}")
+
+
 class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
     """The module docstring as written, and every option's default after its help, so that
     ``--help`` alone says what a bare run does. As argparse.ArgumentDefaultsHelpFormatter,
@@ -93,6 +141,20 @@ def parse_args(argv=None, description: str | None = None) -> argparse.Namespace:
                         "(MixedPrecisionPolicy(reduce_dtype=...)); bfloat16 sends half the bytes there, and ours "
                         "writes its results into the float32 gradients (default: float32; --codec bf16 is FSDP's own "
                         "all-reduce in bfloat16)")
+    p.add_argument("--sync", choices=("every-step", "diloco", "torch-localsgd"), default="every-step",
+                   help="how often the ranks meet (--launcher ddp, under torchrun): every step, or periodically: "
+                        "diloco (acc.DiLoCo with our compression; with --codec none DiLoCo as published, float32) "
+                        "or torch-localsgd (PyTorch's PostLocalSGDOptimizer, --codec none)")
+    p.add_argument("--sync-every", type=_interval, default=None,
+                   help="--sync diloco: inner steps per round, or auto (our interval policy, acc.SyncInterval); "
+                        "--sync torch-localsgd: PeriodicModelAverager's period (default: auto for diloco, 4 for "
+                        "torch-localsgd, as PyTorch's documentation example)")
+    p.add_argument("--outer-lr", type=float, default=0.7, help="--sync diloco: the outer optimizer's learning rate")
+    p.add_argument("--outer-momentum", type=float, default=0.9,
+                   help="--sync diloco: the outer optimizer's Nesterov momentum (0: none; with --outer-lr 1 plain "
+                        "model averaging)")
+    p.add_argument("--localsgd-warmup", type=int, default=100,
+                   help="--sync torch-localsgd: steps averaged every step before local SGD starts")
     p.add_argument("--codec", choices=CODECS, default="default",
                    help="gradient compression: default (the default; acc.AccordionCompressor()'s codec and policy: the codec and "
                         "policy flags are then ignored), none, 16-bit (Horovod's fp16 or DDP's fp16 hook; under --launcher "
@@ -201,6 +263,7 @@ def parse_args(argv=None, description: str | None = None) -> argparse.Namespace:
                 f"FSDP's own all-reduce in bfloat16 is --codec bf16")
     if args.nodes is not None and (args.launcher != "fsdp" or args.nodes < 1):
         p.error(f"--nodes is for --launcher fsdp and at least 1, got {args.nodes}")
+    _check_sync(p, args)
     if args.batch_mode and args.launcher != "horovod":
         p.error("--batch-mode needs --launcher horovod (it sets Horovod's backward_passes_per_step)")
     if args.interval < 0:

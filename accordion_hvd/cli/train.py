@@ -93,8 +93,7 @@ def run_cli(argv=None) -> None:
 
 def main(argv=None) -> float:
     args = parse_args(argv)
-    front = make_front_end(args.launcher, device_type(args.device), ours=args.codec in (*OURS, "default"),
-                           nodes=args.nodes, reduce_dtype=args.reduce_dtype)
+    front = make_front_end(args, device_type(args.device), ours=args.codec in (*OURS, "default"))
     rank0 = front.rank == 0
     logging.basicConfig(level=logging.INFO if rank0 else logging.WARNING,
                         format="%(asctime)s %(name)s: %(message)s")
@@ -129,7 +128,8 @@ def main(argv=None) -> float:
             break
     bar.close()
     if run.task.valid is not None:  # the epochs were scored on the validation split: now the test split
-        acc = evaluate(front, run.model, run.task.test, run.task.metric)
+        with front.evaluating():
+            acc = evaluate(front, run.model, run.task.test, run.task.metric)
     finish(run, acc)
     front.close()
     return acc
@@ -228,11 +228,12 @@ def score_now(run: Run, epoch: int) -> float:
     score is reduced over ranks, the parameters are the same on every rank, and the clock
     is rank 0's."""
     metric, split = run.task.metric, run.task.valid if run.task.valid is not None else run.task.test
-    score = evaluate(run.front, run.model, split, metric)
+    with run.front.evaluating():  # periodic synchronisation: one model, the same on every rank
+        score = evaluate(run.front, run.model, split, metric)
+        finite_model = all(bool(torch.isfinite(p).all()) for p in run.model.parameters())
     wall = time.perf_counter() - run.started
     elapsed = float(run.front.sum(torch.tensor([wall if run.front.rank == 0 else 0.0], dtype=torch.float64),
                                   name="eval.clock")[0])
-    finite_model = all(bool(torch.isfinite(p).all()) for p in run.model.parameters())
     # Our compressor skips a step with a non-finite gradient (the same verdict on every rank),
     # so a diverged run keeps finite parameters: it shows as every step skipped.
     skipped = run.compression.stats().get("skipped_steps", 0)
@@ -328,7 +329,7 @@ def _log_step(run: Run, epoch: int, loss: torch.Tensor, *, lr: float, **extra) -
                          levels={n: layer["level"] for n, layer in stats["layers"].items()},
                          compress_s=now["compress"] - before.get("compress", 0.0),
                          comm_s=now["comm"] - before.get("comm", 0.0), wall_s=time.perf_counter() - run.started,
-                         **extra)
+                         **extra, **run.front.record())
     return now
 
 

@@ -32,6 +32,7 @@ import numpy as np
 import torch
 
 from .channel import collective_timeout, wait_for
+from .process_group import timeout_delta
 
 log = logging.getLogger("accordion_hvd.control")
 _OPS = ("sum", "max", "min")
@@ -306,3 +307,13 @@ def control_plane(kind: str = "auto", *, timeout: float | None = None,
         _announced = True
         log.info("accordion_hvd control plane: %s", what)
     return chosen
+
+
+def new_control_plane(ranks: list[int], timeout: float) -> ProcessGroupControlPlane:
+    """The control plane of ``ranks`` (every rank of the job calls it, in the same order as
+    its other ``new_group`` calls, and must be one of ``ranks``): a new Gloo group, since
+    control values are host arrays whatever backend carries the data."""
+    import torch.distributed as dist
+
+    group = dist.new_group(ranks, timeout=timeout_delta(timeout), backend="gloo")
+    return ProcessGroupControlPlane(group, ranks.index(dist.get_rank()), len(ranks), timeout)

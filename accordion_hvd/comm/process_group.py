@@ -169,3 +169,20 @@ class ProcessGroupChannel:
 
     def forget_handles(self) -> None:
         """The world was re-formed; these groups belong to the old one (nothing to forget)."""
+
+
+def new_channel(ranks: list[int], timeout: float, backend: str,
+                lanes: tuple[str, ...] = ()) -> ProcessGroupChannel | None:
+    """A channel of ``ranks`` (global ranks, in the group's order) on new process groups: one
+    for the data and one per lane, each carrying nothing else (so a framework's own
+    collectives never pair with ours). ``new_group`` is collective: every rank of the job
+    calls this, in the same order, and a rank outside ``ranks`` gets None."""
+    import torch.distributed as dist
+
+    delta = timeout_delta(timeout)
+    data = dist.new_group(ranks, timeout=delta, backend=backend)
+    made = {lane: dist.new_group(ranks, timeout=delta, backend=backend) for lane in lanes}
+    me = dist.get_rank()
+    if me not in ranks:
+        return None
+    return ProcessGroupChannel(data, ranks.index(me), len(ranks), timeout, lanes=made)

@@ -264,6 +264,20 @@ class StepEngine(Planes, BetweenSteps, WholeRoute):
         # and fail on an error flag; on a GPU a later step reads this one's, never waiting.
         self.faults.poll(wait=False)
 
+    # --- faults a front end agrees on itself (HSDP: inside the node, not across it) -----------
+    def local_fault(self) -> torch.Tensor | None:
+        """Whether any of this rank's own gradients so far this step was not finite (0-d bool
+        on the device), or None if none was checked."""
+        return self.faults.local_bad()
+
+    def step_fault(self) -> torch.Tensor | None:
+        """Whether this step's exchanged data showed a fault so far (0-d bool), or None."""
+        return self.faults.bad
+
+    def saw_fault(self, bad: torch.Tensor) -> None:
+        """A fault the front end learned of (0-d bool): the step is skipped if it is set."""
+        self.faults.seen(bad)
+
     def _wait(self, handle):
         started = time.perf_counter()
         try:

@@ -2,7 +2,9 @@
 plain-torch DiLoCo written out here (inner SGD, pseudo-gradients averaged with
 ``dist.all_reduce`` on a group of its own, outer SGD with Nesterov momentum), and its refusals.
 
-Usage: diloco_check.py MODE
+Usage: diloco_check.py MODE [LAUNCHER]   (LAUNCHER: torchrun, the default, or horovod: under
+horovodrun, acc.DiLoCo on the compressor's default planes over Horovod's world, the reference's
+sums through hvd.allreduce)
 MODE "lossless": TopK keeping every entry (thresholds lowered so every weight goes through the
 codec; the biases through the uncompressed round): every rank's parameters after every round
 equal the reference's, and equal across ranks.
@@ -14,10 +16,16 @@ MODE "nonfinite": a NaN in rank 1's parameters before round 2: the round is skip
 rank, every rank back at the round's start, and the next round goes on.
 MODE "resume": a state_dict taken after 2 rounds, loaded into a fresh DiLoCo, continues bit
 for bit as the run that saved it.
+MODE "auto": sync_every=acc.SyncInterval((1, 2, 4), eta) step by step against a plain-torch
+DiLoCo with the same interval rule written out here (gradient norms reduced per window, the
+ladder climbed while calm, the first rung after a learning-rate decay, a round at interval 1
+a plain average): the same intervals and parameters after every step, on every rank; the
+synced() model is the last round's, the same on every rank, and the local one comes back.
 MODE "bad-input": each bad argument refused with a ValueError/TypeError naming it, on every rank.
 """
 
 import copy
+import math
 import sys
 
 import torch
@@ -27,10 +35,33 @@ import accordion_hvd as acc
 from worker_util import checker, leave_torch_distributed, say
 
 mode = sys.argv[1]
-dist.init_process_group("gloo")
-rank, size = dist.get_rank(), dist.get_world_size()
+launcher = sys.argv[2] if len(sys.argv) > 2 else "torchrun"
+if launcher == "horovod":
+    import horovod.torch as hvd
+
+    hvd.init()
+    rank, size = hvd.rank(), hvd.size()
+
+    def sum_(tensor):  # in place, over every rank
+        tensor.copy_(hvd.allreduce(tensor, op=hvd.Sum))
+
+    def gather(tensor):
+        return list(hvd.allgather(tensor.unsqueeze(0)))
+else:
+    dist.init_process_group("gloo")
+    rank, size = dist.get_rank(), dist.get_world_size()
+    REFERENCE = dist.new_group(list(range(size)), backend="gloo")  # the reference's sums: a group of its own
+
+    def sum_(tensor):
+        dist.all_reduce(tensor, group=REFERENCE)
+
+    def gather(tensor):
+        gathered = [torch.empty_like(tensor) for _ in range(size)]
+        dist.all_gather(gathered, tensor, group=REFERENCE)
+        return gathered
 check = checker(rank)
 H, ROUNDS, LR = 3, 4, 0.05
+LADDER, CALM = (1, 2, 4), 10.0  # eta 10: no window's norm moves that much, so only the start and the decay are critical
 gen = torch.Generator().manual_seed(100 + rank)
 DATA = [(torch.randn(16, 24, generator=gen), torch.randint(0, 4, (16,), generator=gen)) for _ in range(H * ROUNDS)]
 
@@ -54,14 +85,12 @@ def flat(model):
 
 
 def same_everywhere(tensor) -> bool:
-    gathered = [torch.empty_like(tensor) for _ in range(size)]
-    dist.all_gather(gathered, tensor)
+    gathered = gather(tensor)
     return all(torch.equal(g, gathered[0]) for g in gathered)
 
 
 def reference_rounds(outer_lr=0.7, momentum=0.9, nesterov=True):
     """Plain DiLoCo: the parameters after each round."""
-    group = dist.new_group(list(range(size)), backend="gloo")
     model = make_model()
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     start = [p.detach().clone() for p in model.parameters()]
@@ -73,13 +102,53 @@ def reference_rounds(outer_lr=0.7, momentum=0.9, nesterov=True):
             with torch.no_grad():
                 for s, p in zip(start, model.parameters()):
                     delta = s - p
-                    dist.all_reduce(delta, group=group)
+                    sum_(delta)
                     s.grad = delta / size
                 outer.step()
                 for s, p in zip(start, model.parameters()):
                     p.copy_(s)
             after.append(flat(model).clone())
     return after
+
+
+def reference_auto(steps, decay_at):
+    """Plain DiLoCo with the interval rule of policies/interval.py: (interval, parameters) after each step."""
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    start = [p.detach().clone() for p in model.parameters()]
+    outer = torch.optim.SGD(start, lr=0.7, momentum=0.9, nesterov=True)
+    interval, since, prev, sum_sq, seen, decreased, out = LADDER[0], 0, None, 0.0, 0, False, []
+    for i in range(steps):
+        if i == decay_at:
+            opt.param_groups[0]["lr"] = LR / 10
+            decreased = True
+        inner_step(model, opt, i % len(DATA))
+        sum_sq += sum(float(p.grad.norm()) ** 2 for p in model.parameters())
+        seen += 1
+        since += 1
+        if since >= interval:
+            with torch.no_grad():
+                for s, p in zip(start, model.parameters()):
+                    delta = s - p
+                    sum_(delta)
+                    s.grad = delta / size
+                if interval == 1:
+                    for s in start:
+                        s -= s.grad
+                else:
+                    outer.step()
+                for s, p in zip(start, model.parameters()):
+                    p.copy_(s)
+            since = 0
+        if (i + 1) % LADDER[-1] == 0:
+            window = torch.tensor([sum_sq / seen, float(decreased)], dtype=torch.float64)
+            sum_(window)
+            norm = math.sqrt(window[0].item() / size)
+            critical = window[1].item() > 0 or prev is None or prev == 0 or abs(prev - norm) / prev >= CALM
+            interval = LADDER[0] if critical else LADDER[min(LADDER.index(interval) + 1, len(LADDER) - 1)]
+            prev, sum_sq, seen, decreased = norm, 0.0, 0, False
+        out.append((interval, flat(model).clone()))
+    return out
 
 
 def ours(compressor, rounds=ROUNDS, poison=None, **kwargs):
@@ -111,7 +180,7 @@ elif mode == "quantize":
     def data_loss(model):  # over every rank's batches: the same number on every rank
         with torch.no_grad():
             total = torch.stack([torch.nn.functional.cross_entropy(model(x), y) for x, y in DATA]).mean()
-        dist.all_reduce(total)
+        sum_(total)
         return total.item() / size
 
     before = data_loss(make_model())
@@ -133,7 +202,7 @@ elif mode == "local-sgd":
         if (i + 1) % H == 0:
             local = flat(model).clone()
             mean = local.clone()
-            dist.all_reduce(mean)
+            sum_(mean)
             mean /= size
         check(diloco.step() == ((i + 1) % H == 0), "a round at the wrong step")
         if (i + 1) % H == 0:
@@ -149,11 +218,11 @@ elif mode == "nonfinite":
         check(same_everywhere(a), "the ranks' parameters differ")
     say(f"rank {rank}: OK nonfinite")
 elif mode == "resume":
-    def run(rounds, state=None):
+    def run(rounds, state=None, sync_every=H):
         model = make_model()
         opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
         diloco = acc.DiLoCo(model, opt, acc.AccordionCompressor(acc.Quantize(8, min_numel=64), policy="static"),
-                            sync_every=H)
+                            sync_every=sync_every)
         first = 0
         if state is not None:
             model.load_state_dict(state["model"])
@@ -162,7 +231,7 @@ elif mode == "resume":
             first = state["i"]
         saved = None
         for i in range(first, H * rounds):
-            inner_step(model, opt, i)
+            inner_step(model, opt, i % len(DATA))
             diloco.step()
             if i + 1 == 2 * H and state is None:
                 saved = copy.deepcopy({"model": model.state_dict(), "opt": opt.state_dict(),
@@ -172,13 +241,48 @@ elif mode == "resume":
     whole, saved = run(4)
     resumed, _ = run(4, saved)
     check(torch.equal(whole, resumed), f"resumed differs by {(whole - resumed).abs().max():.3g}")
+    # sync_every="auto": saved mid-window (step 6 of windows of 4), the policy's state and the window's sum with it
+    whole, saved = run(8, sync_every=acc.SyncInterval(LADDER, eta=CALM))
+    resumed, _ = run(8, saved, sync_every=acc.SyncInterval(LADDER, eta=CALM))
+    check(torch.equal(whole, resumed), f"auto: resumed differs by {(whole - resumed).abs().max():.3g}")
     say(f"rank {rank}: OK resume")
+elif mode == "auto":
+    STEPS, DECAY = 40, 26
+    expected = reference_auto(STEPS, DECAY)
+    intervals = [interval for interval, _ in expected]
+    # the rule exercised: 1 at the start, up the ladder while calm, 1 again after the decay
+    # (each the interval after that step's decision; windows of 4 steps, the decay in the 7th)
+    check(intervals[:7] == [1] * 7 and intervals[7:11] == [2] * 4 and intervals[11:27] == [4] * 16
+          and intervals[27:31] == [1] * 4 and intervals[31] == 2, f"the reference's intervals {intervals}")
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    codec = acc.TopK(1.0, min_compression_rate=0.5)
+    diloco = acc.DiLoCo(model, opt, acc.AccordionCompressor(codec, policy="static"),
+                        sync_every=acc.SyncInterval(LADDER, eta=CALM))
+    checked_synced = False
+    for i, (interval, params) in enumerate(expected):
+        if i == DECAY:
+            opt.param_groups[0]["lr"] = LR / 10
+        inner_step(model, opt, i % len(DATA))
+        synced = diloco.step()
+        check(diloco.interval == interval, f"step {i + 1}: interval {diloco.interval}, the reference's {interval}")
+        check(torch.allclose(flat(model), params, rtol=1e-5, atol=1e-6),
+              f"step {i + 1}: max |ours - reference| {(flat(model) - params).abs().max():.3g}")
+        if not synced and not checked_synced:  # between rounds: the ranks' models differ, the synced one does not
+            local = flat(model).clone()
+            with diloco.synced():
+                check(same_everywhere(flat(model)) and torch.equal(flat(model), torch.cat(
+                    [s.reshape(-1) for s in diloco.start])), "synced() is not the last round's model")
+            check(torch.equal(flat(model), local), "synced() did not give the local model back")
+            checked_synced = True
+    check(checked_synced, "no step without a round")
+    say(f"rank {rank}: OK auto, intervals {intervals}, {diloco.syncs} rounds")
 elif mode == "bad-input":
     model = make_model()
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     cases = [
         (dict(sync_every=0), ValueError, "sync_every must be a positive integer"),
-        (dict(sync_every="auto"), ValueError, "sync_every must be a positive integer"),
+        (dict(sync_every="often"), ValueError, "sync_every must be a positive integer"),
         (dict(outer_lr=0.0), ValueError, "outer_lr must be a positive number"),
         (dict(outer_momentum=1.0), ValueError, "outer_momentum must be a number in [0, 1)"),
     ]
@@ -198,6 +302,17 @@ elif mode == "bad-input":
         check(False, "a DDP model was accepted")
     except TypeError as exc:
         check("DistributedDataParallel" in str(exc), f"unclear: {exc}")
+    # settings that differ across ranks: the same error on every rank, at the first round
+    model_b = make_model()
+    opt_b = torch.optim.SGD(model_b.parameters(), lr=LR)
+    differing = acc.DiLoCo(model_b, opt_b, sync_every=1, outer_lr=0.7 if rank == 0 else 0.5)
+    inner_step(model_b, opt_b, 0)
+    try:
+        differing.step()
+        check(False, "different outer_lr on the ranks was accepted")
+    except ValueError as exc:
+        check("different compressor settings" in str(exc)
+              and "'diloco_outer_lr': 0.7 (process 0) vs 0.5 (process 1)" in str(exc), f"unclear: {exc}")
     apart = make_model()
     if rank == 1:
         with torch.no_grad():
@@ -208,4 +323,5 @@ elif mode == "bad-input":
     except ValueError as exc:
         check("differ across ranks at the start" in str(exc), f"unclear: {exc}")
     say(f"rank {rank}: OK bad-input")
-leave_torch_distributed(dist)
+if launcher != "horovod":
+    leave_torch_distributed(dist)

@@ -1,0 +1,119 @@
+"""One step of a front end whose gradients come in buffers: shared by DDP, HSDP and DiLoCo.
+
+DDP hands us its buckets, FSDP2 its reduce-scatter outputs, DiLoCo a round's
+pseudo-gradients. Each front end keeps only its framework's plumbing (where a tensor comes
+from, where its result goes); the step itself is this object's, numbered:
+
+1. ``add(name, tensor, target)`` for each layer: the engine routes it (its codec's exchange
+   carries it, or our uncompressed round does); a layer the engine hands back (sent whole
+   this step: route DENSE) waits here for the buffer's averages. ``add_as_is`` takes a tensor
+   the engine does not know (averaged as it is). ``took(name, out, route, target)`` records a
+   layer a front end added to the engine itself, earlier (DDP's accumulation hooks).
+2. ``send(label)`` at the end of each buffer: the DENSE layers added since the last ``send``
+   averaged in one collective per dtype (a float16 layer apart, not promoted to float32),
+   issued in the same order on every rank (their levels agree, so do their dtypes).
+   Once the policy has settled every layer at 16-bit dense for good, a front end may send a
+   flat buffer whole instead: ``send_whole(key, buffer, half, target)`` with the engine's
+   ``add_whole`` (engine/whole.py).
+3. ``finish(before_end)`` once every buffer is in: wait for the averages, finish every
+   layer, run ``before_end(device)`` (HSDP agrees on faults there), end the engine's step.
+   Returns ``(target, result)`` per layer and the targets of the whole buffers; the front end
+   writes them where its framework reads them. After ``end_step``: a skipped step's results
+   are zero by then.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+
+from .engine import DENSE, StepEngine
+
+
+class BufferedStep:
+    """The step in flight (module doc); one per front end, reused step after step. Its
+    averages go on the engine's data plane (the one the front end bound, else the default).
+    ``prefix`` names its collectives (``acc.ddp``: ``acc.ddp.dense.b3.float32.12``)."""
+
+    def __init__(self, engine: StepEngine, prefix: str) -> None:
+        self.engine, self.prefix = engine, prefix
+        self._reset()
+
+    @property
+    def channel(self):
+        return self.engine.channel
+
+    def _reset(self) -> None:
+        # per layer: (name or None for a tensor averaged as it is, route, (send, dtype, index) or None, target)
+        self._layers: list[tuple] = []
+        self._pending: dict[torch.dtype, list[torch.Tensor]] = {}  # DENSE tensors not sent yet, by dtype
+        self._sent: list[dict] = []    # per send(): dtype -> the handle of its average
+        self._whole: list[tuple] = []  # per send_whole(): (key, buffer, handle, target)
+
+    @property
+    def empty(self) -> bool:
+        """Nothing added this step yet."""
+        return not self._layers and not self._whole and not self._pending
+
+    @property
+    def sent_whole(self) -> int:
+        """Buffers sent whole this step so far."""
+        return len(self._whole)
+
+    # --- 1. add ------------------------------------------------------------------------------
+    def add(self, name: str, tensor: torch.Tensor, target: Any, *, uncompressed_here: bool = False) -> None:
+        """Layer ``name`` into the engine (``uncompressed_here`` as ``engine.add``'s); its result
+        comes back from ``finish`` with ``target``."""
+        out, route = self.engine.add(name, tensor, uncompressed_here=uncompressed_here)
+        self.took(name, out, route, target)
+
+    def took(self, name: str, out: torch.Tensor | None, route: str, target: Any) -> None:
+        """A layer the front end gave the engine itself (``out, route`` as ``engine.add`` returned)."""
+        self._layers.append((name, route, self._average(out) if route == DENSE else None, target))
+
+    def add_as_is(self, tensor: torch.Tensor, target: Any) -> None:
+        """A tensor the engine does not know (DDP: a parameter added after registration),
+        averaged as it is."""
+        self._layers.append((None, DENSE, self._average(tensor), target))
+
+    def _average(self, tensor: torch.Tensor) -> tuple:
+        group = self._pending.setdefault(tensor.dtype, [])
+        group.append(tensor)
+        return len(self._sent), tensor.dtype, len(group) - 1
+
+    # --- 2. send -----------------------------------------------------------------------------
+    def send(self, label: str) -> None:
+        """Issue the averages of the DENSE layers added since the last ``send``."""
+        pending, self._pending = self._pending, {}
+        self._sent.append({dtype: self.channel.allreduce_mean_async(
+            tensors, name=f"{self.prefix}.dense.{label}.{str(dtype).removeprefix('torch.')}.{len(tensors)}")
+            for dtype, tensors in sorted(pending.items(), key=lambda item: str(item[0]))})
+
+    def send_whole(self, key: str, buffer: torch.Tensor, half: torch.Tensor, target: Any) -> None:
+        """Average ``half`` (``engine.add_whole(key, buffer, ...)``'s) in one collective."""
+        handle = self.channel.allreduce_mean_async([half], name=f"{self.prefix}.whole.{len(self._whole)}")
+        self._whole.append((key, buffer, handle, target))
+
+    # --- 3. finish ---------------------------------------------------------------------------
+    def finish(self, before_end: Callable[[torch.device], None] | None = None) -> tuple[list, list]:
+        """Every buffer is in: ``([(target, result) per layer], [target per whole buffer])``."""
+        if self._pending:
+            self.send("last")
+        layers, sent, whole = self._layers, self._sent, self._whole
+        self._reset()
+        wholes = []
+        for key, buffer, handle, target in whole:
+            self.engine.finish_whole(key, buffer, self.channel.wait(handle)[0])
+            wholes.append(target)
+        averages = [{dtype: self.channel.wait(handle) for dtype, handle in handles.items()} for handles in sent]
+        results = []
+        for name, route, where, target in layers:
+            average = None if where is None else averages[where[0]][where[1]][where[2]]
+            results.append((target, average if name is None else self.engine.finish(route, name, average)))
+        if before_end is not None:
+            named = [result for (name, *_), (_, result) in zip(layers, results) if name is not None]
+            device = (named[0].device if named else whole[0][1].device if whole else torch.device("cpu"))
+            before_end(device)
+        self.engine.end_step()
+        return results, wholes

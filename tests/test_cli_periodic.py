@@ -1,0 +1,89 @@
+"""The training CLI's periodic synchronisation under real torchrun jobs (cli/periodic.py):
+``--sync diloco`` with our compression (a fixed interval and ``auto``), DiLoCo as published
+(``--codec none``), PyTorch's local SGD; their records, evaluation of one model, resume bit for
+bit, and the flags refused where they do not apply."""
+
+import csv
+
+import pytest
+import torch
+
+from accordion_hvd.cli.options import parse_args
+from launch import run_ddp_module
+
+COMMON = ["--launcher", "ddp", "--no-progress", "--lr-milestones", "2"]
+STEPS = (1438 // 2) // 32  # digits, 2 ranks, batch 32: steps per epoch
+SMALL = (1438 // 2) // 8  # at --batch-size 8: enough steps for DiLoCo's windows of 64
+
+
+def cli(*args, np=2):
+    return run_ddp_module("accordion_hvd.train", *args, np=np, timeout=300)
+
+
+def rows(logdir):
+    with open(logdir / "steps.csv") as f:
+        return list(csv.DictReader(f))
+
+
+@pytest.mark.torchrun
+def test_diloco_auto_trains_records_its_intervals_and_resumes_bit_for_bit(tmp_path):
+    """Our DiLoCo with the auto interval: it learns, steps.csv holds each step's interval and the
+    rounds so far (the first window every step, then fewer), sends fewer floats than a step
+    of dense, and a run resumed from epoch 2's checkpoint ends with the parameters, outer state
+    and error feedback of the run that never stopped."""
+    whole, half, resumed = tmp_path / "whole", tmp_path / "whole.epoch2", tmp_path / "resumed"
+    args = [*COMMON, "--sync", "diloco", "--sync-every", "auto", "--epochs", "3", "--batch-size", "8", "--lr", "0.005"]
+    out = cli(*args, "--checkpoint", str(whole), "--keep-checkpoints", "--logdir", str(tmp_path / "log"))
+    assert "DiLoCo (sync_every=auto, our compression)" in out and "final test accuracy" in out, out
+    assert float(out.split("final test accuracy: ")[1].split()[0]) > 0.5, out  # chance is 0.1
+    steps = rows(tmp_path / "log")
+    assert len(steps) == 3 * SMALL
+    intervals = [int(r["sync_interval"]) for r in steps]
+    syncs = [int(r["syncs"]) for r in steps]
+    # the first two windows (64 steps each; the first has no norm to compare with): a round every step
+    assert intervals[:127] == [1] * 127 and syncs[127] == 128, (intervals, syncs)
+    assert syncs[-1] < len(steps), syncs  # calm windows somewhere: longer intervals
+    assert int(steps[-1]["floats_sent"]) < int(steps[-1]["floats_dense"])
+    out = cli(*args, "--resume", str(half), "--checkpoint", str(resumed))
+    assert "resumed from" in out, out
+    for rank in range(2):
+        a = torch.load(f"{whole}.rank{rank}", weights_only=False)
+        b = torch.load(f"{resumed}.rank{rank}", weights_only=False)
+        for name in a["model"]:
+            assert torch.equal(a["model"][name], b["model"][name]), f"rank {rank}: {name} differs"
+        for x, y in zip(a["sync"]["start"], b["sync"]["start"]):
+            assert torch.equal(x, y), f"rank {rank}: the start-of-round parameters differ"
+        assert a["sync"]["interval"] == b["sync"]["interval"] and a["sync"]["syncs"] == b["sync"]["syncs"]
+
+
+@pytest.mark.torchrun
+@pytest.mark.parametrize("method", ["published", "localsgd"])
+def test_the_periodic_peers_train_and_count_their_rounds(tmp_path, method):
+    flags = (["--sync", "diloco", "--codec", "none", "--sync-every", "8"] if method == "published" else
+             ["--sync", "torch-localsgd", "--codec", "none", "--localsgd-warmup", "10"])
+    out = cli(*COMMON, *flags, "--epochs", "2", "--logdir", str(tmp_path / "log"))
+    assert "final test accuracy" in out, out
+    assert float(out.split("final test accuracy: ")[1].split()[0]) > 0.3, out  # 44 steps; chance is 0.1
+    steps = rows(tmp_path / "log")
+    syncs = int(steps[-1]["syncs"])
+    expected = 2 * STEPS // 8 if method == "published" else 10 + len(range(10, 2 * STEPS, 4))
+    assert syncs == expected, (syncs, expected)
+    floats = int(out.split("training cnn (")[1].split(" parameters")[0].replace(",", ""))
+    assert int(steps[-1]["floats_sent"]) == syncs * floats and int(steps[-1]["floats_dense"]) == len(steps) * floats
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--sync", "diloco"], "--sync diloco runs under torchrun: add --launcher ddp"),
+    (["--launcher", "ddp", "--sync", "torch-localsgd"], "--codec none"),
+    (["--launcher", "ddp", "--sync", "diloco", "--codec", "fp16"], "--sync diloco takes --codec none"),
+    (["--launcher", "ddp", "--sync", "diloco", "--codec", "none"], "give --sync-every N"),
+    (["--launcher", "ddp", "--outer-lr", "0.5"], "--outer-lr is for --sync diloco"),
+    (["--launcher", "ddp", "--sync", "diloco", "--localsgd-warmup", "5"],
+     "--localsgd-warmup is for --sync torch-localsgd, not --sync diloco"),
+    (["--launcher", "ddp", "--sync", "diloco", "--sync-every", "0"], "must be auto or a positive number"),
+    (["--launcher", "ddp", "--sync", "diloco", "--outer-momentum", "1"], "--outer-momentum in [0, 1)"),
+])
+def test_periodic_flags_are_refused_where_they_do_not_apply(argv, message, capsys):
+    with pytest.raises(SystemExit):
+        parse_args(argv)
+    assert message in capsys.readouterr().err

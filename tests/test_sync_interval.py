@@ -1,0 +1,52 @@
+"""``acc.SyncInterval`` (accordion_hvd/policies/interval.py), the interval rule of
+``DiLoCo(sync_every="auto")``, on its own: the ladder climbed while calm, the first rung in a
+critical window, checked arguments, its state. (Under torchrun, step by step against a plain
+DiLoCo: tests/test_diloco.py's "auto".)"""
+
+import math
+
+import pytest
+
+import accordion_hvd as acc
+from accordion_hvd.policies import WindowReport
+
+
+def window(norm, decreased=False):
+    return WindowReport(norms={"model": norm}, steps=64, lr_decreased=decreased)
+
+
+def test_the_ladder_is_climbed_while_calm_and_left_at_once_when_critical():
+    policy = acc.SyncInterval()
+    assert policy.interval == 1 and policy.window == 64
+    got = [policy.end_window(window(n)) for n in (10.0, 9.0, 8.5, 8.0, 7.9, 7.8)]
+    assert got == [1, 4, 16, 64, 64, 64]  # the first window has nothing to compare with: critical
+    assert policy.end_window(window(3.0)) == 1  # moved by more than eta = 0.5
+    assert policy.end_window(window(2.9)) == 4
+    assert policy.end_window(window(2.9, decreased=True)) == 1  # a learning-rate decay
+
+
+def test_a_non_finite_norm_goes_to_the_first_rung_and_keeps_the_reference_norm():
+    policy = acc.SyncInterval((1, 8))
+    for n in (5.0, 5.0):
+        policy.end_window(window(n))
+    assert policy.interval == 8
+    assert policy.end_window(window(math.nan)) == 1
+    assert policy.end_window(window(5.1)) == 8  # compared with 5.0, not with NaN
+
+
+@pytest.mark.parametrize("ladder", [(), (0, 4), (4, 1), (1, 3, 4), (1, 1, 4), (1, 2.5), "auto", (True, 2)])
+def test_a_bad_ladder_is_refused_naming_it(ladder):
+    with pytest.raises(ValueError, match="ladder must be increasing positive integers"):
+        acc.SyncInterval(ladder)
+
+
+def test_state_round_trips_and_a_foreign_ladder_is_refused():
+    policy = acc.SyncInterval((1, 2, 4))
+    for n in (3.0, 3.0, 3.0):
+        policy.end_window(window(n))
+    again = acc.SyncInterval((1, 2, 4))
+    again.load_state_dict(policy.state_dict())
+    assert again.end_window(window(3.0)) == policy.end_window(window(3.0)) == 4
+    other = acc.SyncInterval((1, 8))
+    with pytest.raises(ValueError, match="not on this ladder"):
+        other.load_state_dict(policy.state_dict())
