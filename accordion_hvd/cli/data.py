@@ -1,7 +1,8 @@
 """Data sets for the training CLI, sharded across ranks.
 
 ``digits`` (scikit-learn's bundled 1,797 8x8 images) needs no download and is the default;
-``text`` (the standard library's own source, tokenized) needs none either.
+``text`` (the standard library's own source, tokenized) needs none either, nor does
+``torch-source`` (the installed torch package's source: protocol evidence-v3's held-out corpus).
 """
 
 from __future__ import annotations
@@ -134,24 +135,78 @@ def load_text(seq_len: int = 35, stdlib: str | None = None) -> TextCorpus:
     tokens (inputs) and the same shifted by one (targets), per split. The vocabulary is the
     training split's tokens seen at least ``TEXT_MIN_COUNT`` times, by count then text,
     plus ``<unk>``. Raises FileNotFoundError naming a missing file and where it looked."""
-    import collections
-    import hashlib
     import sysconfig
     from pathlib import Path
 
     root = Path(stdlib or sysconfig.get_paths()["stdlib"])
-    digest = hashlib.sha256()
-    tokens = {}
+    splits = {}
     for split, names in (("train", TEXT_TRAIN), ("valid", TEXT_VALID), ("test", TEXT_TEST)):
-        stream = []
         for name in names:
-            path = root / name
-            if not path.is_file():
+            if not (root / name).is_file():
                 raise FileNotFoundError(f"--dataset text: the standard library file {name} is missing (looked in "
                                         f"{root}); this Python installation does not ship its sources")
+        splits[split] = [root / name for name in names]
+    return tokenized(splits, seq_len)
+
+
+# --- the held-out corpus of protocol evidence-v3: the installed torch package's own source ----
+# Every .py file of the package, sorted by path, visited in a fixed stride order (file i of n
+# at position (i * TORCH_STRIDE) % n: spread over the whole package without a random draw),
+# and dealt out to validation, test and training in that order until each split holds its
+# bytes (the standard-library corpus's sizes, so that an epoch is as long as the text task's).
+TORCH_STRIDE = 7919  # a prime: the stride visits every file once (2,285 files in torch 2.13.0)
+TORCH_SPLIT_BYTES = (("valid", 190_000), ("test", 210_000), ("train", 2_150_000))
+
+
+def torch_source_files(root) -> dict[str, list]:
+    """The held-out corpus's files per split (see above), from the torch package at ``root``."""
+    from pathlib import Path
+
+    files = sorted(Path(root).rglob("*.py"), key=lambda f: f.relative_to(root).as_posix())
+    n = len(files)
+    if n == 0:
+        raise FileNotFoundError(f"--dataset torch-source: no .py file under {root}")
+    order = sorted(range(n), key=lambda i: (i * TORCH_STRIDE) % n)
+    splits, budget = {}, iter(TORCH_SPLIT_BYTES)
+    split, left = next(budget)
+    for i in order:
+        size = files[i].stat().st_size
+        if size == 0:
+            continue
+        splits.setdefault(split, []).append(files[i])
+        left -= size
+        if left <= 0:
+            split, left = next(budget, (None, 0))
+            if split is None:
+                break
+    return splits
+
+
+def load_torch_source(seq_len: int = 35, root=None) -> TextCorpus:
+    """The held-out corpus (above), tokenized as ``load_text``'s."""
+    if root is None:
+        import os
+
+        import torch as _torch
+        root = os.path.dirname(_torch.__file__)
+    return tokenized(torch_source_files(root), seq_len)
+
+
+def tokenized(splits: dict[str, list], seq_len: int) -> TextCorpus:
+    """Files per split ("train", "valid", "test") as a ``TextCorpus``: tokens by ``TEXT_TOKEN``,
+    the vocabulary the training split's tokens seen ``TEXT_MIN_COUNT`` times or more,
+    non-overlapping sequences of ``seq_len``; the digest is of every file's bytes in order."""
+    import collections
+    import hashlib
+
+    digest = hashlib.sha256()
+    tokens = {}
+    for split in ("train", "valid", "test"):
+        stream = []
+        for path in splits[split]:
             raw = path.read_bytes()
             digest.update(raw)
-            stream += TEXT_TOKEN.findall(raw.decode("utf-8"))
+            stream += TEXT_TOKEN.findall(raw.decode("utf-8", errors="replace"))
         tokens[split] = stream
     counts = collections.Counter(tokens["train"])
     vocabulary = sorted((t for t, c in counts.items() if c >= TEXT_MIN_COUNT), key=lambda t: (-counts[t], t))

@@ -17,9 +17,10 @@ from .frontends import LAUNCHERS
 CODECS = ("default", "none", "fp16", "bf16", "powersgd", "topk", "quantize")
 OURS = ("powersgd", "topk", "quantize")  # codecs of ours chosen by flags (not "default")
 POLICIES = ("accordion", "static", "gravac", "network-aware", "link-gate")
-DATASETS = ("digits", "synthetic", "cifar10", "text")
-MODELS = ("cnn", "cnn-wide", "resnet18", "lstm", "transformer")
-LANGUAGE_MODELS = ("lstm", "transformer")
+DATASETS = ("digits", "synthetic", "cifar10", "text", "torch-source")
+MODELS = ("cnn", "cnn-wide", "resnet18", "lstm", "transformer", "gru")
+LANGUAGE_MODELS = ("lstm", "transformer", "gru")
+TEXTS = ("text", "torch-source")
 OPTIMIZERS = ("sgd", "adamw")
 DEVICES = ("auto", "cpu", "cuda")
 
@@ -194,7 +195,8 @@ def parse_args(argv=None, description: str | None = None) -> argparse.Namespace:
                         "samples a step)")
     p.add_argument("--dataset", choices=DATASETS, default="digits",
                    help="what to train on: digits, synthetic (generated), cifar10 (from --data-dir) or text "
-                        "(Python's standard library, for --model lstm or transformer)")
+                        "(Python's standard library, for --model lstm, transformer or gru) or torch-source (the "
+                        "installed torch package's source: protocol evidence-v3's held-out corpus)")
     p.add_argument("--data-dir", type=Path, default=None, help="where cifar10 is (never downloaded)")
     p.add_argument("--model", choices=MODELS, default=None,
                    help="the network; cnn-wide: 2.2 M parameters, for bandwidth-bound runs; transformer: a small "
@@ -285,10 +287,10 @@ def parse_args(argv=None, description: str | None = None) -> argparse.Namespace:
         p.error(f"--lr-milestones must be comma-separated epoch numbers, got {args.lr_milestones!r}")
     if args.dataset == "cifar10" and args.data_dir is None:
         p.error("--dataset cifar10 needs --data-dir (it is never downloaded)")
-    args.model = args.model or {"cifar10": "resnet18", "text": "lstm"}.get(args.dataset, "cnn")
-    if (args.dataset == "text") != (args.model in LANGUAGE_MODELS):
-        p.error(f"--model lstm and --model transformer go with --dataset text and only with it, got --dataset "
-                f"{args.dataset} --model {args.model}")
+    args.model = args.model or {"cifar10": "resnet18", "text": "lstm", "torch-source": "gru"}.get(args.dataset, "cnn")
+    if (args.dataset in TEXTS) != (args.model in LANGUAGE_MODELS):
+        p.error(f"--model lstm, transformer and gru go with --dataset text or torch-source and only with them, got "
+                f"--dataset {args.dataset} --model {args.model}")
     if args.folds < 2 or not 0 <= args.fold < args.folds:
         p.error(f"--fold must be in [0, --folds) with --folds >= 2, got --fold {args.fold} --folds {args.folds}")
     if args.evals_per_epoch < 1 or (args.time_cap is not None and not args.time_cap > 0):

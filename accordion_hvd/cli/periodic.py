@@ -109,18 +109,8 @@ class PlainDiLoCo:
                 p.copy_(s)
         self.syncs += 1
 
-    @contextlib.contextmanager
     def synced(self):
-        local = [p.detach().clone() for p in self.params]
-        with torch.no_grad():
-            for s, p in zip(self.start, self.params):
-                p.copy_(s)
-        try:
-            yield
-        finally:
-            with torch.no_grad():
-                for mine, p in zip(local, self.params):
-                    p.copy_(mine)
+        return swapped_in(self.params, self.start)
 
     def state_dict(self) -> dict:
         return {"start": [s.clone() for s in self.start], "outer": self.outer.state_dict(),
@@ -175,23 +165,12 @@ class TorchLocalSGDFrontEnd(DDPFrontEnd):
         compression.count(floats if sent else 0, dense=floats)
         self.syncs += sent
 
-    @contextlib.contextmanager
     def evaluating(self):
-        local = [p.detach().clone() for p in self.params]
         with torch.no_grad():
             flat = torch.cat([p.detach().reshape(-1) for p in self.params])
             self.dist.all_reduce(flat)
             flat /= self.size
-            offset = 0
-            for p in self.params:
-                p.copy_(flat[offset:offset + p.numel()].view_as(p))
-                offset += p.numel()
-        try:
-            yield
-        finally:
-            with torch.no_grad():
-                for mine, p in zip(local, self.params):
-                    p.copy_(mine)
+        return swapped_in(self.params, list(flat.split([p.numel() for p in self.params])))
 
     def record(self) -> dict:
         return {"sync_interval": self.interval, "syncs": self.syncs}
@@ -202,3 +181,18 @@ def broadcast_model(model: torch.nn.Module, dist) -> None:
     with torch.no_grad():
         for tensor in [*model.parameters(), *model.buffers()]:
             dist.broadcast(tensor.data, src=0)
+
+
+@contextlib.contextmanager
+def swapped_in(params: list[torch.Tensor], values: list[torch.Tensor]):
+    """``values`` in the parameters while the block runs; the parameters' own after it."""
+    own = [p.detach().clone() for p in params]
+    with torch.no_grad():
+        for p, value in zip(params, values):
+            p.copy_(value.view_as(p))
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for p, mine in zip(params, own):
+                p.copy_(mine)

@@ -62,6 +62,12 @@ def _load_whole(args) -> Task:
                      len(data.TEXT_TRAIN + data.TEXT_VALID + data.TEXT_TEST), corpus.digest,
                      *(f"{split.y.numel():,}" for split in corpus[:3]), len(corpus.vocabulary))
             return Task(corpus.train, corpus.valid, corpus.test, "perplexity", len(corpus.vocabulary))
+        if args.dataset == "torch-source":
+            corpus = data.load_torch_source(seq_len=args.seq_len)
+            log.info("corpus: the source of torch %s (evidence-v3's held-out corpus, sha256 %s), %s / %s / %s "
+                     "training / validation / test tokens; vocabulary: %d", torch.__version__, corpus.digest,
+                     *(f"{split.y.numel():,}" for split in corpus[:3]), len(corpus.vocabulary))
+            return Task(corpus.train, corpus.valid, corpus.test, "perplexity", len(corpus.vocabulary))
         if args.dataset == "digits":
             train, test = data.load_digits(seed=args.seed, folds=args.folds, fold=args.fold)
         elif args.dataset == "synthetic" and args.model in ("cnn", "cnn-wide"):
@@ -81,6 +87,8 @@ def make_model(args, task: Task) -> torch.nn.Module:
         return models.LSTMLanguageModel(task.classes)
     if args.model == "transformer":
         return models.TransformerLanguageModel(task.classes, context=args.seq_len)
+    if args.model == "gru":
+        return models.GRULanguageModel(task.classes)
     train = task.train
     channels = train.x.shape[1]
     if args.model in ("cnn", "cnn-wide"):
