@@ -119,3 +119,35 @@ def test_digits_folds_cover_every_image_once_and_fold_0_is_the_historical_split(
     assert len(folds[0][1].y) == 359  # fold 0: the first 20% of the seed's order, as before folds existed
     with pytest.raises(ValueError, match="0 <= fold < folds"):
         data.load_digits(folds=5, fold=5)
+
+
+def test_the_held_out_corpus_is_dealt_by_the_stride_order_to_each_splits_bytes(tmp_path):
+    """evidence-v3 amendment 1 on a small package: validation first, then test, then training,
+    each split closed once it holds its bytes, in the fixed stride order, files disjoint."""
+    root = tmp_path / "pkg"
+    for i in range(60):
+        (root / f"m{i // 10}").mkdir(parents=True, exist_ok=True)
+        (root / f"m{i // 10}" / f"f{i:02d}.py").write_text(f"x{i} = {i}\n" * (50 + i))
+    (root / "empty.py").write_text("")
+    plan = (("valid", 4_000), ("test", 4_000), ("train", 20_000))
+    budgets = dict(plan)
+    splits = data.torch_source_files(root, plan)
+    files = sorted(root.rglob("*.py"), key=lambda f: f.relative_to(root).as_posix())
+    order = [files[i] for i in sorted(range(len(files)), key=lambda i: (i * data.TORCH_STRIDE) % len(files))]
+    dealt = [f for f in order if f.stat().st_size][:sum(len(v) for v in splits.values())]
+    assert splits["valid"] + splits["test"] + splits["train"] == dealt  # in order, each split whole
+    held = {name: sum(f.stat().st_size for f in files_) for name, files_ in splits.items()}
+    largest = max(f.stat().st_size for f in files)
+    for name, budget in budgets.items():
+        assert budget <= held[name] < budget + largest, (name, held)
+    assert data.torch_source_files(root, plan) == splits  # no random draw
+
+
+def test_the_held_out_corpus_of_the_installed_torch_is_cut_to_the_text_tasks_size():
+    import os
+
+    splits = data.torch_source_files(os.path.dirname(torch.__file__))
+    held = {name: sum(f.stat().st_size for f in files) for name, files in splits.items()}
+    for name, budget in data.TORCH_SPLIT_BYTES:
+        assert budget <= held[name] < budget + 2_000_000, (name, held)  # closed at the file that filled it
+    assert not set(splits["train"]) & set(splits["valid"]) and not set(splits["train"]) & set(splits["test"])

@@ -27,3 +27,14 @@ def test_transformer_layers_are_what_the_codecs_compress_and_the_rest_goes_dense
     assert compressed == {"embedding.weight", "positions.weight"} | {
         f"blocks.{i}.{m}.weight" for i in range(2) for m in ("qkv", "proj", "fc1", "fc2")}
     assert 1_300_000 < sum(p.numel() for p in model.parameters()) < 1_500_000
+
+
+def test_the_held_out_gru_is_tied_two_layers_and_predicts_every_position():
+    from accordion_hvd.cli.models import GRULanguageModel
+
+    torch.manual_seed(0)
+    model = GRULanguageModel(100)
+    assert model.decoder.weight is model.embedding.weight and model.gru.num_layers == 2
+    assert model.gru.hidden_size == 192
+    logits = model(torch.randint(0, 100, (3, 7)))
+    assert logits.shape == (3, 7, 100)

@@ -158,8 +158,9 @@ TORCH_STRIDE = 7919  # a prime: the stride visits every file once (2,285 files i
 TORCH_SPLIT_BYTES = (("valid", 190_000), ("test", 210_000), ("train", 2_150_000))
 
 
-def torch_source_files(root) -> dict[str, list]:
-    """The held-out corpus's files per split (see above), from the torch package at ``root``."""
+def torch_source_files(root, budgets: tuple = TORCH_SPLIT_BYTES) -> dict[str, list]:
+    """The held-out corpus's files per split (see above), from the torch package at ``root``;
+    ``budgets``: (split, bytes) in the order they are filled."""
     from pathlib import Path
 
     files = sorted(Path(root).rglob("*.py"), key=lambda f: f.relative_to(root).as_posix())
@@ -167,7 +168,7 @@ def torch_source_files(root) -> dict[str, list]:
     if n == 0:
         raise FileNotFoundError(f"--dataset torch-source: no .py file under {root}")
     order = sorted(range(n), key=lambda i: (i * TORCH_STRIDE) % n)
-    splits, budget = {}, iter(TORCH_SPLIT_BYTES)
+    splits, budget = {}, iter(budgets)
     split, left = next(budget)
     for i in order:
         size = files[i].stat().st_size
