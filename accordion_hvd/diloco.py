@@ -26,11 +26,12 @@ A round whose pseudo-gradient is not finite on some rank is skipped on every ran
 step, and every rank returns to the start-of-round parameters.
 
 ``sync_every="auto"`` chooses the interval per window of inner steps (policies/interval.py,
-``acc.SyncInterval``): the first rung of its ladder (1: a round every step) in critical
-regimes (the start, a learning-rate decay, a window whose gradient norm moved by eta), one
-rung up (4, 16, 64) while training stays calm. The window's statistic is each rank's squared
-gradient norm at every inner step, summed on the device (no host sync) and reduced once per
-window on the control plane, so every rank chooses the same interval. A round at interval 1
+``acc.SyncInterval``): the lowest rung the link affords (1, a round every step, on a fast
+one) in critical regimes (the start, a learning-rate decay, a window whose gradient norm
+moved by eta), one rung up (4, 16, 64) while training stays calm. The window's statistics
+are each rank's squared gradient norm at every inner step, summed on the device (no host
+sync), and the wall times of its inner steps and rounds, reduced once per window on the
+control plane, so every rank chooses the same interval. A round at interval 1
 is the per-step path: the plain average of the ranks' models (an outer step of lr 1, no
 momentum: the outer momentum, a memory of long rounds' pseudo-gradients, is left as it is).
 
@@ -48,6 +49,8 @@ import hashlib
 import logging
 import math
 import numbers
+import statistics
+import time
 
 import numpy as np
 import torch
@@ -57,7 +60,7 @@ from .buffered_step import BufferedStep
 from .comm.control import new_control_plane
 from .comm.process_group import new_channel
 from .compressor import Compressor
-from .policies import SyncInterval, WindowReport
+from .policies import IntervalReport, SyncInterval
 
 log = logging.getLogger("accordion_hvd.diloco")
 
@@ -145,18 +148,23 @@ class DiLoCo:
     def step(self) -> bool:
         """Count one inner step; when a round is due, run it. Returns whether one ran. Call it
         on every rank after each step of the inner optimizer (its gradients still there)."""
+        started = time.perf_counter()
         self.inner_steps += 1
         self.since_sync += 1
         if self.window is not None:
-            self.window.observe()
+            self.window.observe(started)
         due = self.since_sync >= self.interval
         if due:
             self.sync()
+            if self.window is not None:
+                self.window.round_took(time.perf_counter() - started)
         if self.window is not None and self.inner_steps % self.policy.window == 0:  # always after a round
             before, self.interval = self.interval, self.policy.end_window(self.window.report(self.control, self.size))
             if self.interval != before:
                 log.info("DiLoCo: from inner step %d, a round every %d inner step%s (was %d)", self.inner_steps,
                          self.interval, "" if self.interval == 1 else "s", before)
+        if self.window is not None:
+            self.window.step_ended()
         return due
 
     @contextlib.contextmanager
@@ -250,25 +258,30 @@ class DiLoCo:
 
 
 class WindowStatistic:
-    """The interval policy's statistic over one window (module doc): this rank's squared
-    gradient norm summed over the window's inner steps on the device, and whether the inner
-    optimizer's learning rate went down; reduced across ranks once per window."""
+    """The interval policy's statistics over one window (module doc): this rank's squared
+    gradient norm summed over the window's inner steps on the device, whether the inner
+    optimizer's learning rate went down, and the wall time of each inner step (from the end
+    of one ``step()`` call to the start of the next: the user's forward, backward and
+    optimizer step) and of each round; reduced across ranks once per window."""
 
     def __init__(self, params: list[tuple], optimizer: torch.optim.Optimizer) -> None:
         self.params, self.optimizer = [p for _, p in params], optimizer
         self.lr = self._lr()
+        self.ended: float | None = None  # when the last step() returned
         self._reset()
 
     def _reset(self) -> None:
         self.sum_sq: torch.Tensor | float = 0.0
         self.steps = 0
         self.lr_decreased = False
+        self.step_s: list[float] = []
+        self.round_s: list[float] = []
 
     def _lr(self) -> float:
         return min(float(group["lr"]) for group in self.optimizer.param_groups)
 
     @torch.no_grad()
-    def observe(self) -> None:
+    def observe(self, now: float) -> None:
         grads = [p.grad for p in self.params if p.grad is not None]
         if grads:
             self.sum_sq = self.sum_sq + torch.stack(torch._foreach_norm(grads)).float().square().sum()
@@ -276,22 +289,37 @@ class WindowStatistic:
         lr = self._lr()
         self.lr_decreased |= lr < self.lr
         self.lr = lr
+        if self.ended is not None:  # (an evaluation between two steps is an outlier the median ignores)
+            self.step_s.append(now - self.ended)
 
-    def report(self, control, size: int) -> WindowReport:
+    def round_took(self, seconds: float) -> None:
+        self.round_s.append(seconds)
+
+    def step_ended(self) -> None:
+        self.ended = time.perf_counter()
+
+    def report(self, control, size: int) -> IntervalReport:
         """The window's report, the same on every rank (one control collective); resets."""
-        mine = np.array([float(self.sum_sq) / max(self.steps, 1), float(self.lr_decreased)])
+        step_s = statistics.median(self.step_s) if self.step_s else 0.0
+        round_s = statistics.fmean(self.round_s) if self.round_s else 0.0
+        mine = np.array([float(self.sum_sq) / max(self.steps, 1), float(self.lr_decreased),
+                         step_s, float(bool(self.step_s)), round_s, float(bool(self.round_s))])
         total = control.allreduce(mine, "acc.diloco.window", op="sum")
         norm = math.sqrt(total[0] / size) if math.isfinite(total[0]) else math.nan
-        report = WindowReport(norms={"model": norm}, steps=self.steps, lr_decreased=bool(total[1] > 0))
+        report = IntervalReport(norm=norm, steps=self.steps, lr_decreased=bool(total[1] > 0),
+                                step_s=total[2] / size if total[3] == size else None,
+                                round_s=total[4] / size if total[5] == size else None)
         self._reset()
         return report
 
     def state_dict(self) -> dict:
-        return {"sum_sq": float(self.sum_sq), "steps": self.steps, "lr": self.lr, "lr_decreased": self.lr_decreased}
+        return {"sum_sq": float(self.sum_sq), "steps": self.steps, "lr": self.lr, "lr_decreased": self.lr_decreased,
+                "step_s": list(self.step_s), "round_s": list(self.round_s)}
 
     def load_state_dict(self, state: dict) -> None:
         self.sum_sq, self.steps = state["sum_sq"], state["steps"]
         self.lr, self.lr_decreased = state["lr"], state["lr_decreased"]
+        self.step_s, self.round_s = list(state["step_s"]), list(state["round_s"])
 
 
 def _horovod_size() -> int | None:

@@ -253,6 +253,19 @@ def test_a_codec_of_the_protocol_without_a_registered_exchange_is_refused_at_con
         acc.AccordionCompressor(Unpaired(), policy="static")
 
 
+def test_an_exchange_outside_the_written_contract_is_refused_at_registration():
+    from accordion_hvd.exchange import register
+
+    class Loose:  # the four calls, but not an Exchange
+        def add(self, name, state, grad, finite): return None
+        def results(self, choice=None): return {}
+        def end_step(self, skipped): pass
+        def abort(self): pass
+
+    with pytest.raises(TypeError, match="Loose must subclass accordion_hvd.exchange.Exchange"):
+        register(acc.codecs.Codec, Loose)
+
+
 def test_a_subclass_of_a_codec_is_carried_by_its_bases_exchange():
     from accordion_hvd.exchange import PowerSGDExchange, exchange_for
 

@@ -8,11 +8,11 @@ import math
 import pytest
 
 import accordion_hvd as acc
-from accordion_hvd.policies import WindowReport
+from accordion_hvd.policies import IntervalReport
 
 
-def window(norm, decreased=False):
-    return WindowReport(norms={"model": norm}, steps=64, lr_decreased=decreased)
+def window(norm, decreased=False, step_s=None, round_s=None):
+    return IntervalReport(norm=norm, steps=64, lr_decreased=decreased, step_s=step_s, round_s=round_s)
 
 
 def test_the_ladder_is_climbed_while_calm_and_left_at_once_when_critical():
@@ -32,6 +32,26 @@ def test_a_non_finite_norm_goes_to_the_first_rung_and_keeps_the_reference_norm()
     assert policy.interval == 8
     assert policy.end_window(window(math.nan)) == 1
     assert policy.end_window(window(5.1)) == 8  # compared with 5.0, not with NaN
+
+
+def test_the_floor_is_the_first_rung_whose_rounds_cost_at_most_the_overhead_of_a_step():
+    policy = acc.SyncInterval()  # overhead 0.1
+    # a round as long as 1/3 of a step: 0.1 / 1 > 0.03, 0.1 / 4 <= 0.03: the floor is 4
+    assert policy.end_window(window(5.0, step_s=0.3, round_s=0.1)) == 4 and policy.floor == 4
+    assert policy.end_window(window(5.0, step_s=0.3, round_s=0.1)) == 16  # calm: up from 4
+    assert policy.end_window(window(1.0, step_s=0.3, round_s=0.1)) == 4  # critical: down to the floor, not to 1
+    assert policy.end_window(window(1.0, step_s=0.3)) == 16 and policy.floor == 4  # no round timed: floor kept
+    # a slow link: a round of 10 steps' time fits no rung's budget: the top rung, even when critical
+    assert policy.end_window(window(1.0, decreased=True, step_s=0.3, round_s=3.0)) == 64
+    # a fast one: the first rung again
+    assert policy.end_window(window(1.0, decreased=True, step_s=0.3, round_s=0.01)) == 1
+    free = acc.SyncInterval(overhead=None)
+    assert free.end_window(window(1.0, step_s=0.3, round_s=3.0)) == 1  # no link term
+
+
+def test_a_non_positive_overhead_is_refused_naming_it():
+    with pytest.raises(ValueError, match="overhead"):
+        acc.SyncInterval(overhead=0)
 
 
 @pytest.mark.parametrize("ladder", [(), (0, 4), (4, 1), (1, 3, 4), (1, 1, 4), (1, 2.5), "auto", (True, 2)])

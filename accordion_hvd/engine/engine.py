@@ -164,10 +164,9 @@ class StepEngine(Planes, BetweenSteps, WholeRoute):
         """Ask that ``name``'s result this step be written into ``target`` (same shape and
         dtype as its gradient; its values are not read). Returns whether the codec's exchange
         took it (PowerSGD's does, for a layer it compresses this step)."""
-        write = getattr(self._exchange, "write_into", None)
-        if write is None or name not in self.in_flight:
+        if self._exchange is None or name not in self.in_flight:
             return False
-        return write(name, target)
+        return self._exchange.write_into(name, target)
 
     # --- 2. finish ---------------------------------------------------------------------------
     def finish(self, route: str, name: str, tensor: torch.Tensor) -> torch.Tensor:
@@ -199,7 +198,7 @@ class StepEngine(Planes, BetweenSteps, WholeRoute):
         """Bytes a compressed layer put on the wire this step: the codec's ``bytes_sent`` where
         it has one (a payload whose size changes from step to step), else ``codec.wire`` at its
         level, worked out once per layer and level: not every step."""
-        bytes_sent = getattr(self.codec, "bytes_sent", None)
+        bytes_sent = getattr(self.codec, "bytes_sent", None)  # optional in the codec protocol (codecs/base.py)
         if bytes_sent is not None:
             return bytes_sent(layer)
         key = (layer.name, str(layer.level))

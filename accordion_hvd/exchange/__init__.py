@@ -7,19 +7,21 @@
   policy's choice, such as GraVAC's);
 * ``quantize``: Quantize's allgather of scales and integers per bucket.
 
-Each codec's exchange is a small object with the same four calls, which the step engine
-(engine/engine.py) drives without knowing the codec (``registry.py`` pairs each codec with its
-exchange): ``add(name, state, grad, finite)`` as each
-gradient arrives, ``results()`` at the first decompress, ``end_step(skipped)`` to commit the
-step's error feedback or roll it back, ``abort()`` when Elastic drops a step.
+Each codec's exchange is an ``Exchange`` (base.py: the written contract, the shared
+constructor and the optional parts' defaults), which the step engine (engine/engine.py) drives
+without knowing the codec (``registry.py`` pairs each codec with its exchange):
+``add(name, state, grad, finite)`` as each gradient arrives, ``results()`` at the first
+decompress, ``end_step(skipped)`` to commit the step's error feedback or roll it back,
+``abort()`` when Elastic drops a step.
 """
 
 from .buckets import (BUCKET_BYTES, FIRST_BUCKET_BYTES, Round1, agree_layout, arrived, bytes_of, lane,
                       plan_buckets, split_bytes)
+from .base import Exchange
 from .registry import exchange_for, make_exchange, register
 from .powersgd import PowerSGDExchange  # noqa: E402 - each registers itself with its codec
 from .quantize import QuantizeExchange  # noqa: E402
 from .topk import TopKExchange  # noqa: E402
 
-__all__ = ["BUCKET_BYTES", "FIRST_BUCKET_BYTES", "PowerSGDExchange", "QuantizeExchange", "Round1", "TopKExchange", "agree_layout",
+__all__ = ["BUCKET_BYTES", "Exchange", "FIRST_BUCKET_BYTES", "PowerSGDExchange", "QuantizeExchange", "Round1", "TopKExchange", "agree_layout",
            "arrived", "bytes_of", "exchange_for", "lane", "make_exchange", "plan_buckets", "register", "split_bytes"]

@@ -48,44 +48,34 @@ from typing import Any
 
 import torch
 
-from ..comm.channel import Channel
-from ..counters import Counters
 from ..codecs import PowerSGD
 from ..flags import either, finite_flag
 from ..levels import DENSE
-from .buckets import BUCKET_BYTES, DEFERRED, FIRST_BUCKET_BYTES, Round1, lane
+from .buckets import DEFERRED, lane
+from .base import Exchange
 from .registry import register
 
 
-class PowerSGDExchange:
-    """One step at a time: ``add`` each layer as its gradient arrives, ``results`` at the
-    first decompress, ``end_step`` once the step is settled.
+class PowerSGDExchange(Exchange):
+    """PowerSGD's exchange (module doc; the contract and the arguments: exchange/base.py). Its
+    Q rounds go on the data plane's lane "q"."""
 
-    Args:
-        codec: the ``acc.PowerSGD`` doing the math.
-        channel: the data plane; Q rounds go on its lane "q".
-        counters: the engine's counters (accordion_hvd/counters.py): adds its "compress" (math) and
-            "comm" (waits) seconds.
-        per_step: the registry's common argument; a per-step policy is refused.
-    """
+    round1_kind, round1_prefix = "allreduce", "acc.P"
 
-    def __init__(self, codec, channel: Channel, *, first_cap: int = FIRST_BUCKET_BYTES, cap: int = BUCKET_BYTES,
-                 counters: Counters | None = None, per_step: bool = False) -> None:
-        if per_step:
-            raise ValueError("PowerSGD measures no per-step gain: a per-step policy needs the TopK codec")
-        self.codec, self.channel = codec, channel
-        self.round1 = Round1(channel, "allreduce", "acc.P", first_cap=first_cap, cap=cap, encode=self._encode_bucket)
+    def __init__(self, codec, channel, **kwargs) -> None:
         self.q_lane = lane(channel, "q")
-        self.counters = counters if counters is not None else Counters()
-        self.seconds = self.counters.seconds
         self._finished: list[Any] = []  # layers finished this step: e = M - M_hat once it is not skipped
         self._finished_many: list[list[Any]] = []  # the same, a bucket's bucket-op layers at once
         self._ok: torch.Tensor | None = None  # no rank's gradient was non-finite (0-d bool), for those
         self._settle: list[Any] = []    # DENSE layers finished this step: e = 0 once it is not skipped
         self._sent_whole: list[tuple[Any, torch.dtype]] = []  # DENSE16 layers and the dtype they went in
-        self._begin()
+        super().__init__(codec, channel, **kwargs)
+
+    def _round1_encoder(self):
+        return self._encode_bucket
 
     def _begin(self) -> None:
+        super()._begin()
         self._layers: dict[str, tuple[Any, torch.Tensor]] = {}  # this step: name -> (state, where its result
                                                                  # goes: its gradient, or write_into's target)
         self._deferred: dict[str, tuple[Any, torch.Tensor, torch.Tensor]] = {}  # name -> (state, grad, finite)
@@ -96,8 +86,6 @@ class PowerSGDExchange:
         self._dense: dict[str, torch.Tensor] = {}               # DENSE layers' averaged M, once back
         self._next_q = 0        # the next bucket whose Q round is due, in layout order
         self._closed = False    # every P round issued
-        self.fault: torch.Tensor | None = None  # 0-d bool: some rank's gradient was not finite
-        self.errors: list[tuple[torch.Tensor, str]] = []  # none here (TopK's decode can find some)
 
     def add(self, name: str, state, grad: torch.Tensor, finite: torch.Tensor) -> torch.Tensor | None:
         """Layer ``name``'s gradient and its finite flag (0-d bool): M = grad + e and P = M Q;
@@ -195,7 +183,7 @@ class PowerSGDExchange:
             name = f"acc.Q.b{index}.{len(many) + len(single)}"
             self._q.append((index, many, single, self.q_lane.allreduce_mean_async(qs, name=name)))
 
-    def results(self) -> dict[str, torch.Tensor]:
+    def results(self, choice: Any = None) -> dict[str, torch.Tensor]:
         """Wait for the rest of the step's exchange; each layer's averaged gradient M_hat,
         shaped and typed like its gradient (zeros, for the compressed layers, if some rank's
         gradient was not finite)."""
@@ -257,12 +245,11 @@ class PowerSGDExchange:
 
     def abort(self) -> None:
         """Forget the step in flight (its collectives will never complete)."""
-        self.round1.begin_step()
         for states in self._finished_many:  # e keeps M, as a skipped step's; drop the factors
             for state in states:
                 state.factors = None
         self._finished, self._finished_many, self._settle, self._sent_whole, self._ok = [], [], [], [], None
-        self._begin()
+        super().abort()
 
 
 register(PowerSGD, PowerSGDExchange)

@@ -22,40 +22,20 @@ from typing import Any
 import torch
 
 from ..codecs.quantize import Quantize
-from ..comm.channel import Channel
-from ..counters import Counters
 from ..flags import either, finite_flag
-from .buckets import BUCKET_BYTES, FIRST_BUCKET_BYTES, Round1
+from .base import Exchange
 from .registry import register
 
 
-class QuantizeExchange:
-    """One step at a time: ``add`` each layer as its gradient arrives, ``results`` at the
-    first decompress, ``end_step`` once the step is settled.
+class QuantizeExchange(Exchange):
+    """Quantize's exchange (module doc; the contract and the arguments: exchange/base.py)."""
 
-    Args:
-        codec: the ``acc.Quantize`` doing the math.
-        channel: the data plane.
-        counters: the engine's counters (accordion_hvd/counters.py): adds its "compress" (math) and
-            "comm" (waits) seconds.
-        per_step: the registry's common argument; a per-step policy is refused.
-    """
-
-    def __init__(self, codec, channel: Channel, *, first_cap: int = FIRST_BUCKET_BYTES, cap: int = BUCKET_BYTES,
-                 counters: Counters | None = None, per_step: bool = False) -> None:
-        if per_step:
-            raise ValueError("Quantize measures no per-step gain: a per-step policy needs the TopK codec")
-        self.codec, self.channel = codec, channel
-        self.round1 = Round1(channel, "allgather", "acc.quant", first_cap=first_cap, cap=cap)
-        self.counters = counters if counters is not None else Counters()
-        self.seconds = self.counters.seconds
-        self._begin()
+    round1_kind, round1_prefix = "allgather", "acc.quant"
 
     def _begin(self) -> None:
+        super()._begin()
         self._layers: dict[str, tuple[Any, torch.Tensor]] = {}  # name -> (state, grad), gathered this step
         self._settle: list = []   # f(done): each layer's error feedback, once the step is settled
-        self.fault: torch.Tensor | None = None  # 0-d bool: some rank's gradient was not finite
-        self.errors: list[tuple[torch.Tensor, str]] = []
 
     def add(self, name: str, state, grad: torch.Tensor, finite: torch.Tensor) -> torch.Tensor | None:
         """Layer ``name``'s gradient and its finite flag (0-d bool). Returns the tensor the
@@ -75,7 +55,7 @@ class QuantizeExchange:
         return None
 
     @torch.no_grad()
-    def results(self) -> dict[str, torch.Tensor]:
+    def results(self, choice: Any = None) -> dict[str, torch.Tensor]:
         """Wait for the step's exchange; each gathered layer's averaged gradient."""
         started = time.perf_counter()
         try:
@@ -99,11 +79,5 @@ class QuantizeExchange:
         if self.round1.active:  # only DENSE16 layers this step: nothing was waited for
             self.round1.results()
         self._begin()
-
-    def abort(self) -> None:
-        """Forget the step in flight (its collectives will never complete)."""
-        self.round1.begin_step()
-        self._begin()
-
 
 register(Quantize, QuantizeExchange)

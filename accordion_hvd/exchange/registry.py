@@ -13,8 +13,13 @@ _EXCHANGES: dict[type, type] = {}
 
 def register(codec_type: type, exchange_type: type) -> None:
     """Carry every codec of ``codec_type`` (and its subclasses) with ``exchange_type``."""
+    from .base import Exchange
+
     if not isinstance(codec_type, type) or not isinstance(exchange_type, type):
         raise TypeError(f"register(codec_type, exchange_type) takes two classes, got {codec_type!r}, {exchange_type!r}")
+    if not issubclass(exchange_type, Exchange):
+        raise TypeError(f"register: {exchange_type.__name__} must subclass accordion_hvd.exchange.Exchange (the "
+                        f"engine's contract, exchange/base.py)")
     _EXCHANGES[codec_type] = exchange_type
 
 

@@ -39,46 +39,35 @@ import torch
 from .. import ops
 from ..codecs import TopK
 from ..flags import either, finite_flag, nan_unless
-from ..comm.channel import Channel
-from ..counters import Counters
 from ..levels import DENSE
-from .buckets import BUCKET_BYTES, DEFERRED, FIRST_BUCKET_BYTES, Round1, bytes_of, split_bytes
+from .buckets import DEFERRED, bytes_of, split_bytes
+from .base import Exchange
 from .registry import register
 
 
-class TopKExchange:
-    """One step at a time: ``add`` each layer as its gradient arrives, ``results`` at the
-    first decompress, ``end_step`` once the step is settled.
+class TopKExchange(Exchange):
+    """TopK's exchange (module doc; the contract and the arguments: exchange/base.py). With a
+    per-step policy: ``plan_step`` each step before its first ``add``, ``gains`` before
+    ``results(choice)``; the counters' floats sent are corrected to the level chosen."""
 
-    Args:
-        codec: the ``acc.TopK`` doing the math.
-        channel: the data plane.
-        counters: the engine's counters (accordion_hvd/counters.py): adds its "compress" (math) and
-            "comm" (waits) seconds and, with a per-step policy, corrects each layer's floats sent.
-        per_step: True when the policy decides per step: then ``plan_step`` each step before
-            its first ``add``, and ``gains`` before ``results(choice)``.
-    """
+    measures_gain = True
+    round1_kind, round1_prefix = "allgather", "acc.topk"
 
-    def __init__(self, codec, channel: Channel, *, first_cap: int = FIRST_BUCKET_BYTES, cap: int = BUCKET_BYTES,
-                 counters: Counters | None = None, per_step: bool = False) -> None:
-        self.codec, self.channel = codec, channel
-        self.round1 = Round1(channel, "allgather", "acc.topk", first_cap=first_cap, cap=cap,
-                             encode=self._encode_bucket)
-        self.counters = counters if counters is not None else Counters()
-        self.seconds = self.counters.seconds
-        self.per_step = bool(per_step)
+    def __init__(self, codec, channel, **kwargs) -> None:
         self._step_levels: tuple = ()  # per-step policies: the levels asked about this step
-        self._begin()
+        super().__init__(codec, channel, **kwargs)
+
+    def _round1_encoder(self):
+        return self._encode_bucket
 
     def _begin(self) -> None:
+        super()._begin()
         # name -> (state, grad, (values, indices), finite flag)
         self._layers: dict[str, tuple[Any, torch.Tensor, tuple, torch.Tensor]] = {}
         self._undo: list = []     # (state, values, indices): back into e if the step is skipped
         self._undo_buckets: list = []  # (states, payload, ks, finite flags): the same, a bucket at once
         self._deferred: dict[str, tuple[Any, torch.Tensor, torch.Tensor]] = {}  # name -> (state, grad, finite)
         self._settle: list = []   # f(done): finish a dense layer's error feedback if it is not
-        self.fault: torch.Tensor | None = None  # 0-d bool: some rank's gradient was not finite
-        self.errors: list[tuple[torch.Tensor, str]] = []  # (0-d bool, what it means): fail the run if set
 
     def add(self, name: str, state, grad: torch.Tensor, finite: torch.Tensor) -> torch.Tensor | None:
         """Layer ``name``'s gradient and its finite flag (0-d bool). Returns the tensor Horovod
@@ -235,11 +224,6 @@ class TopKExchange:
             action(done)
         if self.round1.active:  # only dense-level layers this step: nothing was waited for
             self.round1.results()
-        self._begin()
-
-    def abort(self) -> None:
-        """Forget the step in flight (its collectives will never complete)."""
-        self.round1.begin_step()
         self._begin()
 
 

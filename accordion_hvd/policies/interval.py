@@ -8,22 +8,28 @@ window of ``window`` inner steps (the ladder's largest rung, which every rung di
 window always ends on a round of any rung):
 
 - **critical** (the first window, and the one after it, which has no earlier norm to compare
-  with; a window in which the learning rate went down; a window
-  whose model gradient norm moved by ``eta`` or more relative to the previous window's: the
-  paper's test, on the whole model): the next window synchronises at the ladder's first rung;
-- **normal** otherwise: one rung up the ladder, so the interval grows by the ladder's steps
-  while training stays calm (as a congestion window does), and falls to the first rung at
-  once when a regime starts.
+  with; a window in which the learning rate went down; a window whose model gradient norm
+  moved by ``eta`` or more relative to the previous window's: the paper's test, on the whole
+  model): the next window synchronises at the **floor** rung;
+- **calm** otherwise: one rung up the ladder, so the interval grows by the ladder's steps
+  while training stays calm (as a congestion window does), and falls to the floor at once
+  when a regime starts.
 
-With the default ladder (1, 4, 16, 64) the first rung is 1: in a critical window every inner
-step is followed by a round, which averages the ranks' models every step (DiLoCo's round then
-averages plainly, no outer momentum: accordion_hvd/diloco.py), the per-step path. The
-compression level of each round is the compressor's own policy's, on its own windows of
-rounds (docs/diloco.md says why: a round's pseudo-gradient is a layer like any gradient).
+**The floor is where the link allows** (``overhead``): the smallest rung at which a round,
+spread over the rung's inner steps, costs at most ``overhead`` (0.1) of an inner step, both
+measured on this job over the last window (``IntervalReport.round_s`` and ``step_s``). On a
+fast link it is the first rung (1: a round after every inner step, which averages the ranks'
+models plainly, no outer momentum: the per-step path, accordion_hvd/diloco.py); where a
+round takes as long as ten inner steps it is 16 with the default ladder (1, 4, 16, 64), so a
+critical regime on a slow link still synchronises as often as the link can afford rather
+than making every step wait for it. Before the first measurement the floor is the first rung.
+``overhead=None``: no link term, the floor is always the first rung.
 
-The report is the controller's ``WindowReport`` with one entry in ``norms`` (the model's
-gradient norm over the window, the mean over ranks of each rank's squared norm, reduced by
-the front end): the same numbers on every rank, hence the same interval.
+The compression level of each round is the compressor's own policy's, on its own windows of
+rounds (docs/api.md says why: a round's pseudo-gradient is a layer like any gradient).
+
+The report (``IntervalReport``) holds numbers reduced across ranks by the front end, the same
+on every rank, hence the same interval everywhere.
 """
 
 from __future__ import annotations
@@ -31,13 +37,33 @@ from __future__ import annotations
 import logging
 import math
 import numbers
+from dataclasses import dataclass
 
 from ..levels import positive_number
-from .base import WindowReport
 
 log = logging.getLogger("accordion_hvd.policies")
 
 LADDER = (1, 4, 16, 64)
+
+
+@dataclass(frozen=True)
+class IntervalReport:
+    """One window of inner steps, the same on every rank.
+
+    norm: the model's gradient norm over the window (the square root of the mean over its
+        steps and over ranks of each rank's squared gradient norm).
+    steps: inner steps in the window.
+    lr_decreased: whether the inner optimizer's learning rate went down in the window.
+    step_s: an inner step's wall time, rounds excluded (median over the window, mean over
+        ranks); None if not measured.
+    round_s: a round's wall time (mean over the window's rounds and over ranks); None if no
+        round was measured.
+    """
+    norm: float
+    steps: int
+    lr_decreased: bool = False
+    step_s: float | None = None
+    round_s: float | None = None
 
 
 class SyncInterval:
@@ -45,11 +71,13 @@ class SyncInterval:
         ladder: the intervals it chooses from, increasing positive integers, each dividing
             the last (the window).
         eta: the threshold on the relative change of the window's gradient norm (paper: 0.5).
+        overhead: the floor rung is the smallest at which a round costs at most this
+            fraction of an inner step (module doc); None: always the first rung.
     """
 
     name = "accordion-interval"
 
-    def __init__(self, ladder: tuple[int, ...] = LADDER, eta: float = 0.5) -> None:
+    def __init__(self, ladder: tuple[int, ...] = LADDER, eta: float = 0.5, overhead: float | None = 0.1) -> None:
         ladder = tuple(ladder) if isinstance(ladder, (tuple, list)) else ladder
         if (not isinstance(ladder, tuple) or not ladder
                 or any(isinstance(r, bool) or not isinstance(r, numbers.Integral) or r < 1 for r in ladder)
@@ -58,40 +86,46 @@ class SyncInterval:
                              f"such as {LADDER}; got {ladder!r}")
         self.ladder = tuple(int(r) for r in ladder)
         self.eta = float(positive_number("eta", eta))
+        self.overhead = None if overhead is None else float(positive_number("overhead", overhead))
         self.window = self.ladder[-1]  # inner steps per decision
-        self.interval = self.ladder[0]  # the start is critical
+        self.interval = self.floor = self.ladder[0]  # the start is critical; no link measured yet
         self.windows = 0
         self._prev: float | None = None
 
     def __repr__(self) -> str:
-        return f"SyncInterval(ladder={self.ladder}, eta={self.eta})"
+        return f"SyncInterval(ladder={self.ladder}, eta={self.eta}, overhead={self.overhead})"
 
-    def config(self) -> dict:
-        return {"interval_policy": self.name, "ladder": list(self.ladder), "interval_eta": self.eta}
-
-    def end_window(self, report: WindowReport) -> int:
+    def end_window(self, report: IntervalReport) -> int:
         """The interval of the next window (see module doc)."""
-        (norm,) = report.norms.values()
         self.windows += 1
-        if not math.isfinite(norm):
-            log.warning("SyncInterval: window of %d steps had a non-finite gradient norm; the first rung next",
+        self.floor = self._floor(report)
+        if not math.isfinite(report.norm):
+            log.warning("SyncInterval: window of %d steps had a non-finite gradient norm; the floor rung next",
                         report.steps)
-            self.interval = self.ladder[0]
+            self.interval = self.floor
             return self.interval
-        prev, self._prev = self._prev, norm
-        critical = report.lr_decreased or prev is None or prev == 0 or abs(prev - norm) / prev >= self.eta
-        if critical:
-            self.interval = self.ladder[0]
-        else:
-            self.interval = self.ladder[min(self.ladder.index(self.interval) + 1, len(self.ladder) - 1)]
+        prev, self._prev = self._prev, report.norm
+        critical = (report.lr_decreased or prev is None or prev == 0
+                    or abs(prev - report.norm) / prev >= self.eta)
+        up = self.ladder[min(self.ladder.index(self.interval) + 1, len(self.ladder) - 1)]
+        self.interval = self.floor if critical else max(self.floor, up)
         return self.interval
 
+    def _floor(self, report: IntervalReport) -> int:
+        """The smallest rung whose rounds cost at most ``overhead`` of an inner step."""
+        if self.overhead is None:
+            return self.ladder[0]
+        if report.step_s is None or report.round_s is None or not report.step_s > 0:
+            return self.floor  # nothing measured this window: as before
+        return next((r for r in self.ladder if report.round_s / r <= self.overhead * report.step_s), self.ladder[-1])
+
     def state_dict(self) -> dict:
-        return {"interval": self.interval, "windows": self.windows, "prev": self._prev}
+        return {"interval": self.interval, "floor": self.floor, "windows": self.windows, "prev": self._prev}
 
     def load_state_dict(self, state: dict) -> None:
         if state["interval"] not in self.ladder:
             raise ValueError(f"SyncInterval: the saved interval {state['interval']} is not on this ladder "
                              f"{self.ladder}; resume with the ladder it was saved with")
         self.interval, self.windows = int(state["interval"]), int(state["windows"])
+        self.floor = int(state.get("floor", self.ladder[0]))
         self._prev = None if state["prev"] is None else float(state["prev"])

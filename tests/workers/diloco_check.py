@@ -16,7 +16,7 @@ MODE "nonfinite": a NaN in rank 1's parameters before round 2: the round is skip
 rank, every rank back at the round's start, and the next round goes on.
 MODE "resume": a state_dict taken after 2 rounds, loaded into a fresh DiLoCo, continues bit
 for bit as the run that saved it.
-MODE "auto": sync_every=acc.SyncInterval((1, 2, 4), eta) step by step against a plain-torch
+MODE "auto": sync_every=acc.SyncInterval((1, 2, 4), eta, overhead=None: no clock) step by step against a plain-torch
 DiLoCo with the same interval rule written out here (gradient norms reduced per window, the
 ladder climbed while calm, the first rung after a learning-rate decay, a round at interval 1
 a plain average): the same intervals and parameters after every step, on every rank; the
@@ -242,8 +242,8 @@ elif mode == "resume":
     resumed, _ = run(4, saved)
     check(torch.equal(whole, resumed), f"resumed differs by {(whole - resumed).abs().max():.3g}")
     # sync_every="auto": saved mid-window (step 6 of windows of 4), the policy's state and the window's sum with it
-    whole, saved = run(8, sync_every=acc.SyncInterval(LADDER, eta=CALM))
-    resumed, _ = run(8, saved, sync_every=acc.SyncInterval(LADDER, eta=CALM))
+    whole, saved = run(8, sync_every=acc.SyncInterval(LADDER, eta=CALM, overhead=None))
+    resumed, _ = run(8, saved, sync_every=acc.SyncInterval(LADDER, eta=CALM, overhead=None))
     check(torch.equal(whole, resumed), f"auto: resumed differs by {(whole - resumed).abs().max():.3g}")
     say(f"rank {rank}: OK resume")
 elif mode == "auto":
@@ -258,7 +258,7 @@ elif mode == "auto":
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     codec = acc.TopK(1.0, min_compression_rate=0.5)
     diloco = acc.DiLoCo(model, opt, acc.AccordionCompressor(codec, policy="static"),
-                        sync_every=acc.SyncInterval(LADDER, eta=CALM))
+                        sync_every=acc.SyncInterval(LADDER, eta=CALM, overhead=None))
     checked_synced = False
     for i, (interval, params) in enumerate(expected):
         if i == DECAY:
