@@ -32,7 +32,14 @@ Only the communication differs between methods:
   group of their own (``ddp_train.group_per_bucket``), the fix of the race through which the
   hook aborts with several buckets (most 4-node runs of ``ddp-r1``, ``ddp-r4``);
 * ``ddp-ours-r1``, ``ddp-ours-r4``, ``ddp-ours-accordion``: the same DDP with our compressor
-  as its comm hook (``acc.register_ddp_hook``), configured as ``ours-*``.
+  as its comm hook (``acc.register_ddp_hook``), configured as ``ours-*``;
+* protocol evidence-v3's methods: ``ours-default`` (``acc.AccordionCompressor()`` in Horovod's
+  ``DistributedOptimizer``, quiet cycle), and the periodic ones under torchrun, timed over whole
+  periods (``period_step_s``: the mean step over the periods after the warmup, a sync
+  included): ``localsgd-p4`` (PyTorch's post-local SGD, period 4, in its local phase from the
+  first step), ``diloco-hH`` (DiLoCo as published, the CLI's plain-torch one, every H steps)
+  and ``diloco-ours-hH`` (``acc.DiLoCo`` with the default compressor, every H steps), H in
+  16, 64, 256.
 
 Rank 0 writes a JSON file: per-step wall times (and, for ours, the compressor's seconds in
 compression and in waiting on its collectives, in all and during backward, each
@@ -63,6 +70,9 @@ HVD = ("hvd-idle", "hvd-fp32", "hvd-fp16", "ours-r1", "ours-r4", "ours-accordion
        "ours-network-aware-fp16", "ours-topk1", "ours-topk10", "plain-topk1")
 DDP = ("ddp-idle", "ddp-fp32", "ddp-fp16", "ddp-r1", "ddp-r4", "ddp-pg-r1", "ddp-pg-r4", "ddp-ours-r1", "ddp-ours-r4",
        "ddp-ours-accordion")
+PERIODIC = ("localsgd-p4", *(f"diloco{ours}-h{h}" for ours in ("", "-ours") for h in (16, 64, 256)))
+HVD += ("ours-default",)
+DDP += PERIODIC  # under torchrun
 METHODS = ("floor", *HVD, *DDP)
 FIRST, LAST = 3, 12  # the median is over steps FIRST+1..LAST (the first steps warm up), or to --steps - 2
 
@@ -70,16 +80,19 @@ FIRST, LAST = 3, 12  # the median is over steps FIRST+1..LAST (the first steps w
 LM_VOCABULARY, LM_SEQ_LEN = 7783, 35  # the text task's vocabulary (benchmarks/results/lm-smoke) and sequences
 
 
-class FlatLanguageModel(torch.nn.Module):
-    """The text task's LSTM with its logits flattened to (tokens, vocabulary), so that the
-    loop's ``cross_entropy(net(x), y)`` is the language-modelling loss."""
+HELD_OUT_VOCABULARY = 8000  # the held-out corpus's, to the nearest thousand (its runs' logs state it)
 
-    def __init__(self) -> None:
+
+class FlatLanguageModel(torch.nn.Module):
+    """A language model with its logits flattened to (tokens, vocabulary), so that the loop's
+    ``cross_entropy(net(x), y)`` is the language-modelling loss."""
+
+    def __init__(self, lm: torch.nn.Module, vocabulary: int) -> None:
         super().__init__()
-        self.lm = models.LSTMLanguageModel(LM_VOCABULARY)
+        self.lm, self.vocabulary = lm, vocabulary
 
     def forward(self, tokens):
-        return self.lm(tokens).reshape(-1, LM_VOCABULARY)
+        return self.lm(tokens).reshape(-1, self.vocabulary)
 
 
 def build_model(name: str):
@@ -89,16 +102,20 @@ def build_model(name: str):
     if name == "cnn-wide":
         return models.WideCNN(channels=1), (1, 8, 8)
     if name == "lstm":
-        return FlatLanguageModel(), None
-    raise ValueError(f"--model must be resnet18, cnn-wide or lstm, got {name!r}")
+        return FlatLanguageModel(models.LSTMLanguageModel(LM_VOCABULARY), LM_VOCABULARY), None
+    if name == "transformer":
+        return FlatLanguageModel(models.TransformerLanguageModel(LM_VOCABULARY, context=LM_SEQ_LEN), LM_VOCABULARY), None
+    if name == "gru":
+        return FlatLanguageModel(models.GRULanguageModel(HELD_OUT_VOCABULARY), HELD_OUT_VOCABULARY), None
+    raise ValueError(f"--model must be resnet18, cnn-wide, lstm, transformer or gru, got {name!r}")
 
 
-def batches(shape, batch_size: int, count: int = 4):
+def batches(shape, batch_size: int, count: int = 4, vocabulary: int = LM_VOCABULARY):
     """Synthetic batches: images of ``shape`` and 10 classes, or (shape None) token
     sequences and their next tokens, flattened."""
     gen = torch.Generator().manual_seed(1)
     if shape is None:
-        tokens = [torch.randint(0, LM_VOCABULARY, (batch_size, LM_SEQ_LEN + 1), generator=gen) for _ in range(count)]
+        tokens = [torch.randint(0, vocabulary, (batch_size, LM_SEQ_LEN + 1), generator=gen) for _ in range(count)]
         return [(t[:, :-1], t[:, 1:].reshape(-1)) for t in tokens]
     return [(torch.randn(batch_size, *shape, generator=gen), torch.randint(0, 10, (batch_size,), generator=gen))
             for _ in range(count)]
@@ -164,6 +181,7 @@ def our_compressor(kind: str):
                                                               policy=acc.policies.NetworkAware(dense="fp16")),
         "topk1": lambda: acc.AccordionCompressor(acc.TopK(0.01), policy="static"),
         "topk10": lambda: acc.AccordionCompressor(acc.TopK(0.1), policy="static"),
+        "default": lambda: acc.AccordionCompressor(),
     }[kind]()
 
 
@@ -174,11 +192,43 @@ def keep_bucket(state, bucket):  # unannotated: DDP checks a hook's annotation, 
     return done
 
 
-def setup(method: str, model, lr: float):
-    """The optimizer (and what the loop calls after backward) for METHOD; rank and size."""
-    opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
+def periodic(method: str, model, opt):
+    """(the optimizer to step, what runs after it, rank, size) of a PERIODIC method."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    if method == "localsgd-p4":
+        from torch.distributed.algorithms.ddp_comm_hooks.post_localSGD_hook import PostLocalSGDState, post_localSGD_hook
+        from torch.distributed.algorithms.model_averaging.averagers import PeriodicModelAverager
+        from torch.distributed.optim import PostLocalSGDOptimizer
+        from torch.nn.parallel import DistributedDataParallel
+        ddp = DistributedDataParallel(model)
+        per_node = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        state = PostLocalSGDState(process_group=None, subgroup=dist.new_subgroups(group_size=per_node)[0],
+                                  start_localSGD_iter=0)
+        ddp.register_comm_hook(state, post_localSGD_hook)
+        opt = PostLocalSGDOptimizer(optim=opt, averager=PeriodicModelAverager(period=4, warmup_steps=0))
+        return ddp, opt, None, dist.get_rank(), dist.get_world_size()
+    h = int(method.rsplit("-h", 1)[1])
+    if method.startswith("diloco-ours-"):
+        import accordion_hvd as acc
+        diloco = acc.DiLoCo(model, opt, sync_every=h)
+    else:
+        from accordion_hvd.cli.baselines import Uncompressed
+        from accordion_hvd.cli.periodic import PlainDiLoCo
+        diloco = PlainDiLoCo(model, dist, Uncompressed("none"), h, 0.7, 0.9)
+    return model, opt, diloco.step, dist.get_rank(), dist.get_world_size()
+
+
+def setup(method: str, model, lr: float, optimizer: str = "sgd"):
+    """The optimizer (and what the loop calls after backward; for a periodic method, after
+    the optimizer's step) for METHOD; rank and size."""
+    opt = (torch.optim.AdamW(model.parameters(), lr=lr) if optimizer == "adamw"
+           else torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9))
     if method == "floor":
         return model, opt, None, 0, 1, None
+    if method in PERIODIC:
+        return (*periodic(method, model, opt), None)
     if method in DDP:
         import torch.distributed as dist
         from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook as powersgd
@@ -269,6 +319,8 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=LAST + 2)
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--lr", type=float, default=0.01)
+    p.add_argument("--optimizer", choices=("sgd", "adamw"), default="sgd",
+                   help="the task's (evidence-v3: adamw for the transformer and the GRU)")
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                    help="cuda: model and batches on GPU local rank mod the GPU count; every phase boundary "
@@ -278,8 +330,11 @@ def main() -> None:
     device = worker_device(args.device)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     model, shape = build_model(args.model)
-    net, opt, after_backward, rank, size, compression = setup(args.method, model.to(device), args.lr)
-    data = [(x.to(device), y.to(device)) for x, y in batches(shape, args.batch_size)]
+    net, opt, after_backward, rank, size, compression = setup(args.method, model.to(device), args.lr, args.optimizer)
+    after_step = after_backward if args.method in PERIODIC else None  # a periodic method's round, when due
+    after_backward = None if args.method in PERIODIC else after_backward
+    vocabulary = model.vocabulary if isinstance(model, FlatLanguageModel) else LM_VOCABULARY
+    data = [(x.to(device), y.to(device)) for x, y in batches(shape, args.batch_size, vocabulary=vocabulary)]
     walls, phases, ours_s, starts, levels, decisions, cpu_marks = [], [], [], [], [], [], []
     before = dict(compression.seconds) if compression is not None else None
     start = time.perf_counter()
@@ -302,6 +357,8 @@ def main() -> None:
         if after_backward is not None:
             after_backward()
         opt.step()
+        if after_step is not None:
+            after_step()
         sync()
         t3 = time.perf_counter()
         walls.append(t3 - t0)
@@ -333,6 +390,13 @@ def main() -> None:
                   "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
                   "step_s": statistics.median(window), "walls": walls, "phases": phases, "ours": ours_s,
                   "total_s": total, "loss": loss.item(), "ranks": ranks, "cpu": cpu}
+        if args.method in PERIODIC:  # whole periods after the first: a sync in each
+            period = 4 if args.method == "localsgd-p4" else int(args.method.rsplit("-h", 1)[1])
+            whole = (len(walls) - period) // period * period
+            if whole < period:
+                raise SystemExit(f"{args.method}: --steps {args.steps} holds no whole period after the first "
+                                 f"({period} steps): give at least {2 * period}")
+            result["period_step_s"] = sum(walls[period:period + whole]) / whole
         if compression is not None:
             result["floats_sent"] = compression.stats()["floats_sent"]
             result["step_starts"], result["collectives"] = starts, timed

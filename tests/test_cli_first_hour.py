@@ -130,7 +130,9 @@ def test_epoch_end_is_called_only_for_epoch_windows(monkeypatch, interval, calls
     monkeypatch.setattr(train, "evaluate", lambda *args: 0.5)
     args = train.parse_args(["--interval", str(interval), "--epochs", "3"])
     task = train.Task(train=None, valid=None, test=None, metric="accuracy", classes=10)
-    one_rank = type("OneRank", (), {"rank": 0, "sum": lambda self, values, name: values})()
+    from accordion_hvd.cli.frontends import FrontEnd  # the face's defaults (evaluating, record)
+
+    one_rank = type("OneRank", (FrontEnd,), {"rank": 0, "sum": lambda self, values, name: values})()
     run = train.Run(args, front=one_rank, device=None, task=task, model=torch.nn.Linear(2, 2), net=None, opt=None,
                     compression=Recorder("compression"), batch=Recorder("batch"), base_lr=0.02)
     bar = type("Bar", (), {"set_postfix": lambda self, **kw: None})()
