@@ -83,10 +83,12 @@ class LSTMLanguageModel(nn.Module):
     (4 dim x dim) input and recurrent weights; the biases go dense.
     """
 
+    cell, cell_name = nn.LSTM, "lstm"  # the recurrent cell, and the attribute (its parameters' names) it is under
+
     def __init__(self, vocabulary: int, dim: int = 128, layers: int = 2, dropout: float = 0.2) -> None:
         super().__init__()
         self.embedding = nn.Embedding(vocabulary, dim)
-        self.lstm = nn.LSTM(dim, dim, num_layers=layers, dropout=dropout, batch_first=True)
+        setattr(self, self.cell_name, self.cell(dim, dim, num_layers=layers, dropout=dropout, batch_first=True))
         self.drop = nn.Dropout(dropout)
         self.decoder = nn.Linear(dim, vocabulary)
         self.decoder.weight = self.embedding.weight  # tied
@@ -95,28 +97,18 @@ class LSTMLanguageModel(nn.Module):
 
     def forward(self, tokens):
         """(batch, time) token ids -> (batch, time, vocabulary) logits of the next token."""
-        hidden, _ = self.lstm(self.drop(self.embedding(tokens)))
+        hidden, _ = getattr(self, self.cell_name)(self.drop(self.embedding(tokens)))
         return self.decoder(self.drop(hidden))
 
 
-class GRULanguageModel(nn.Module):
+class GRULanguageModel(LSTMLanguageModel):
     """A 2-layer GRU language model, 192 wide, tied embeddings: protocol evidence-v3's held-out
     model (a recurrent cell the project never trained before, on text it never used)."""
 
-    def __init__(self, vocabulary: int, dim: int = 192, layers: int = 2, dropout: float = 0.2) -> None:
-        super().__init__()
-        self.embedding = nn.Embedding(vocabulary, dim)
-        self.gru = nn.GRU(dim, dim, num_layers=layers, dropout=dropout, batch_first=True)
-        self.drop = nn.Dropout(dropout)
-        self.decoder = nn.Linear(dim, vocabulary)
-        self.decoder.weight = self.embedding.weight  # tied
-        nn.init.uniform_(self.embedding.weight, -0.1, 0.1)
-        nn.init.zeros_(self.decoder.bias)
+    cell, cell_name = nn.GRU, "gru"
 
-    def forward(self, tokens):
-        """(batch, time) token ids -> (batch, time, vocabulary) logits of the next token."""
-        hidden, _ = self.gru(self.drop(self.embedding(tokens)))
-        return self.decoder(self.drop(hidden))
+    def __init__(self, vocabulary: int, dim: int = 192, layers: int = 2, dropout: float = 0.2) -> None:
+        super().__init__(vocabulary, dim, layers, dropout)
 
 
 class _DecoderBlock(nn.Module):
