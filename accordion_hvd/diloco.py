@@ -167,20 +167,10 @@ class DiLoCo:
             self.window.step_ended()
         return due
 
-    @contextlib.contextmanager
     def synced(self):
         """The model of the last round (the same on every rank) in place of this rank's local
         one while the block runs (to evaluate it); the local parameters come back after."""
-        local = [param.detach().clone() for _, param in self.params]
-        with torch.no_grad():
-            for (_, param), start in zip(self.params, self.start):
-                param.copy_(start)
-        try:
-            yield
-        finally:
-            with torch.no_grad():
-                for (_, param), mine in zip(self.params, local):
-                    param.copy_(mine)
+        return swapped_in([param for _, param in self.params], self.start)
 
     @torch.no_grad()
     def sync(self) -> None:
@@ -320,6 +310,21 @@ class WindowStatistic:
         self.sum_sq, self.steps = state["sum_sq"], state["steps"]
         self.lr, self.lr_decreased = state["lr"], state["lr_decreased"]
         self.step_s, self.round_s = list(state["step_s"]), list(state["round_s"])
+
+
+@contextlib.contextmanager
+def swapped_in(params: list[torch.Tensor], values: list[torch.Tensor]):
+    """``values`` in the parameters while the block runs; the parameters' own after it."""
+    own = [p.detach().clone() for p in params]
+    with torch.no_grad():
+        for p, value in zip(params, values):
+            p.copy_(value.view_as(p))
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for p, mine in zip(params, own):
+                p.copy_(mine)
 
 
 def _horovod_size() -> int | None:

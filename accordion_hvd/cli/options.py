@@ -13,6 +13,7 @@ from ..horovod.compressor import AccordionCompressor
 from ..policies import Accordion, GraVAC, LinkGate, NetworkAware
 from .baselines import Uncompressed
 from .frontends import LAUNCHERS
+from .periodic import SYNCS
 
 CODECS = ("default", "none", "fp16", "bf16", "powersgd", "topk", "quantize")
 OURS = ("powersgd", "topk", "quantize")  # codecs of ours chosen by flags (not "default")
@@ -142,7 +143,7 @@ def parse_args(argv=None, description: str | None = None) -> argparse.Namespace:
                         "(MixedPrecisionPolicy(reduce_dtype=...)); bfloat16 sends half the bytes there, and ours "
                         "writes its results into the float32 gradients (default: float32; --codec bf16 is FSDP's own "
                         "all-reduce in bfloat16)")
-    p.add_argument("--sync", choices=("every-step", "diloco", "torch-localsgd"), default="every-step",
+    p.add_argument("--sync", choices=SYNCS, default="every-step",
                    help="how often the ranks meet (--launcher ddp, under torchrun): every step, or periodically: "
                         "diloco (acc.DiLoCo with our compression; with --codec none DiLoCo as published, float32) "
                         "or torch-localsgd (PyTorch's PostLocalSGDOptimizer, --codec none)")

@@ -21,12 +21,12 @@ interval and the rounds so far in steps.csv (``sync_interval``, ``syncs``).
 
 from __future__ import annotations
 
-import contextlib
 import os
 
 import torch
 
 from ..compressor import Compressor
+from ..diloco import DiLoCo, swapped_in
 from .frontends import DDPFrontEnd
 
 SYNCS = ("every-step", "diloco", "torch-localsgd")
@@ -46,8 +46,6 @@ class DiLoCoFrontEnd(DDPFrontEnd):
     def wrap(self, model: torch.nn.Module, opt: torch.optim.Optimizer, compression, device: torch.device):
         broadcast_model(model, self.dist)  # every rank starts from rank 0's model, as DDP would
         if isinstance(compression, Compressor):
-            from ..diloco import DiLoCo
-
             self.periodic = DiLoCo(model, opt, compression, sync_every=self.sync_every, outer_lr=self.outer_lr,
                                    outer_momentum=self.outer_momentum)
             self.label = f"torchrun, DiLoCo (sync_every={self.sync_every}, our compression)"
@@ -133,7 +131,7 @@ class TorchLocalSGDFrontEnd(DDPFrontEnd):
         super().__init__(device_type)
         self.period, self.warmup = period, warmup
         self.label = f"torchrun, PyTorch's local SGD (period {period}, warmup {warmup} steps)"
-        self.interval, self.syncs, self.steps, self.params = 1, 0, 0, []
+        self.interval, self.syncs, self.steps, self.params, self.floats = 1, 0, 0, [], 0
 
     def wrap(self, model: torch.nn.Module, opt: torch.optim.Optimizer, compression, device: torch.device):
         from torch.distributed.algorithms.ddp_comm_hooks.post_localSGD_hook import (PostLocalSGDState,
@@ -152,17 +150,16 @@ class TorchLocalSGDFrontEnd(DDPFrontEnd):
         opt = PostLocalSGDOptimizer(optim=opt, averager=PeriodicModelAverager(period=self.period,
                                                                               warmup_steps=self.warmup))
         self.params = [p for p in model.parameters() if p.requires_grad]
-        self.compression = compression
+        self.floats = sum(p.numel() for p in self.params)
         return ddp, opt
 
     def step(self, opt, compression) -> None:
         opt.step()  # the averager: the parameters averaged at step warmup, then every period-th after it
         index, self.steps = self.steps, self.steps + 1  # PeriodicModelAverager's own count, from 0
-        floats = sum(p.numel() for p in self.params)
         sent = index < self.warmup or (index - self.warmup) % self.period == 0  # DDP's allreduce, or an average
         if index >= self.warmup:
             self.interval = self.period
-        compression.count(floats if sent else 0, dense=floats)
+        compression.count(self.floats if sent else 0, dense=self.floats)
         self.syncs += sent
 
     def evaluating(self):
@@ -181,18 +178,3 @@ def broadcast_model(model: torch.nn.Module, dist) -> None:
     with torch.no_grad():
         for tensor in [*model.parameters(), *model.buffers()]:
             dist.broadcast(tensor.data, src=0)
-
-
-@contextlib.contextmanager
-def swapped_in(params: list[torch.Tensor], values: list[torch.Tensor]):
-    """``values`` in the parameters while the block runs; the parameters' own after it."""
-    own = [p.detach().clone() for p in params]
-    with torch.no_grad():
-        for p, value in zip(params, values):
-            p.copy_(value.view_as(p))
-    try:
-        yield
-    finally:
-        with torch.no_grad():
-            for p, mine in zip(params, own):
-                p.copy_(mine)
