@@ -6,10 +6,10 @@ from, where its result goes); the step itself is this object's, numbered:
 
 1. ``add(name, tensor, target)`` for each layer: the engine routes it (its codec's exchange
    carries it, or our uncompressed round does); a layer the engine hands back (sent whole
-   this step: route DENSE) waits here for the buffer's averages. ``add_as_is`` takes a tensor
+   this step: ``Route.FRONT_END``) waits here for the buffer's averages. ``add_as_is`` takes a tensor
    the engine does not know (averaged as it is). ``took(name, out, route, target)`` records a
    layer a front end added to the engine itself, earlier (DDP's accumulation hooks).
-2. ``send(label)`` at the end of each buffer: the DENSE layers added since the last ``send``
+2. ``send(label)`` at the end of each buffer: the ``Route.FRONT_END`` layers added since the last ``send``
    averaged in one collective per dtype (a float16 layer apart, not promoted to float32),
    issued in the same order on every rank (their levels agree, so do their dtypes).
    Once the policy has settled every layer at 16-bit dense for good, a front end may send a
@@ -28,7 +28,7 @@ from typing import Any, Callable
 
 import torch
 
-from .engine import DENSE, StepEngine
+from .engine import Route, StepEngine
 
 
 class BufferedStep:
@@ -47,7 +47,7 @@ class BufferedStep:
     def _reset(self) -> None:
         # per layer: (name or None for a tensor averaged as it is, route, (send, dtype, index) or None, target)
         self._layers: list[tuple] = []
-        self._pending: dict[torch.dtype, list[torch.Tensor]] = {}  # DENSE tensors not sent yet, by dtype
+        self._pending: dict[torch.dtype, list[torch.Tensor]] = {}  # FRONT_END-route tensors not sent yet, by dtype
         self._sent: list[dict] = []    # per send(): dtype -> the handle of its average
         self._whole: list[tuple] = []  # per send_whole(): (key, buffer, handle, target)
 
@@ -68,14 +68,14 @@ class BufferedStep:
         out, route = self.engine.add(name, tensor, uncompressed_here=uncompressed_here)
         self.took(name, out, route, target)
 
-    def took(self, name: str, out: torch.Tensor | None, route: str, target: Any) -> None:
+    def took(self, name: str, out: torch.Tensor | None, route: Route, target: Any) -> None:
         """A layer the front end gave the engine itself (``out, route`` as ``engine.add`` returned)."""
-        self._layers.append((name, route, self._average(out) if route == DENSE else None, target))
+        self._layers.append((name, route, self._average(out) if route == Route.FRONT_END else None, target))
 
     def add_as_is(self, tensor: torch.Tensor, target: Any) -> None:
         """A tensor the engine does not know (DDP: a parameter added after registration),
         averaged as it is."""
-        self._layers.append((None, DENSE, self._average(tensor), target))
+        self._layers.append((None, Route.FRONT_END, self._average(tensor), target))
 
     def _average(self, tensor: torch.Tensor) -> tuple:
         group = self._pending.setdefault(tensor.dtype, [])
@@ -84,7 +84,7 @@ class BufferedStep:
 
     # --- 2. send -----------------------------------------------------------------------------
     def send(self, label: str) -> None:
-        """Issue the averages of the DENSE layers added since the last ``send``."""
+        """Issue the averages of the ``Route.FRONT_END`` layers added since the last ``send``."""
         pending, self._pending = self._pending, {}
         self._sent.append({dtype: self.channel.allreduce_mean_async(
             tensors, name=f"{self.prefix}.dense.{label}.{str(dtype).removeprefix('torch.')}.{len(tensors)}")

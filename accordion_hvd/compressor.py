@@ -97,9 +97,17 @@ class Compressor:
         self.serve(owner)
         if channel is not None:  # else the default planes (comm/planes.py: Horovod's world)
             self.engine.use_planes(channel, control)
-        self.engine.speaks_for_job = speaks
+        self.engine.between.speaks_for_job = speaks
         if optimizer is not None:
             self.engine.lrs.watch(optimizer)
+
+    def count_local_step(self, gradients) -> None:
+        """A step whose gradients did not cross the network (an inner step of ``acc.DiLoCo``
+        between rounds): ``gradients``, (name, tensor) pairs, count in ``floats_dense`` and
+        ``bytes_dense`` as a dense step would have sent them, and nothing in ``floats_sent``,
+        so that ``stats()`` compares a periodic method with per-step dense training."""
+        for name, tensor in gradients:
+            self.engine.counters.gradient(name, tensor.numel(), tensor.numel() * tensor.element_size())
 
     # --- one layer at a time, named (tests, front ends that know the names) ---------------------
     def compress_named(self, name: str, tensor: torch.Tensor):
@@ -122,7 +130,7 @@ class Compressor:
     def epoch_end(self) -> None:
         """An explicit detection point, on every rank at the same point (used when the
         compressor was created with ``interval=None``; otherwise ignored with a warning)."""
-        self.engine.epoch_end()
+        self.engine.between.epoch_end()
 
     def report_lr(self, lr) -> None:
         """Tell the controller the learning rate(s) (a number or one per param group), for
@@ -135,7 +143,7 @@ class Compressor:
         of the control plane: call it on every rank, between steps. A window that determines
         no link (nothing exchanged, one message size) returns ``link`` None and the reason,
         and the last link stays in ``stats()["link"]``."""
-        return self.engine.measure_link()
+        return self.engine.between.measure_link()
 
     def abort_step(self) -> None:
         """Drop the step in flight, as when Horovod Elastic interrupts a step because a worker
@@ -153,7 +161,7 @@ class Compressor:
     # --- levels, statistics, state ------------------------------------------------------------
     def set_level(self, name: str, level: Level) -> None:
         """Switch one compressed layer to a level (``acc.levels.NORMAL``, ``CRITICAL``, ...)."""
-        self.engine.set_level(name, level)
+        self.engine.between.set_level(name, level)
 
     @property
     def step_skipped(self) -> bool:

@@ -141,7 +141,7 @@ class DiLoCo:
         if size is None:
             raise RuntimeError("DiLoCo needs torch.distributed initialized (dist.init_process_group, under torchrun) "
                                "or Horovod (hvd.init(), under horovodrun)")
-        self.compressor.engine.device_type = self.params[0][1].device.type  # picks the default data plane
+        self.compressor.engine.planes.device_type = self.params[0][1].device.type  # picks the default data plane
         self.compressor.bind(model, channel=None, control=None, optimizer=optimizer)
         return size
 
@@ -156,6 +156,8 @@ class DiLoCo:
         due = self.since_sync >= self.interval
         if due:
             self.sync()
+        else:  # stats(): floats_dense is what per-step dense training would have sent by now
+            self.compressor.count_local_step(self.params)
             if self.window is not None:
                 self.window.round_took(time.perf_counter() - started)
         if self.window is not None and self.inner_steps % self.policy.window == 0:  # always after a round

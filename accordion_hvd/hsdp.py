@@ -68,6 +68,7 @@ import torch
 from . import ops
 from .comm.channel import collective_timeout
 from .comm.control import ProcessGroupControlPlane
+from .comm.mesh import check_mesh, column_channel
 from .comm.process_group import ProcessGroupChannel, new_channel, timeout_delta
 from .engine import settings
 from .buffered_step import BufferedStep
@@ -75,7 +76,6 @@ from .compressor import Compressor
 
 log = logging.getLogger("accordion_hvd.hsdp")
 
-MESH_DIMS = ("replicate", "shard")
 FLOAT_REDUCE = (torch.float32, torch.bfloat16)  # FSDP divides other reduce dtypes after the hook
 
 
@@ -111,7 +111,7 @@ def compress_hsdp(model, compressor: Compressor, mesh, *, optimizer=None,
 
     if not isinstance(compressor, Compressor):
         raise TypeError(f"compressor must be an acc.AccordionCompressor, got {type(compressor).__name__}")
-    _check_mesh(mesh)
+    check_mesh(mesh)
     world = dist.get_world_size()
     if mesh.mesh.numel() != world:
         raise ValueError(f"mesh must span every rank of the job ({world}), got {mesh.mesh.numel()} ranks")
@@ -121,11 +121,10 @@ def compress_hsdp(model, compressor: Compressor, mesh, *, optimizer=None,
     control_group = dist.new_group(list(range(world)), timeout=timeout_delta(timeout), backend="gloo")
     control = ProcessGroupControlPlane(control_group, dist.get_rank(), world, timeout)
     _agree(control_group, model, compressor, mesh, timeout)
+    # the data, PowerSGD's Q rounds and the uncompressed layers' round: lanes that pair apart
+    channel = column_channel(mesh, timeout, lanes=("q", "dense"))
     backend = dist.get_backend(mesh.get_group("replicate"))
-    channel = node_faults = None
-    for column in mesh.mesh.transpose(0, 1).tolist():  # one replicate group per shard index
-        # the data, PowerSGD's Q rounds and the uncompressed layers' round: lanes that pair apart
-        channel = new_channel(column, timeout, backend, lanes=("q", "dense")) or channel
+    node_faults = None
     for row in mesh.mesh.tolist():  # one shard group per node: the step's fault flag, inside the node
         node_faults = new_channel(row, timeout, backend) or node_faults
     compressor.bind(model, channel=channel, control=control, optimizer=optimizer,
@@ -136,16 +135,6 @@ def compress_hsdp(model, compressor: Compressor, mesh, *, optimizer=None,
         module.set_reduce_scatter_unused_params(True, recurse=False)  # a fixed buffer layout every step
         module.set_all_reduce_hook(hook.for_module(known))
     return hook
-
-
-def _check_mesh(mesh) -> None:
-    from torch.distributed.device_mesh import DeviceMesh
-
-    if not isinstance(mesh, DeviceMesh) or mesh.ndim != 2 or tuple(mesh.mesh_dim_names or ()) != MESH_DIMS:
-        got = (f"a {mesh.ndim}-D DeviceMesh with dimensions {mesh.mesh_dim_names}" if isinstance(mesh, DeviceMesh)
-               else type(mesh).__name__)
-        raise ValueError(f"mesh must be a 2-D DeviceMesh with dimensions {MESH_DIMS} (init_device_mesh(device, "
-                         f"(nodes, ranks_per_node), mesh_dim_names={MESH_DIMS})), got {got}")
 
 
 def _fsdp_groups(model, mesh) -> list[tuple]:

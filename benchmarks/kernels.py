@@ -273,10 +273,10 @@ def powersgd_step_ours(codec, states, grads, flags):
     averaging the identity): one call per phase. ``flags``: (finite per layer, True), made
     once, as the exchange has them on the device."""
     finite, done = flags
-    p = codec.start_many(states, grads, finite)
-    qt = codec.middle_many(states, _split(p, [(s.residual.shape[0], s.rank) for s in states]))
-    out = codec.finish_many(states, _split(qt, [(s.rank, s.residual.shape[1]) for s in states]), grads, None)
-    codec.settle_many(states, done)
+    p = codec.bucket.start_many(states, grads, finite)
+    qt = codec.bucket.middle_many(states, _split(p, [(s.residual.shape[0], s.rank) for s in states]))
+    out = codec.bucket.finish_many(states, _split(qt, [(s.rank, s.residual.shape[1]) for s in states]), grads, None)
+    codec.bucket.settle_many(states, done)
     return out
 
 

@@ -43,7 +43,8 @@ def test_diloco_auto_trains_records_its_intervals_and_resumes_bit_for_bit(tmp_pa
     # the first window (64 steps; no link measured yet): a round every step; after it, the floor the link allows
     assert intervals[:63] == [1] * 63 and syncs[63] == 64, (intervals, syncs)
     assert syncs[-1] < len(steps), syncs  # calm windows somewhere: longer intervals
-    assert int(steps[-1]["floats_sent"]) < int(steps[-1]["floats_dense"])
+    floats = int(out.split("training cnn (")[1].split(" parameters")[0].replace(",", ""))
+    assert int(steps[-1]["floats_sent"]) < int(steps[-1]["floats_dense"]) == len(steps) * floats  # dense every step
     out = cli(*args, "--resume", str(half), "--checkpoint", str(resumed))
     assert "resumed from" in out, out
     for rank in range(2):

@@ -10,7 +10,7 @@ import torch
 
 import accordion_hvd as acc
 from accordion_hvd.comm import SimulatedWorld
-from accordion_hvd.comm.channel import DEFAULT_TIMEOUT, TIMEOUT_ENV, collective_timeout
+from accordion_hvd.comm.channel import DEFAULT_TIMEOUT, TIMEOUT_ENV, Channel, collective_timeout
 from launch import horovodrun
 
 CONFIG_ERROR = "ValueError: AccordionCompressor: ranks were started with different compressor settings"
@@ -106,7 +106,7 @@ def test_simulated_different_codec_eta_and_interval_are_named():
     assert "min_compression_rate" not in errors[0]  # equal on both ranks
 
 
-class CountingChannel:
+class CountingChannel(Channel):
     """Wraps a channel, recording the name of every collective issued."""
     def __init__(self, inner):
         self.inner, self.names = inner, []

@@ -3,13 +3,14 @@
 import pytest
 import torch
 
+from accordion_hvd.comm.channel import Channel
 from accordion_hvd.comm.simulated import SimulatedWorld
 from accordion_hvd.exchange import Round1, bytes_of, plan_buckets, split_bytes
 
 SHAPES = {f"l{i}": (8, 4 * (i + 1)) for i in range(6)}  # 128 .. 768 bytes of float32 gradient
 
 
-class Counting:
+class Counting(Channel):
     """A channel that counts the collectives issued through it."""
 
     def __init__(self, channel):

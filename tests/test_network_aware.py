@@ -16,6 +16,7 @@ import accordion_hvd as acc
 from accordion_hvd.comm import SimulatedWorld
 from accordion_hvd.comm.link import LinkMeasurement
 from accordion_hvd.costmodel import Link
+from accordion_hvd.engine import Route
 from accordion_hvd.levels import CRITICAL, DENSE, DENSE16, NORMAL
 from accordion_hvd.policies import NetworkAware, NetworkReport, WindowReport
 from launch import run_ddp_worker, run_worker
@@ -143,7 +144,7 @@ def test_dense16_sends_float16_and_keeps_the_rounding_in_error_feedback(make):
         def step(g):
             out, ctx = comp.compress_named("w", g.clone())
             wire = out.dtype
-            if ctx[0] == "dense":  # Horovod's part: the average, in the dtype it was given
+            if ctx[0] == Route.FRONT_END:  # Horovod's part: the average, in the dtype it was given
                 out = channel.wait(channel.allreduce_mean_async([out], "hvd.w"))[0]
             return comp.decompress(out, ctx).clone(), wire
 
@@ -579,7 +580,7 @@ def test_the_compressor_measures_and_every_rank_decides_the_same(codec):
         make = acc.PowerSGD(rank=1, critical_rank=2) if codec == "powersgd" else acc.TopK(0.05, 0.2)
         comp = acc.AccordionCompressor(make, policy=NetworkAware(warmup=0, eta=0.3), interval=3, channel=channel)
         # the simulated data plane times nothing: the link is given, the same on every rank
-        comp.engine.measure_link = lambda: LinkMeasurement(SLOW, 10)
+        comp.engine.between.measure_link = lambda: LinkMeasurement(SLOW, 10)
         gen = torch.Generator().manual_seed(rank)
         decided = []
         for step in range(9):

@@ -16,6 +16,7 @@ from torch.overrides import TorchFunctionMode
 
 import accordion_hvd as acc
 from accordion_hvd.comm import SimulatedWorld
+from channels import Forwarding
 
 HOST_READS = {torch.Tensor.item, torch.Tensor.tolist, torch.Tensor.numpy, torch.Tensor.__bool__,
               torch.Tensor.__float__, torch.Tensor.__int__, torch.Tensor.__index__}
@@ -112,21 +113,15 @@ def test_a_faulty_step_is_skipped_on_every_rank_without_per_layer_reads(name):
             assert sum(counted[1].values()) <= 1, (rank, counted)
 
 
-class SyncFreeOutsideCollectives:
+class SyncFreeOutsideCollectives(Forwarding):
     """A channel whose waits (the collectives, which may synchronize) run with the CUDA sync
     check off; everything else, the compressor's own work, runs under "error"."""
-
-    def __init__(self, channel) -> None:
-        self._channel = channel
-
-    def __getattr__(self, name):
-        return getattr(self._channel, name)
 
     def wait(self, handle):
         mode = torch.cuda.get_sync_debug_mode()  # back to it after: steps before the checked one stay unchecked
         torch.cuda.set_sync_debug_mode(0)
         try:
-            return self._channel.wait(handle)
+            return self.inner.wait(handle)
         finally:
             torch.cuda.set_sync_debug_mode(mode)
 

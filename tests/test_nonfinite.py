@@ -9,6 +9,7 @@ import torch
 
 import accordion_hvd as acc
 from accordion_hvd.comm import SimulatedWorld
+from channels import Forwarding
 
 SHAPES = {"conv.weight": (16, 8, 3, 3), "fc.weight": (40, 64), "fc.bias": (40,)}
 COMPRESSED = ("conv.weight", "fc.weight")
@@ -108,20 +109,18 @@ def test_the_skip_is_checkpointed():
     assert fresh.skipped_steps == 1
 
 
-class CorruptIndices:
+class CorruptIndices(Forwarding):
     """The simulated channel, except that at step ``at`` the TopK allgather's last index (the
     last layer's, in every rank's row) arrives outside its layer, as corrupted data would."""
 
     def __init__(self, channel, at: int) -> None:
-        self._channel, self.at, self.step = channel, at, 0
-
-    def __getattr__(self, name):
-        return getattr(self._channel, name)
+        super().__init__(channel)
+        self.at, self.step = at, 0
 
     def wait(self, handle):
-        out = self._channel.wait(handle)
+        out = self.inner.wait(handle)
         if self.step == self.at and handle[0] == "allgather" and handle[2].startswith("acc.topk"):
-            rows = out.view(self._channel.size, -1)
+            rows = out.view(self.inner.size, -1)
             rows[:, -4:] = torch.tensor([2**31 - 1], dtype=torch.int32).view(torch.uint8)
         return out
 

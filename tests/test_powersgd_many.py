@@ -165,7 +165,7 @@ def run_steps(shapes, steps=3, codec=lambda: acc.PowerSGD(rank=2), count=False, 
     def worker(rank, channel):
         c = codec()
         if per_layer:
-            c.encodes_many = lambda state: False
+            c.bucket.encodes_many = lambda state: False
         comp = acc.AccordionCompressor(c, policy="static")
         comp.engine.use_planes(channel)
         out = []
@@ -212,11 +212,11 @@ def test_the_bucket_ops_give_the_layer_by_layer_results():
 
 def test_encodes_many_leaves_float64_high_rank_and_dense_layers_to_the_per_layer_path():
     codec = PowerSGD(rank=4)
-    assert codec.encodes_many(codec.init_state("a", torch.zeros(32, 48)))
-    assert not codec.encodes_many(codec.init_state("b", torch.zeros(32, 48, dtype=torch.float64)))
-    assert not codec.encodes_many(codec.init_state("c", torch.zeros(32, 48), acc.levels.DENSE))
+    assert codec.bucket.encodes_many(codec.init_state("a", torch.zeros(32, 48)))
+    assert not codec.bucket.encodes_many(codec.init_state("b", torch.zeros(32, 48, dtype=torch.float64)))
+    assert not codec.bucket.encodes_many(codec.init_state("c", torch.zeros(32, 48), acc.levels.DENSE))
     high = PowerSGD(rank=17, min_compression_rate=1.0)
-    assert not high.encodes_many(high.init_state("d", torch.zeros(64, 64)))
+    assert not high.bucket.encodes_many(high.init_state("d", torch.zeros(64, 64)))
 
 
 @pytest.mark.cuda

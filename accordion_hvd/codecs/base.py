@@ -90,6 +90,26 @@ class Codec:
         raise NotImplementedError
 
 
+class WireBytes:
+    """Bytes a compressed layer put on the wire in the step just encoded (``stats()``): the
+    codec's optional ``bytes_sent`` where it has one, else ``wire`` at the layer's level,
+    worked out once per layer and level: not every step."""
+
+    def __init__(self, codec) -> None:
+        self.codec = codec
+        self.measured = getattr(codec, "bytes_sent", None)  # optional in the protocol (Codec, above)
+        self._cache: dict[tuple[str, str], int] = {}
+
+    def __call__(self, layer) -> int:
+        if self.measured is not None:
+            return self.measured(layer)
+        key = (layer.name, str(layer.level))
+        if key not in self._cache:
+            wire = self.codec.wire(layer.shape, layer.level, layer.residual.element_size())
+            self._cache[key] = sum(nbytes for _, nbytes in wire)
+        return self._cache[key]
+
+
 def check_codec(codec) -> None:
     """Refuse, at construction, an object that does not implement the engine's protocol,
     naming what it lacks."""

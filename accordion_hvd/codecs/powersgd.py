@@ -11,9 +11,10 @@ Per layer, with the gradient viewed as an n x m matrix (shape[0] x the rest):
     e = M - M_hat    (once the step is known not to be skipped)
 
 The codec does the math of each phase (``start``, ``middle``, ``finish``, ``settle``); the
-engine does the two averaging rounds for all layers at once in between. Two parts of the
-class have files of their own: the same phases for a whole bucket in one kernel call each
-(powersgd_bucket.py) and what a level costs and loses (powersgd_cost.py). Nothing here reads
+engine does the two averaging rounds for all layers at once in between. Two parts have files
+of their own: the same phases for a whole bucket in one kernel call each (powersgd_bucket.py,
+the codec's ``bucket``) and what a level costs and loses (powersgd_cost.py, behind ``wire``,
+``kernel_work`` and ``level_errors``); a layer's state is powersgd_state.py. Nothing here reads
 a tensor on the host: a non-finite gradient is handled with 0-d bool flags on the device.
 """
 
@@ -21,33 +22,19 @@ from __future__ import annotations
 
 import math
 import zlib
-from dataclasses import dataclass
 
 import torch
 
 from .. import ops, reference
 from ..levels import CRITICAL, DENSE, DENSE16, NORMAL, UNCOMPRESSED, Level, check_level, positive_number
+from . import powersgd_cost as cost
 from .base import Codec
-from .powersgd_bucket import PowerSGDBucketPhases
-from .powersgd_cost import PowerSGDCosts
+from .powersgd_bucket import BucketPhases
+from .powersgd_state import PowerSGDState
 from ._common import flush_whole, residual_dtype, settle_sent
 
 
-@dataclass
-class PowerSGDState:
-    """Everything one layer needs between steps (all of it goes into ``state_dict``)."""
-    name: str
-    shape: torch.Size
-    level: Level
-    rank: int                 # the rank in use, clamped to min(n, m)
-    residual: torch.Tensor    # e, then M during a step; shape (n, m)
-    q: torch.Tensor           # (m, rank), identical on all ranks; a view of contiguous Q^T
-                              # (rank, m), the layout in which Q is computed and averaged
-    p: torch.Tensor | None = None      # orthogonalized P, from ``middle`` to ``finish``
-    factors: tuple[torch.Tensor, torch.Tensor] | None = None  # (P, Q^T) of M_hat, from ``finish`` to ``settle``
-
-
-class PowerSGD(PowerSGDCosts, PowerSGDBucketPhases, Codec):
+class PowerSGD(Codec):
     """Low-rank codec: ``rank`` in normal regimes, ``critical_rank`` in critical ones.
 
     Args:
@@ -73,6 +60,7 @@ class PowerSGD(PowerSGDCosts, PowerSGDBucketPhases, Codec):
             raise TypeError(f"seed must be an int, got {type(seed).__name__}")
         self.seed = seed
         self.eps = positive_number("eps", eps)
+        self.bucket = BucketPhases(self.eps)  # the phases for a whole bucket (the exchange's fast path)
 
     def __repr__(self) -> str:
         return f"PowerSGD(rank={self.rank}, critical_rank={self.critical_rank})"
@@ -112,6 +100,27 @@ class PowerSGD(PowerSGDCosts, PowerSGDBucketPhases, Codec):
     def floats_sent(self, state: PowerSGDState) -> int:
         n, m = state.residual.shape
         return n * m if state.level in UNCOMPRESSED else (n + m) * state.rank
+
+    # --- what a level costs and loses (powersgd_cost.py) -------------------------------------
+    def wire(self, shape: torch.Size, level: Level, itemsize: int = 4) -> tuple[tuple[str, int], ...]:
+        """The collectives one layer of ``shape`` costs at ``level`` (codecs/base.py)."""
+        n, m = self.matrix_shape(shape)
+        return cost.wire(n, m, self.level_rank(level, shape), level, itemsize)
+
+    def kernel_work(self, shape: torch.Size, level: Level, itemsize: int = 4) -> tuple[float, ...]:
+        """The math one layer of ``shape`` costs at ``level``, in work units (powersgd_cost.py)."""
+        n, m = self.matrix_shape(shape)
+        return cost.kernel_work(n, m, self.level_rank(level, shape), level, itemsize)
+
+    @torch.no_grad()
+    def level_errors(self, state: PowerSGDState, grad: torch.Tensor, levels: tuple[Level, ...]) -> list[float]:
+        """Squared error ``||M - M_hat||^2`` of compressing ``M = grad + e`` at each of
+        ``levels``, from the layer's seeded start columns (powersgd_cost.py says how)."""
+        n, m = state.residual.shape
+        M = grad.reshape(n, m).to(state.residual.dtype) + state.residual
+        ranks = [self.level_rank(level, state.shape) for level in levels]
+        start = self._fresh_columns(state.name, m, 0, max(ranks), M.dtype, M.device)
+        return cost.level_errors(M, grad.dtype, levels, ranks, start)
 
     # --- state ------------------------------------------------------------------------------
     def init_state(self, name: str, grad: torch.Tensor, level: Level = NORMAL) -> PowerSGDState:

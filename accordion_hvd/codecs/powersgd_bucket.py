@@ -1,25 +1,24 @@
 """PowerSGD's phases for a whole bucket, one kernel call each (the fast path of
 exchange/powersgd.py; ``start``, ``middle``, ``finish`` and ``settle`` in powersgd.py are the
 same phases layer by layer, for what the kernels do not take). A part of ``PowerSGD``
-(powersgd.py), in its own file to be read on its own."""
+(powersgd.py): the codec's ``bucket``, with the one setting it needs (``eps``)."""
 
 from __future__ import annotations
-
-from typing import TYPE_CHECKING
 
 import torch
 
 from .. import ops
 from ..levels import UNCOMPRESSED
-
-if TYPE_CHECKING:  # (powersgd.py imports this module)
-    from .powersgd import PowerSGDState
+from .powersgd_state import PowerSGDState
 
 _BUCKET_OUT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)  # what powersgd_finish_many_ writes
 
 
-class PowerSGDBucketPhases:
+class BucketPhases:
     """``PowerSGD``'s bucket phases (module doc)."""
+
+    def __init__(self, eps: float) -> None:
+        self.eps = eps  # added to column norms in Gram-Schmidt (PowerSGD's argument)
 
     @staticmethod
     def encodes_many(state: PowerSGDState) -> bool:

@@ -15,7 +15,7 @@ import math
 import numbers
 import os
 import time
-from typing import Any, Callable, Protocol
+from typing import Any, Callable
 
 import torch
 
@@ -41,26 +41,60 @@ class CollectiveTimeout(TimeoutError, HorovodInternalError):
     (restores the last commit, re-forms the world) instead of ending the job."""
 
 
-class Channel(Protocol):
+class Channel:
+    """The data plane's contract: subclass it. The three collectives below are required;
+    the rest are optional, with the defaults written here (a channel overrides what it has)."""
+
     rank: int
     size: int
     timeout: float  # seconds a wait() may take before it raises TimeoutError
 
     def allreduce_mean_async(self, tensors: list[torch.Tensor], name: str) -> Handle:
         """Start averaging each tensor over all ranks (one batched round)."""
+        raise NotImplementedError
 
     def allgather_async(self, tensor: torch.Tensor, name: str) -> Handle:
         """Start concatenating every rank's 1-D ``tensor`` (same length everywhere), rank order."""
-
-    # Optional: ``test(handle) -> bool``, whether a collective completed (never waits), and
-    # ``lane(name) -> Channel``, a channel whose collectives pair independently of this one's
-    # (accordion_hvd/exchange/buckets.py: ``arrived`` and ``lane`` say what is assumed without).
+        raise NotImplementedError
 
     def wait(self, handle: Handle) -> Any:
         """Finish a collective: a list of averaged tensors, or the gathered tensor.
 
         Raises ``collective_timeout_error(...)`` if it does not complete within ``timeout``
         seconds (usually: another rank never submitted a collective of that name)."""
+        raise NotImplementedError
+
+    # --- optional -----------------------------------------------------------------------------
+    def test(self, handle: Handle) -> bool:
+        """Whether a collective has completed, never waiting. Default False (not known: a
+        channel whose collectives happen in ``wait``); callers then wait in their fixed order."""
+        return False
+
+    def lane(self, name: str) -> "Channel":
+        """A channel whose collectives pair independently of this one's (exchange/buckets.py
+        ``lane``). Default: this channel itself (one that pairs collectives by name needs none)."""
+        return self
+
+    def control_plane(self):
+        """The control plane that goes with this channel, or None (default: comm/planes.py
+        chooses one)."""
+        return None
+
+    def note_step(self, step: int) -> None:
+        """The optimizer step this rank is in now, for a failure's diagnosis (default: unused)."""
+
+    def forget_handles(self) -> None:
+        """The world was re-formed: collectives in flight will never complete (default: nothing kept)."""
+
+    def close(self) -> None:
+        """This channel is replaced (a re-formed world): release what it holds (default: nothing)."""
+
+
+def check_channel(what: str, channel) -> None:
+    """A channel given by a caller is a ``Channel`` (else a TypeError naming ``what``)."""
+    if not isinstance(channel, Channel):
+        raise TypeError(f"{what} must be an accordion_hvd.comm.channel.Channel (subclass it: the three collectives "
+                        f"are required, the rest have defaults), got {type(channel).__name__}")
 
 
 def collective_timeout(timeout: float | None = None) -> float:

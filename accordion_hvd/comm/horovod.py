@@ -18,7 +18,7 @@ import time
 import torch
 
 from . import liveness
-from .channel import HorovodInternalError, collective_timeout, collective_timeout_error, poll_until, wait_for
+from .channel import Channel, HorovodInternalError, collective_timeout, collective_timeout_error, poll_until, wait_for
 
 log = logging.getLogger("accordion_hvd.comm")
 
@@ -50,7 +50,7 @@ def _with_diagnosis(text: str) -> str:
     return f"{text} Diagnosis: {why}." if why else text
 
 
-class HorovodChannel:
+class HorovodChannel(Channel):
     """Horovod's collectives, with a timeout on every wait.
 
     Args:

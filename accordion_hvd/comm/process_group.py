@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .channel import collective_timeout_error
+from .channel import Channel, collective_timeout_error
 
 MAX_TIMINGS = 4096  # kept until taken; older ones are dropped (nobody measures the link)
 
@@ -60,7 +60,7 @@ def timeout_delta(seconds: float) -> datetime.timedelta:
     return datetime.timedelta(seconds=min(seconds, 7 * 24 * 3600.0))
 
 
-class ProcessGroupChannel:
+class ProcessGroupChannel(Channel):
     """Collectives on ``group`` (a ``torch.distributed`` ProcessGroup), rank ``rank`` of
     ``size``; ``lanes``: name -> a group of the same ranks. ``timeout`` in seconds."""
 

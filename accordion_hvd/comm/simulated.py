@@ -15,7 +15,7 @@ from typing import Any, Callable
 
 import torch
 
-from .channel import collective_timeout, collective_timeout_error
+from .channel import Channel, collective_timeout, collective_timeout_error
 
 
 class CollectiveMismatch(RuntimeError):
@@ -81,7 +81,7 @@ class SimulatedWorld:
         return results
 
 
-class SimulatedChannel:
+class SimulatedChannel(Channel):
     def __init__(self, world: SimulatedWorld, rank: int) -> None:
         self.world, self.rank, self.size = world, rank, world.size
 

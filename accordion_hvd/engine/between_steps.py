@@ -1,8 +1,8 @@
-"""What the step engine does between optimizer steps: the settings every rank must share,
-the levels (a user's, the controller's at a window's end), and the link measured for the
-network probe. A part of ``StepEngine`` (engine.py), in its own file to be read on its own: it
-uses the engine's state (``codec``, ``controller``, ``layers``, the planes, the counters) and
-calls nothing above the engine."""
+"""What the step engine does between optimizer steps: the levels (a user's, the controller's
+at a window's end) and the link measured for the network probe. A part of the engine
+(engine.py) with its own state (the last link measured, who logs for the job, the level
+announcer); it is handed the engine's other parts at construction and calls nothing above
+the engine."""
 
 from __future__ import annotations
 
@@ -10,29 +10,26 @@ import logging
 
 from ..comm.link import LinkMeasurement, describe, measure_link
 from ..levels import Level, check_level
-from . import settings, state
+from .announce import LevelAnnouncer
 
 log = logging.getLogger("accordion_hvd.engine")
 
 
 class BetweenSteps:
-    """``StepEngine``'s calls between steps (module doc)."""
+    """The engine's calls between steps (module doc). ``layers`` (name -> codec state) and
+    ``in_flight`` (this step's layers not finished yet) are the engine's own objects, read
+    here, changed in place there; ``planes`` the engine's ``Planes``; ``probe`` a
+    network-aware policy's ``NetworkProbe`` or None."""
 
-    def config(self) -> dict:
-        """The settings that must be equal on every rank (plain JSON values)."""
-        return {**self.codec.config(), "eta": self.eta, **self.controller.config(),
-                "bucket_cap_mb": self.bucket_cap / 2**20}  # every rank must cut the same buckets
+    def __init__(self, *, codec, policy, controller, counters, layers: dict, in_flight: set, planes, probe) -> None:
+        self.codec, self.policy, self.controller, self.counters = codec, policy, controller, counters
+        self.layers, self.in_flight, self.planes, self.probe = layers, in_flight, planes, probe
+        self.link: LinkMeasurement | None = None  # the last measure_link() that found a link
+        self.speaks_for_job: bool | None = None   # a front end's choice of the rank that logs (HSDP: global rank 0)
+        self.announcer = LevelAnnouncer()
 
-    def agree_settings(self) -> None:
-        """Once (again after ``world_changed``): every rank's settings and the front end's
-        compared, one blocking allgather (engine/settings.py)."""
-        if self.settings_agreed:
-            return
-        state.check_loaded_owner(self)
-        settings.agree(self.channel, {**self.config(), **self.front_end})
-        self.settings_agreed = True
-
-    def between_steps(self, what: str) -> None:
+    def check(self, what: str) -> None:
+        """Raise unless no layer is in flight: ``what`` must be called between steps."""
         if self.in_flight:
             raise RuntimeError(f"AccordionCompressor: {what} must be called between optimizer steps "
                                f"(layers still in flight: {sorted(self.in_flight)[:3]})")
@@ -41,14 +38,21 @@ class BetweenSteps:
         check_level("level", level)
         if name not in self.layers:
             raise KeyError(f"AccordionCompressor: no compressed layer named {name!r} (known: {sorted(self.layers)})")
-        self.between_steps("set_level")
+        self.check("set_level")
         self.codec.set_level(self.layers[name], level)
         self.controller.levels[name] = level
 
     def epoch_end(self) -> None:
-        self.between_steps("epoch_end")
+        self.check("epoch_end")
         self._probe_window(epoch_end=True)
-        self.apply_levels(self.controller.epoch_end(self.control, sorted(self.layers)))
+        self.apply_levels(self.controller.epoch_end(self.planes.control, sorted(self.layers)))
+
+    def step_ended(self, lrs, gathered) -> None:
+        """After ``end_step``: a window that ends here is closed (the probe's link first) and
+        the controller's levels for the next step applied, alike on every rank. ``lrs`` and
+        ``gathered``: this rank's learning rates and every rank's, for the controller."""
+        self._probe_window()
+        self.apply_levels(self.controller.end_step(self.planes.control, sorted(self.layers), lrs, gathered=gathered))
 
     def apply_levels(self, changed: dict[str, Level] | None) -> None:
         applied: dict[str, list[str]] = {}
@@ -64,16 +68,16 @@ class BetweenSteps:
     def speaks(self) -> bool:
         """Whether this rank logs for the job: the front end's choice (``speaks_for_job``),
         else rank 0 of the data plane."""
-        return self.channel.rank == 0 if self.speaks_for_job is None else self.speaks_for_job
+        return self.planes.channel.rank == 0 if self.speaks_for_job is None else self.speaks_for_job
 
     def measure_link(self) -> LinkMeasurement:
-        self.between_steps("measure_link")
-        measured = measure_link(self.channel, self.control)
+        self.check("measure_link")
+        channel = self.planes.channel
+        measured = measure_link(channel, self.planes.control)
         if measured.link is None:
-            log.info("rank %d: no link measured at step %d: %s", self.channel.rank, self.counters.steps,
-                     measured.reason)
+            log.info("rank %d: no link measured at step %d: %s", channel.rank, self.counters.steps, measured.reason)
         else:
-            log.info("rank %d: link at step %d: %s (%d collectives)", self.channel.rank, self.counters.steps,
+            log.info("rank %d: link at step %d: %s (%d collectives)", channel.rank, self.counters.steps,
                      describe(measured.link), measured.collectives)
             self.link = measured
         return measured
@@ -86,5 +90,6 @@ class BetweenSteps:
             return
         measured = self.measure_link()
         link = measured.link if measured.link is not None else (self.link.link if self.link is not None else None)
-        buckets = self._exchange.round1.buckets if self._exchange is not None else None
+        exchange = self.planes.exchange_if_made
+        buckets = exchange.round1.buckets if exchange is not None else None
         self.probe.window(link, [b.names for b in buckets or []])

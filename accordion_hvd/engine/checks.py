@@ -60,3 +60,13 @@ def same_layer(name: str, layer, tensor: torch.Tensor) -> None:
         raise ValueError(f"AccordionCompressor: gradient of {name!r} moved from {layer.residual.device} "
                          f"({layer.residual.dtype} error feedback) to {tensor.device} ({tensor.dtype}); "
                          f"a layer must keep its device and dtype")
+
+
+def gradient(name: str, tensor) -> None:
+    """A gradient handed to the engine is a CPU or CUDA tensor (else a clear error, naming it)."""
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"AccordionCompressor: the gradient of {name!r} must be a torch.Tensor, "
+                        f"got {type(tensor).__name__}")
+    if tensor.device.type not in ("cpu", "cuda"):
+        raise ValueError(f"AccordionCompressor: the gradient of {name!r} is on device {tensor.device}; "
+                         f"expected a CPU or CUDA tensor")

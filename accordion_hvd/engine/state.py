@@ -21,8 +21,8 @@ FORMAT = "accordion_hvd.AccordionCompressor/2"  # /2: levels as [kind, factor], 
 
 
 def state_dict(engine) -> dict:
-    engine.between_steps("state_dict")
-    world = current_world(engine._channel)
+    engine.between.check("state_dict")
+    world = current_world(engine.planes.channel_if_made)
     counters = engine.counters.state_dict()
     return {"format": FORMAT, "config": engine.config(), "steps": counters.pop("steps"),
             "rank": None if world is None else world[0], "world_size": None if world is None else world[1],
@@ -35,8 +35,8 @@ def state_dict(engine) -> dict:
 def load_state_dict(engine, state: dict, error_feedback: bool = True) -> None:
     """See ``AccordionCompressor.load_state_dict``. Reads everything before changing anything:
     a malformed or mismatched state leaves the engine as it was."""
-    engine.between_steps("load_state_dict")
-    world = current_world(engine._channel)
+    engine.between.check("load_state_dict")
+    world = current_world(engine.planes.channel_if_made)
     state, error_feedback = checkpoint.own_part(state, world, error_feedback)
     if not isinstance(state, dict) or state.get("format") != FORMAT:
         found = state.get("format") if isinstance(state, dict) else None
@@ -101,7 +101,7 @@ def stats(engine) -> dict:
     """See ``AccordionCompressor.stats``."""
     unused = engine.controller.unused()
     counters = engine.counters
-    link = engine.link
+    link = engine.between.link
     return {
         **counters.totals(),
         "steps": counters.steps,

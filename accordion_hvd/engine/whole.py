@@ -133,32 +133,35 @@ class WholeBuffers:
 
 
 class WholeRoute:
-    """``StepEngine``'s calls for the settled route (module doc); its state is the engine's
-    ``whole`` (a ``WholeBuffers``), settled in its ``end_step``."""
+    """The engine's calls for the settled route (module doc): a part with its buffers
+    (``buffers``, a ``WholeBuffers``), handed the engine's policy, fault record, counters and
+    step record (engine/open_step.py) at construction; the engine's ``end_step`` settles it."""
+
+    def __init__(self, buffers: WholeBuffers, *, policy, faults, counters, step) -> None:
+        self.buffers, self.policy, self.faults, self.counters, self.step = buffers, policy, faults, counters, step
 
     @property
     def settled_dense(self) -> bool:
         """Whether the policy has put every layer at 16-bit dense for good (the same on every
-        rank): ``add_whole`` may carry flat buffers from now on."""
+        rank): ``add`` may carry flat buffers from now on."""
         return self.policy.settled_level == DENSE16
 
     @torch.no_grad()
-    def add_whole(self, key: str, flat: torch.Tensor, layers: list[tuple[str, int]]) -> torch.Tensor:
+    def add(self, key: str, flat: torch.Tensor, layers: list[tuple[str, int]]) -> torch.Tensor:
         """Once ``settled_dense``: buffer ``key`` (a flat float tensor holding ``layers``, (name,
         numel) in order) sent whole. Returns the 16-bit tensor the front end averages; its
-        average goes to ``finish_whole``."""
+        average goes to ``finish``."""
         if not self.settled_dense:
             raise RuntimeError("AccordionCompressor: add_whole before the policy settled every layer at 16-bit dense")
         if flat.dim() != 1 or not flat.is_floating_point():
             raise ValueError(f"AccordionCompressor: buffer {key!r} must be a flat float tensor, got "
                              f"{flat.dim()}-D {flat.dtype}")
-        self.agree_settings()
-        if key in self.in_flight:
+        if key in self.step.in_flight:
             raise RuntimeError(f"AccordionCompressor: buffer {key!r} added twice in one step")
-        self.in_flight.add(key)
+        self.step.in_flight.add(key)
         finite = finite_flag(flat)
         self.faults.local(key, finite)
-        half = self.whole.add(key, flat, layers, finite)
+        half = self.buffers.add(key, flat, layers, finite)
         itemsize, sent = flat.element_size(), half.element_size()
         for name, numel in layers:
             self.counters.gradient(name, numel, numel * itemsize)
@@ -166,11 +169,11 @@ class WholeRoute:
             self.counters.wire(name, numel * sent)
         return half
 
-    def finish_whole(self, key: str, flat: torch.Tensor, average: torch.Tensor) -> None:
-        """Buffer ``key``'s average (of what ``add_whole`` returned) written into ``flat``."""
-        if key not in self.in_flight:
+    def finish(self, key: str, flat: torch.Tensor, average: torch.Tensor) -> None:
+        """Buffer ``key``'s average (of what ``add`` returned) written into ``flat``."""
+        if key not in self.step.in_flight:
             raise RuntimeError(f"AccordionCompressor: no buffer {key!r} in flight")
         self.faults.seen(~finite_flag(average))
         flat.copy_(average.view_as(flat))
-        self._outputs.append(flat)
-        self.in_flight.discard(key)
+        self.step.outputs.append(flat)
+        self.step.in_flight.discard(key)

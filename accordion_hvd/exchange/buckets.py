@@ -318,20 +318,18 @@ class Round1:
 
 
 def arrived(channel: Channel, handle: Any) -> bool:
-    """Whether a collective has completed (never waits). A channel without ``test`` (the
+    """Whether a collective has completed (never waits). A channel that cannot tell (the
     simulated one, whose collectives happen in ``wait``) reports False: callers then wait in
     their fixed order."""
-    test = getattr(channel, "test", None)
-    return bool(test(handle)) if test is not None else False
+    return bool(channel.test(handle))
 
 
 def lane(channel: Channel, name: str) -> Channel:
     """A channel whose collectives pair independently of ``channel``'s: ranks may then
     interleave issues on the two in a different order (PowerSGD starts a bucket's Q round
     when its P is back, which is a matter of timing). Channels that pair collectives by name
-    (Horovod's, the simulated one) are their own lanes."""
-    make = getattr(channel, "lane", None)
-    return make(name) if make is not None else channel
+    (Horovod's, the simulated one) are their own lanes (``Channel.lane``'s default)."""
+    return channel.lane(name)
 
 
 def bytes_of(*tensors: torch.Tensor) -> torch.Tensor:

@@ -26,7 +26,7 @@ under backward (policies/network_aware.py).
 
 The math goes a bucket at a time: a compressed layer's gradient is held until its bucket is
 complete, then one call computes M = grad + e and P for every layer of the bucket, writing
-the P round's payload (``codec.start_many``, exchange/buckets.py's ``DEFERRED``); one call
+the P round's payload (``codec.bucket.start_many``, exchange/buckets.py's ``DEFERRED``); one call
 makes the bucket's Q^T payload once its P average is back (``middle_many``), one writes
 every result (``finish_many``) and one settles every error feedback (``settle_many``): a
 fixed number of kernel calls per bucket, whatever its layer count. Layers the bucket ops do
@@ -100,7 +100,7 @@ class PowerSGDExchange(Exchange):
             if self.round1.complete:
                 self._close()
             return out
-        if self.codec.encodes_many(state):  # encoded with the rest of its bucket (_encode_bucket)
+        if self.codec.bucket.encodes_many(state):  # encoded with the rest of its bucket (_encode_bucket)
             self._deferred[name] = (state, grad, finite)
             self.round1.ready(name, DEFERRED, grad)
         else:
@@ -139,7 +139,7 @@ class PowerSGDExchange(Exchange):
         returns the P payload and each layer's P shape (n, r)."""
         started = time.perf_counter()
         states, grads, finites = zip(*(self._deferred.pop(n) for n in names))
-        payload = self.codec.start_many(states, grads, torch.stack(finites))
+        payload = self.codec.bucket.start_many(states, grads, torch.stack(finites))
         for n, state, grad in zip(names, states, grads):
             self._layers[n] = (state, self._targets.pop(n, grad))  # where its result goes
             self._many.add(n)
@@ -176,7 +176,7 @@ class PowerSGDExchange(Exchange):
             if not many and not single:
                 continue
             started = time.perf_counter()
-            qs = [self.codec.middle_many([self._layers[n][0] for n in many], [averages[n][0] for n in many])] \
+            qs = [self.codec.bucket.middle_many([self._layers[n][0] for n in many], [averages[n][0] for n in many])] \
                 if many else []
             qs += self.codec.middle([self._layers[n][0] for n in single], [averages[n][0] for n in single])
             self.seconds["compress"] += time.perf_counter() - started
@@ -205,7 +205,7 @@ class PowerSGDExchange(Exchange):
                 states, grads = zip(*(self._layers[n] for n in many))
                 shapes = [tuple(s.q.t().shape) for s in states]
                 qts = [t.view(shape) for t, shape in zip(torch.split(q_avgs[0], [r * m for r, m in shapes]), shapes)]
-                out.update(zip(many, self.codec.finish_many(states, qts, grads, ok)))
+                out.update(zip(many, self.codec.bucket.finish_many(states, qts, grads, ok)))
                 self._finished_many.append(list(states))
                 q_avgs = q_avgs[1:]
             for n, q in zip(single, q_avgs):
@@ -233,7 +233,7 @@ class PowerSGDExchange(Exchange):
         if self._finished_many:  # the bucket ops' layers kept M where P was NaN: settle only if ok
             flag = done if self._ok is None else done & self._ok
             for states in self._finished_many:
-                self.codec.settle_many(states, flag)
+                self.codec.bucket.settle_many(states, flag)
         for state in self._settle:  # a DENSE layer's e held M until now
             self.codec.settle_dense(state, done)
         for state, dtype in self._sent_whole:

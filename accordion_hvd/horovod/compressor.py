@@ -116,7 +116,7 @@ class AccordionCompressor(Compressor, HorovodCompressor):
             if self._names is not None:
                 optimizer = find_optimizer()
             if isinstance(tensor, torch.Tensor) and not engine.settings_agreed:
-                engine.device_type = tensor.device.type  # picks the data plane the check runs on
+                engine.planes.device_type = tensor.device.type  # picks the data plane the check runs on
             self._meet_horovod(optimizer)
         if self._names is not None:
             name = self._names.name_of(tensor)
@@ -147,7 +147,7 @@ class AccordionCompressor(Compressor, HorovodCompressor):
         self._bypass = why_not is None
         if why_not:
             log.info("AccordionCompressor: uncompressed gradients go through Horovod's allreduce: %s", why_not)
-        if self._bypass and self.engine.speaks:  # none of the steps' data goes through Horovod's loop
+        if self._bypass and self.engine.between.speaks:  # none of the steps' data goes through Horovod's loop
             _hint_cycle()
         self._met_horovod = True
 

@@ -24,11 +24,11 @@ from __future__ import annotations
 
 import math
 
-from ..levels import DENSE as DENSE_LEVEL
-from ..levels import Level, positive_number
+from ..levels import DENSE, Level, positive_number
 from .base import Policy, StepReport
 
-CANDIDATE, MINIMUM, DENSE = "candidate", "minimum", "dense"
+# What a step may choose (then mapped to a level: DENSE_CHOICE sends every layer at level DENSE).
+CANDIDATE, MINIMUM, DENSE_CHOICE = "candidate", "minimum", "dense"
 
 
 class GraVAC(Policy):
@@ -95,7 +95,7 @@ class GraVAC(Policy):
         candidate, minimum = report.levels
         choice = self.choose(*report.gains)
         self.end_step(report.seconds)
-        return {CANDIDATE: candidate, MINIMUM: minimum, DENSE: DENSE_LEVEL}[choice]
+        return {CANDIDATE: candidate, MINIMUM: minimum, DENSE_CHOICE: DENSE}[choice]
 
     def factors(self) -> tuple[float, float]:
         """The (candidate, minimum) factors to try this step."""
@@ -103,10 +103,10 @@ class GraVAC(Policy):
 
     def choose(self, gain_candidate: float, gain_minimum: float) -> str:
         """This step's choice from the two factors' gains (already summed over the model and
-        all ranks): CANDIDATE, MINIMUM or DENSE. Non-finite gains send dense (and so reset
+        all ranks): CANDIDATE, MINIMUM or DENSE_CHOICE. Non-finite gains send dense (and so reset
         the error feedback) without entering the averages."""
         if not (math.isfinite(gain_candidate) and math.isfinite(gain_minimum)):
-            return DENSE
+            return DENSE_CHOICE
         for key, gain in ((CANDIDATE, gain_candidate), (MINIMUM, gain_minimum)):
             old = self.gains[key]
             self.gains[key] = gain if old is None else self.smoothing * old + (1 - self.smoothing) * gain
@@ -114,7 +114,7 @@ class GraVAC(Policy):
             return CANDIDATE
         if self.gains[MINIMUM] >= self.epsilon:
             return MINIMUM
-        return DENSE
+        return DENSE_CHOICE
 
     def end_step(self, seconds: float, samples: float = 1.0) -> None:
         """After each step with its wall time (the same number on every rank: the caller
