@@ -40,6 +40,14 @@ it, in the same order): one for the data with the default group's backend and la
 PowerSGD's Q rounds and the uncompressed layers, and a Gloo one for control, as the DDP front
 end's (accordion_hvd/ddp.py). The inner optimizer's state (AdamW's moments) stays each rank's
 own, as in the paper.
+
+**Across the nodes of HSDP** (``mesh=``, a ("replicate", "shard") DeviceMesh, the model
+``fully_shard``-ed over ``mesh["shard"]`` alone): FSDP2 keeps the shards of a node in step
+every inner step (its reduce-scatter inside the node, over the fast links), nothing crosses the
+nodes between rounds, and a round averages each rank's shard of the pseudo-gradient with the
+ranks holding the same shard on the other nodes (its *column*, comm/mesh.py), through the
+compressor. Intervals are chosen alike on every rank of the job (the control plane spans them
+all), so every node's ranks synchronise at the same inner step.
 """
 
 from __future__ import annotations
@@ -47,20 +55,21 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import logging
-import math
 import numbers
-import statistics
 import time
 
 import numpy as np
 import torch
+from torch.distributed.tensor import DTensor
 
 from .comm.channel import collective_timeout
 from .buffered_step import BufferedStep
 from .comm.control import new_control_plane
+from .comm.mesh import check_mesh, column_channel
 from .comm.process_group import new_channel
 from .compressor import Compressor
-from .policies import IntervalReport, SyncInterval
+from .diloco_window import WindowStatistic
+from .policies import SyncInterval
 
 log = logging.getLogger("accordion_hvd.diloco")
 
@@ -78,12 +87,14 @@ class DiLoCo:
         outer_lr: the outer optimizer's learning rate (positive).
         outer_momentum: its momentum, in [0, 1).
         nesterov: Nesterov momentum (with ``outer_momentum > 0``).
+        mesh: for HSDP, the ("replicate", "shard") DeviceMesh whose ``shard`` dimension the
+            model was sharded over (module doc); None for a plain model.
         timeout: seconds a collective may take; default $ACCORDION_COLLECTIVE_TIMEOUT, else 300.
     """
 
     def __init__(self, model: torch.nn.Module, inner_optimizer: torch.optim.Optimizer,
                  compressor: Compressor | None = None, *, sync_every: int | str | SyncInterval = "auto", outer_lr: float = 0.7,
-                 outer_momentum: float = 0.9, nesterov: bool = True, timeout: float | None = None) -> None:
+                 outer_momentum: float = 0.9, nesterov: bool = True, mesh=None, timeout: float | None = None) -> None:
         from torch.nn.parallel import DistributedDataParallel
 
         _check_arguments(sync_every, outer_lr, outer_momentum)
@@ -95,6 +106,8 @@ class DiLoCo:
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
         self.params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        self.mesh = _check_sharding(self.params, mesh)
+        self.local = [local_tensor(p) for _, p in self.params]  # this rank's shard of each (FSDP2), or itself
         optimized = {id(p) for group in inner_optimizer.param_groups for p in group["params"]}
         if optimized != {id(p) for _, p in self.params}:
             raise ValueError("inner_optimizer must optimize exactly the model's trainable parameters "
@@ -111,18 +124,18 @@ class DiLoCo:
             "diloco_sync_every": repr(self.policy) if self.policy is not None else self.interval,
             "diloco_outer_lr": self.outer_lr, "diloco_outer_momentum": self.outer_momentum,
             "diloco_nesterov": self.nesterov}
-        self.size = self._bind(model, inner_optimizer, collective_timeout(timeout))
+        self.size = self._bind(model, inner_optimizer, collective_timeout(timeout))  # ranks of the control plane
         self.control = self.compressor.engine.control
         self.round = BufferedStep(self.compressor.engine, "acc.diloco")  # one round: one step of it
         self._agree_start()
         # The start-of-round parameters, in float32: what the outer optimizer updates.
-        self.start = [p.detach().clone().float() for _, p in self.params]
+        self.start = [p.detach().clone().float() for p in self.local]
         self.outer = torch.optim.SGD(self.start, lr=self.outer_lr, momentum=self.outer_momentum, nesterov=self.nesterov)
         self.inner_steps = 0
         self.since_sync = 0  # inner steps since the last round
         self.syncs = 0
         self.skipped = 0
-        self.window = None if self.policy is None else WindowStatistic(self.params, inner_optimizer)
+        self.window = None if self.policy is None else WindowStatistic(inner_optimizer)
 
     def _bind(self, model, optimizer, timeout: float) -> int:
         """The compressor bound to the job's planes; returns the number of ranks. Under
@@ -133,10 +146,15 @@ class DiLoCo:
 
         if dist.is_available() and dist.is_initialized():
             ranks = list(range(dist.get_world_size()))
-            channel = new_channel(ranks, timeout, dist.get_backend(), lanes=("q", "dense"))
+            if self.mesh is None:
+                channel = new_channel(ranks, timeout, dist.get_backend(), lanes=("q", "dense"))
+            else:  # HSDP: the data plane is this rank's column
+                channel = column_channel(self.mesh, timeout, lanes=("q", "dense"))
             self.compressor.bind(model, channel=channel, control=new_control_plane(ranks, timeout),
-                                 optimizer=optimizer)
+                                 optimizer=optimizer, speaks=dist.get_rank() == 0)
             return len(ranks)
+        if self.mesh is not None:
+            raise RuntimeError("DiLoCo with mesh= (HSDP) needs torch.distributed initialized (torchrun)")
         size = _horovod_size()
         if size is None:
             raise RuntimeError("DiLoCo needs torch.distributed initialized (dist.init_process_group, under torchrun) "
@@ -151,8 +169,8 @@ class DiLoCo:
         started = time.perf_counter()
         self.inner_steps += 1
         self.since_sync += 1
-        if self.window is not None:
-            self.window.observe(started)
+        if self.window is not None:  # (HSDP: each rank's shard of the gradients)
+            self.window.observe(started, [local_tensor(p.grad) for _, p in self.params if p.grad is not None])
         due = self.since_sync >= self.interval
         if due:
             self.sync()
@@ -172,14 +190,14 @@ class DiLoCo:
     def synced(self):
         """The model of the last round (the same on every rank) in place of this rank's local
         one while the block runs (to evaluate it); the local parameters come back after."""
-        return swapped_in([param for _, param in self.params], self.start)
+        return swapped_in(self.local, self.start)
 
     @torch.no_grad()
     def sync(self) -> None:
         """One round, on every rank: average the pseudo-gradients through the compressor,
         take the outer step, and set every rank's model to its result (module doc)."""
-        for (name, param), start in zip(self.params, self.start):
-            self.round.add(name, start - param.detach().float(), start, uncompressed_here=True)
+        for (name, _), local, start in zip(self.params, self.local, self.start):
+            self.round.add(name, start - local.float(), start, uncompressed_here=True)
         self.round.send("round")  # the layers sent whole this round (16-bit dense), one average per dtype
         results, _ = self.round.finish()
         self.syncs += 1
@@ -195,19 +213,23 @@ class DiLoCo:
                 torch._foreach_sub_(self.start, [start.grad for start in self.start])
             else:
                 self.outer.step()
-        for (_, param), start in zip(self.params, self.start):
-            param.copy_(start)
+        for local, start in zip(self.local, self.start):
+            local.copy_(start)
 
     def _agree_start(self) -> None:
-        """Every rank starts from the same parameters, or every rank refuses: a digest of them,
-        its bytes reduced by max and by min on the control plane (equal only if every rank's is)."""
+        """Every rank starts from the same parameters (under HSDP: every rank of a column from
+        the same shard), or every rank refuses: a digest of them in this column's row of a
+        table, reduced by max and by min on the control plane (a row's two equal only if every
+        rank of the column has the same digest)."""
         digest = hashlib.sha256()
-        for name, param in self.params:
+        for (name, _), local in zip(self.params, self.local):
             digest.update(name.encode())
-            digest.update(param.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
-        mine = np.frombuffer(digest.digest(), dtype=np.uint8).astype(np.float64)
-        high = self.control.allreduce(mine, "acc.diloco.start.max", op="max")
-        low = self.control.allreduce(mine, "acc.diloco.start.min", op="min")
+            digest.update(local.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+        columns, column = (1, 0) if self.mesh is None else (self.mesh.size(1), self.mesh.get_local_rank("shard"))
+        high, low = np.full((columns, 32), -1.0), np.full((columns, 32), 256.0)  # bytes are 0-255: neutral
+        high[column] = low[column] = np.frombuffer(digest.digest(), dtype=np.uint8)
+        high = self.control.allreduce(high.reshape(-1), "acc.diloco.start.max", op="max")
+        low = self.control.allreduce(low.reshape(-1), "acc.diloco.start.min", op="min")
         if not np.array_equal(high, low):
             raise ValueError("DiLoCo: the model's parameters differ across ranks at the start; start every rank from "
                              "the same model (seed it alike, or broadcast rank 0's parameters first)")
@@ -240,78 +262,13 @@ class DiLoCo:
         if state["world"] != self.size:
             log.warning("DiLoCo: the state was saved by %d ranks, this job has %d: the outer optimizer restarts "
                         "(momentum zero) from the model's parameters", state["world"], self.size)
-            for start, (_, param) in zip(self.start, self.params):
-                start.copy_(param.detach().float())
+            for start, local in zip(self.start, self.local):
+                start.copy_(local.detach().float())
             return
         with torch.no_grad():
             for start, saved in zip(self.start, state["start"]):
                 start.copy_(saved)
         self.outer.load_state_dict(state["outer"])
-
-
-class WindowStatistic:
-    """The interval policy's statistics over one window (module doc): this rank's squared
-    gradient norm summed over the window's inner steps on the device, whether the inner
-    optimizer's learning rate went down, and the wall time of each inner step (from the end
-    of one ``step()`` call to the start of the next: the user's forward, backward and
-    optimizer step) and of each round; reduced across ranks once per window."""
-
-    def __init__(self, params: list[tuple], optimizer: torch.optim.Optimizer) -> None:
-        self.params, self.optimizer = [p for _, p in params], optimizer
-        self.lr = self._lr()
-        self.ended: float | None = None  # when the last step() returned
-        self._reset()
-
-    def _reset(self) -> None:
-        self.sum_sq: torch.Tensor | float = 0.0
-        self.steps = 0
-        self.lr_decreased = False
-        self.step_s: list[float] = []
-        self.round_s: list[float] = []
-
-    def _lr(self) -> float:
-        return min(float(group["lr"]) for group in self.optimizer.param_groups)
-
-    @torch.no_grad()
-    def observe(self, now: float) -> None:
-        grads = [p.grad for p in self.params if p.grad is not None]
-        if grads:
-            self.sum_sq = self.sum_sq + torch.stack(torch._foreach_norm(grads)).float().square().sum()
-        self.steps += 1
-        lr = self._lr()
-        self.lr_decreased |= lr < self.lr
-        self.lr = lr
-        if self.ended is not None:  # (an evaluation between two steps is an outlier the median ignores)
-            self.step_s.append(now - self.ended)
-
-    def round_took(self, seconds: float) -> None:
-        self.round_s.append(seconds)
-
-    def step_ended(self) -> None:
-        self.ended = time.perf_counter()
-
-    def report(self, control, size: int) -> IntervalReport:
-        """The window's report, the same on every rank (one control collective); resets."""
-        step_s = statistics.median(self.step_s) if self.step_s else 0.0
-        round_s = statistics.fmean(self.round_s) if self.round_s else 0.0
-        mine = np.array([float(self.sum_sq) / max(self.steps, 1), float(self.lr_decreased),
-                         step_s, float(bool(self.step_s)), round_s, float(bool(self.round_s))])
-        total = control.allreduce(mine, "acc.diloco.window", op="sum")
-        norm = math.sqrt(total[0] / size) if math.isfinite(total[0]) else math.nan
-        report = IntervalReport(norm=norm, steps=self.steps, lr_decreased=bool(total[1] > 0),
-                                step_s=total[2] / size if total[3] == size else None,
-                                round_s=total[4] / size if total[5] == size else None)
-        self._reset()
-        return report
-
-    def state_dict(self) -> dict:
-        return {"sum_sq": float(self.sum_sq), "steps": self.steps, "lr": self.lr, "lr_decreased": self.lr_decreased,
-                "step_s": list(self.step_s), "round_s": list(self.round_s)}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.sum_sq, self.steps = state["sum_sq"], state["steps"]
-        self.lr, self.lr_decreased = state["lr"], state["lr_decreased"]
-        self.step_s, self.round_s = list(state["step_s"]), list(state["round_s"])
 
 
 @contextlib.contextmanager
@@ -327,6 +284,31 @@ def swapped_in(params: list[torch.Tensor], values: list[torch.Tensor]):
         with torch.no_grad():
             for p, mine in zip(params, own):
                 p.copy_(mine)
+
+
+def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's part of ``tensor``: its local shard if it is a DTensor (FSDP2), else itself.
+    Writes into it land in the parameter."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def _check_sharding(params: list[tuple], mesh):
+    """``mesh`` checked against the model: a plain model takes none; a model FSDP2 sharded
+    takes the ("replicate", "shard") mesh it was sharded over the ``shard`` dimension of.
+    Returns the mesh."""
+    meshes = {id(p.device_mesh): p.device_mesh for _, p in params if isinstance(p, DTensor)}
+    if mesh is None:
+        if meshes:
+            raise ValueError("mesh: the model's parameters are sharded (FSDP2): pass mesh=, the (\"replicate\", "
+                             "\"shard\") DeviceMesh whose shard dimension the model was sharded over")
+        return None
+    check_mesh(mesh)
+    shard = mesh["shard"]
+    if any(m.ndim != 1 or m.mesh.tolist() != shard.mesh.tolist() for m in meshes.values()):
+        raise ValueError("mesh: the model must be sharded over mesh[\"shard\"] alone (fully_shard(module, "
+                         "mesh=mesh[\"shard\"])): sharded over the whole mesh, FSDP would average across the nodes "
+                         "every step, where DiLoCo synchronises them every sync_every steps")
+    return mesh
 
 
 def _horovod_size() -> int | None:

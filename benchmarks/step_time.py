@@ -46,7 +46,7 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 sys.path.insert(0, str(REPO / "benchmarks" / "cluster"))
 from machine import cpu_model  # noqa: E402
 from report import kept_analysis  # noqa: E402
-from step_worker import DDP, LAST, METHODS  # noqa: E402
+from step_worker import DDP, LAST, METHODS, PERIODIC  # noqa: E402
 
 WORKER = REPO / "benchmarks" / "step_worker.py"
 DEFAULT_METHODS = ("floor", "hvd-fp16", "ddp-fp16", "ddp-r1", "ours-r1", "ddp-r4", "ours-r4", "ours-accordion",
@@ -102,9 +102,19 @@ class OneMachine:
             return {k: r.result() for k, r in enumerate(runs)}
 
 
+def steps_for(method: str, steps: int) -> int:
+    """A periodic method runs whole periods after its first one, two at least (step_worker's
+    ``period_step_s``); every other method ``steps``."""
+    if method not in PERIODIC:
+        return steps
+    period = 4 if method == "localsgd-p4" else int(method.rsplit("-h", 1)[1])
+    return max(steps, 3 * period if period < 16 else 2 * period)
+
+
 def run(cluster, method: str, model: str, out: Path, timeout: float, env: dict | None = None,
         steps: int = LAST + 2, device: str = "cpu") -> dict:
     out.unlink(missing_ok=True)  # a failed run must not leave an earlier run's result in its place
+    steps = steps_for(method, steps)
     optimizer = "adamw" if model in ("transformer", "gru") else "sgd"  # the tasks' (evidence-v3)
     args = [str(WORKER), "--method", method, "--model", model, "--steps", str(steps), "--device", device,
             "--optimizer", optimizer, "--out", str(out)]  # --out last: the floor's copies each get their own

@@ -29,3 +29,13 @@ def test_diloco_under_horovodrun(mode, np):
     Horovod's world (no torch.distributed)."""
     out = run_worker("diloco_check.py", mode, "horovod", np=np)
     assert out.count(f": OK {mode}") == np, out
+
+
+@pytest.mark.torchrun
+@pytest.mark.parametrize("mode", ["lossless", "bad-input"])
+def test_diloco_across_the_nodes_of_hsdp(mode):
+    """DiLoCo over FSDP2's HSDP (4 ranks, 2 nodes of 2): the shards in step inside a node every
+    inner step, a round across the nodes, against a plain-torch DiLoCo of the whole model
+    (tests/workers/diloco_hsdp_check.py)."""
+    out = run_ddp_worker("diloco_hsdp_check.py", mode, np=4, timeout=300)
+    assert out.count(f": OK {mode}") == 4, out

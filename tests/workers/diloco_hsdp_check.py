@@ -1,0 +1,140 @@
+"""Worker run by tests/test_diloco.py under torchrun, 4 ranks: ``acc.DiLoCo`` across the nodes
+of HSDP (a 2 x 2 ("replicate", "shard") mesh, the model ``fully_shard``-ed over
+``mesh["shard"]``) against a plain-torch DiLoCo of the whole model written out here.
+
+The reference: every rank holds the whole model; an inner step averages the gradients of the
+two ranks of a node (what FSDP's reduce-scatter inside the node gives) and takes the inner SGD
+step; every H steps the pseudo-gradients are averaged over the nodes and the outer SGD with
+Nesterov momentum updates the start-of-round parameters.
+
+Usage: diloco_hsdp_check.py MODE
+MODE "lossless": TopK keeping every entry (every weight through the codec, the biases through
+the uncompressed round): after every round each parameter, gathered whole, equals the
+reference's (to float32 rounding: FSDP and the reference sum in different orders), on every
+rank; nodes differ between rounds (nothing crosses them) and agree at each round.
+MODE "bad-input": a model sharded over the whole mesh, a sharded model without mesh= and a
+mesh of the wrong shape are each refused with a ValueError naming ``mesh``, on every rank.
+"""
+
+import sys
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+
+import accordion_hvd as acc
+from worker_util import checker, leave_torch_distributed, say
+
+mode = sys.argv[1]
+dist.init_process_group("gloo")
+rank, size = dist.get_rank(), dist.get_world_size()
+check = checker(rank)
+NODES, PER_NODE = 2, 2
+mesh = init_device_mesh("cpu", (NODES, PER_NODE), mesh_dim_names=("replicate", "shard"))
+node = mesh.get_local_rank("replicate")
+# the reference's own groups (made by every rank, in the same order): each node, and every rank
+NODE_GROUPS = [dist.new_group(row, backend="gloo") for row in mesh.mesh.tolist()]
+EVERY = dist.new_group(list(range(size)), backend="gloo")
+H, ROUNDS, LR = 3, 3, 0.05
+gen = torch.Generator().manual_seed(100 + rank)
+DATA = [(torch.randn(8, 24, generator=gen), torch.randint(0, 4, (8,), generator=gen)) for _ in range(H * ROUNDS)]
+
+
+def make_model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(24, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
+
+
+def sharded(model, over):
+    for module in (model[0], model[2], model):
+        fully_shard(module, mesh=over)
+    return model
+
+
+def reference_rounds():
+    """The whole model's parameters after each round, by the plain-torch DiLoCo (module doc)."""
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    start = [p.detach().clone() for p in model.parameters()]
+    outer = torch.optim.SGD(start, lr=0.7, momentum=0.9, nesterov=True)
+    after = []
+    for i in range(H * ROUNDS):
+        x, y = DATA[i]
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        for p in model.parameters():
+            dist.all_reduce(p.grad, group=NODE_GROUPS[node])
+            p.grad /= PER_NODE
+        opt.step()
+        if (i + 1) % H == 0:
+            with torch.no_grad():
+                for s, p in zip(start, model.parameters()):
+                    delta = s - p
+                    dist.all_reduce(delta, group=EVERY)  # a node's two ranks hold the same: the mean over nodes
+                    s.grad = delta / size
+                outer.step()
+                for s, p in zip(start, model.parameters()):
+                    p.copy_(s)
+            after.append([p.detach().clone() for p in model.parameters()])
+    return after
+
+
+def whole(model):
+    return [p.full_tensor().detach().clone() for p in model.parameters()]
+
+
+def node_agrees(tensors) -> bool:
+    """Whether every rank holds these (whole) tensors equal (a collective over every rank)."""
+    flat = torch.cat([t.reshape(-1) for t in tensors])
+    gathered = [torch.empty_like(flat) for _ in range(size)]
+    dist.all_gather(gathered, flat, group=EVERY)
+    return all(torch.equal(g, gathered[0]) for g in gathered)
+
+
+if mode == "lossless":
+    expected = reference_rounds()
+    model = sharded(make_model(), mesh["shard"])
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    compressor = acc.AccordionCompressor(acc.TopK(1.0, min_compression_rate=0.5), policy="static")
+    diloco = acc.DiLoCo(model, opt, compressor, sync_every=H, mesh=mesh)
+    rounds = 0
+    for i in range(H * ROUNDS):
+        x, y = DATA[i]
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+        if (i + 1) % H == 1 and i > 0:  # inside a round's interval: the nodes went apart
+            check(not node_agrees(whole(model)), f"step {i}: the nodes agree between rounds (something crossed them)")
+        if diloco.step():
+            got = whole(model)
+            for name, a, b in zip(("0.weight", "0.bias", "2.weight", "2.bias"), got, expected[rounds]):
+                check(torch.allclose(a, b, rtol=1e-5, atol=1e-6),
+                      f"round {rounds}: {name} differs from the reference by {float((a - b).abs().max()):.3g}")
+            check(node_agrees(got), f"round {rounds}: the ranks disagree after the round")
+            rounds += 1
+    check(rounds == ROUNDS, f"{rounds} rounds, expected {ROUNDS}")
+    layers = diloco.compressor.stats()["layers"]
+    check(layers["0.weight"]["level"] != "dense", f"0.weight was not compressed: {layers['0.weight']}")
+    with diloco.synced():  # the last round's model, on the shards
+        check(node_agrees(whole(model)), "synced() differs across ranks")
+    say(f"rank {rank}: OK lossless")
+
+elif mode == "bad-input":
+    def refused(make, what):
+        try:
+            make()
+        except ValueError as exc:
+            check("mesh" in str(exc), f"{what}: the error does not name mesh: {exc}")
+            return
+        check(False, f"{what}: not refused")
+
+    def diloco_of(model, **kwargs):
+        return lambda: acc.DiLoCo(model, torch.optim.SGD(model.parameters(), lr=LR), sync_every=H, **kwargs)
+
+    refused(diloco_of(sharded(make_model(), mesh), mesh=mesh), "sharded over the whole mesh")
+    refused(diloco_of(sharded(make_model(), mesh["shard"])), "sharded, without mesh=")
+    refused(diloco_of(sharded(make_model(), mesh["shard"]), mesh=mesh["shard"]), "a 1-D mesh")
+    say(f"rank {rank}: OK bad-input")
+
+leave_torch_distributed(dist)
