@@ -5,7 +5,8 @@
 #                                    no host sync, the NumPy reference through the DDP hook on
 #                                    CUDA tensors), compute-sanitizer memcheck on the bucket ops
 #   scripts/gpu_check.sh --phase 2   the kernel bars (benchmarks/kernels.py) and a GPU training
-#                                    step, our DDP hook against DDP's (benchmarks/step_time.py --local);
+#                                    step, our DDP hook against DDP's (benchmarks/gpu_step.py: ResNet-50
+#                                    and GPT-2 small, one GPU over NCCL, then 2 processes over Gloo);
 #                                    builds first if phase 1's build is not there (phase 1 leaves
 #                                    the built extension in $OUT: copy it to accordion_hvd/ and
 #                                    carry it, and phase 2 skips the build)
@@ -90,20 +91,24 @@ if [ "$phase" = 1 ]; then
   # the build, for phase 2's call to carry if the machine went back in between (16 MiB come back)
   for so in accordion_hvd/_C*.so; do [ -f "$so" ] && [ "$(stat -c %s "$so")" -lt 16000000 ] && cp "$so" "$out/"; done
 else
-  kernels_s=100 train_s=280
+  kernels_s=90 nccl_s=190 gloo_s=90 rounds=3
   if [ $dry = 1 ] || ! built; then  # a fresh machine: build first, and the rest gets less time
     step build 120 "$IMPORT" -- $BUILD
     step with-cuda 10 - -- $py -c "$WITH_CUDA"
-    kernels_s=60 train_s=190
+    kernels_s=60 nccl_s=150 gloo_s=50 rounds=2
   fi
   step kernels $kernels_s "$py benchmarks/kernels.py --help" -- \
     $py benchmarks/kernels.py --device cuda --dtypes float32 --reps "${BENCH_REPS:-15}" \
       --out "$out/kernels-cuda.md"
-  # our DDP hook against DDP's own, both under torchrun: the image has no Horovod (horovodrun),
-  # and each launch costs about 15 s there, so one model, pairs side by side, a limit per run
-  step train $train_s "$py benchmarks/step_time.py --help" -- \
-    $py benchmarks/step_time.py --local --device cuda --models resnet18 --nodes 2 --rounds 2 --timeout 60 \
-      --methods floor,ddp-fp16,ddp-r4,ddp-ours-r4,ddp-r1,ddp-ours-r1 --out "$out/step-time-gpu.md"
+  # A training step, our DDP hook against DDP's own (benchmarks/gpu_step.py: every method in one
+  # launch; the image has no Horovod): ResNet-50 and a GPT-2-small-sized transformer on one GPU
+  # over NCCL (world 1: every hook still does its math), then 2 processes sharing the GPU over
+  # Gloo (PyTorch's PowerSGD hook aborts there on CUDA tensors, 2026-11-27: left out)
+  step step-nccl $nccl_s "$py benchmarks/gpu_step.py --help" -- \
+    torchrun --standalone --nproc_per_node 1 benchmarks/gpu_step.py --rounds $rounds --out "$out/step-nccl"
+  step step-gloo $gloo_s "$py benchmarks/gpu_step.py --help" -- \
+    torchrun --standalone --nproc_per_node 2 benchmarks/gpu_step.py --backend gloo --models resnet50 --rounds 2 \
+      --methods fp16,ours-default,ours-quantize8s,ours-r4 --out "$out/step-gloo"
 fi
 echo "== phase $phase done, status $status" | tee -a "$log"
 exit $status

@@ -56,6 +56,7 @@ from .open_step import OpenStep
 from .planes import Planes
 from .whole import WholeBuffers, WholeRoute
 
+
 class Route(str, enum.Enum):
     """Who carries a layer this step. Not a level (levels.py): a layer at level ``DENSE16``
     takes route ``FRONT_END``, and so does one too small to compress."""
