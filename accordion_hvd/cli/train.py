@@ -34,7 +34,7 @@ from ..comm.channel import CollectiveTimeout
 from ..horovod.patches import install_polite_wait
 from . import data, options
 from .checkpoints import load_checkpoint, read_checkpoint, save_checkpoint
-from .frontends import make_front_end
+from .launchers import make_front_end
 from .options import OURS, make_compression
 from .task import Task, device_type, evaluate, load_data, loss_of, make_model, make_optimizer, pick_device
 from .metrics import progress

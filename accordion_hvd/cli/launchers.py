@@ -1,0 +1,22 @@
+"""Which front end the CLI's arguments choose (``--launcher``, ``--sync``): every step
+(frontends.py: Horovod, DDP, FSDP) or periodically (periodic.py: DiLoCo, PyTorch's local
+SGD). Apart from both, so that neither module imports the other's."""
+
+from __future__ import annotations
+
+from .frontends import DDPFrontEnd, FSDPFrontEnd, HorovodFrontEnd
+from .periodic import DiLoCoFrontEnd, TorchLocalSGDFrontEnd
+
+
+def make_front_end(args, device_type: str, ours: bool = False):
+    """The front end of the CLI's ``args`` (``--launcher``, ``--sync``; ``--nodes`` and
+    ``--reduce-dtype`` for fsdp). ``ours``: the job compresses with AccordionCompressor (no
+    gradient through Horovod's loop, so Horovod's cycle is made long: comm/horovod.py
+    ``quiet_horovod_cycle``)."""
+    if args.sync != "every-step":  # under torchrun (options.py refuses other launchers)
+        if args.sync == "diloco":
+            return DiLoCoFrontEnd(device_type, args.sync_every, args.outer_lr, args.outer_momentum)
+        return TorchLocalSGDFrontEnd(device_type, args.sync_every, args.localsgd_warmup)
+    if args.launcher == "fsdp":
+        return FSDPFrontEnd(device_type, args.nodes, args.reduce_dtype)
+    return HorovodFrontEnd(quiet_cycle=ours) if args.launcher == "horovod" else DDPFrontEnd(device_type)
