@@ -1,3 +1,7 @@
+# Kept as a record: it produced benchmarks/results/hsdp-hook-cost/README.md (ad hoc, 2026-11-28,
+# commits ee05a31 and 012b11a). Not maintained and may not run against today's code: it wraps
+# engine internals by name (e.g. StepEngine._probe_window, HSDPHook._agree_faults), which have
+# since moved or gone.
 """Per-step host time of our HSDP hook's parts, settled route (ad hoc)."""
 import sys, time, collections, statistics, os
 sys.path.insert(0, os.environ.get("REPO", "/work/main") + "/benchmarks")

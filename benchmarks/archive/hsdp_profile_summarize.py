@@ -1,8 +1,12 @@
-"""Per-step figures of the profiles ab_link.py wrote (/tmp/profl/<method>-<round>/rank<r>.prof):
+# Kept as a record: it wrote benchmarks/results/hsdp-profile-1gbit/summary.md from the profiles
+# of hsdp_profile_ab_link.py (2026-11-28, at e6d2d8e; was hsdp-profile-1gbit/summarize.py).
+# Not maintained: the functions it looks up by name (e.g. hsdp.py's _agree_faults) have since
+# moved or gone, so against today's code its columns may read 0.
+"""Per-step figures of the profiles hsdp_profile_ab_link.py wrote (/tmp/profl/<method>-<round>/rank<r>.prof):
 each function's cumulative time over the run divided by its 90 steps (ms; cProfile's own
 overhead included, which inflates Python-heavy code), and its call count.
 
-    .venv/bin/python benchmarks/results/hsdp-profile-1gbit/summarize.py /tmp/profl > summary.md
+    .venv/bin/python benchmarks/archive/hsdp_profile_summarize.py /tmp/profl > summary.md
 """
 import glob
 import pstats

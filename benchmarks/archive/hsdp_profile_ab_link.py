@@ -1,3 +1,8 @@
+# Kept as a record: it produced benchmarks/results/hsdp-profile-1gbit/ (ab_link.log, and with
+# hsdp_profile_prof_train.py and hsdp_profile_summarize.py its summary.md), run in a worktree at
+# e6d2d8e on 2026-11-28 (was hsdp-profile-1gbit/ab_link.py). Not maintained and may not run
+# against today's code: it expects /work/runner and /tmp/prof_train.py, and hsdp_step_time's
+# TASK and METHODS as they were then.
 """1 Gbit/s A/B of HSDP methods with cProfile of every rank (ad hoc diagnosis)."""
 import csv, os, statistics, sys, tempfile
 from pathlib import Path
