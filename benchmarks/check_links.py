@@ -32,7 +32,8 @@ SKIP_DIRS = {"build", "dist", "node_modules", "__pycache__", "venv"}  # and ever
 
 LINK = re.compile(r"\[(?:[^\[\]]|\[[^\[\]]*\])*\]\(\s*<?([^)\s>]+)>?(?:\s+\"[^\"]*\")?\s*\)")
 RESULTS_PATH = re.compile(r"(--out[ =])?(benchmarks/results/[^\s`'\"()|,;]*)")
-PLACEHOLDER = re.compile(r"[<*{\[]|\b[A-Z]{3,}\b|seedS|foldK")
+PLACEHOLDER = re.compile(r"[<*{\[]")
+PLACEHOLDER_WORD = re.compile(r"\b[A-Z]{3,}\b|seed[A-Z]\b|fold[A-Z]\b")  # TASK, seedS; not in a file name
 URL = re.compile(r"^[a-z][a-z0-9+.-]*:", re.I)
 HEADING = re.compile(r"^#{1,6}\s+(.*?)\s*#*\s*$")
 ANCHOR_TAG = re.compile(r"<a\s+(?:id|name)=\"([^\"]+)\"")
@@ -130,7 +131,8 @@ def exists(base: Path, target: str, ignored: set[str]) -> bool:
         return True
     parts = target.split("/")
     for i, part in enumerate(parts):
-        if PLACEHOLDER.search(part):  # checked up to the folder that holds the placeholder
+        if PLACEHOLDER.search(part) or ("." not in part and PLACEHOLDER_WORD.search(part)):
+            # checked up to the folder that holds the placeholder
             return (base / "/".join(parts[:i])).exists()
     return any(part in ignored for part in parts[:-1]) or (target.endswith("/") and parts[-2] in ignored)
 
