@@ -5,7 +5,7 @@
     .venv/bin/python benchmarks/hsdp_interleaved.py --rate 1gbit --cycles 4 --out /tmp/i.md
 
 Why: on this project's 2-core VM the speed of the machine itself drifts by 20-30% within a
-two-minute run (benchmarks/results/hsdp-step-time-1gbit-r7.json: FSDP bf16's steps went from
+two-minute run (benchmarks/results/archive/hsdp-step-time-1gbit-r7.json: FSDP bf16's steps went from
 0.57 s to 0.82 s within one run), so runs of different methods minutes apart differ by more than
 the few percent the 1 Gbit/s bar (issue 47) is about. Here every method lives in the same
 processes, on the same emulated cluster, and they take turns in blocks of a few steps: a drift

@@ -1,6 +1,6 @@
 """NetworkAware's bar, from a step_time.py CSV (benchmarks/results/network-aware-protocol.md).
 
-    .venv/bin/python benchmarks/network_aware_bar.py benchmarks/results/network-aware-steps.csv
+    .venv/bin/python benchmarks/network_aware_bar.py benchmarks/results/network-aware-steps-v7.csv
 
 Per model and link rate, within each round: NetworkAware's step over the fastest of the
 peers (Horovod fp16 dense, static gentle PowerSGD rank 4, Accordion), and over Accordion's;

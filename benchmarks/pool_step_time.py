@@ -2,7 +2,8 @@
 
     .venv/bin/python benchmarks/pool_step_time.py      # writes benchmarks/results/step-time-pooled.md
 
-Reads every ``benchmarks/results/*.csv`` that benchmarks/step_time.py wrote (columns model,
+Reads every ``benchmarks/results/*.csv`` and ``benchmarks/results/archive/*.csv`` (the superseded
+files keep their rounds in the pool) that benchmarks/step_time.py wrote (columns model,
 nodes, rate, round, method, step_s), takes ours / peer within each round of each file (the
 pairs of step_time.PAIRS), and pools the ratios per setting and pair over all files: median,
 range, n, and in how many rounds ours was faster, beside each file's own median so that no
@@ -22,6 +23,7 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 from step_time import PAIRS  # noqa: E402
 
 RESULTS = REPO / "benchmarks" / "results"
+ARCHIVE = RESULTS / "archive"  # superseded files: still pooled
 COLUMNS = {"model", "nodes", "rate", "round", "method", "step_s"}
 
 
@@ -39,7 +41,7 @@ def pooled() -> list[str]:
     pools: dict[tuple, list[tuple[str, float]]] = {}  # (model, nodes, rate, ours, peer) -> (file, ratio)
     failed: dict[tuple, int] = {}
     files = []
-    for path in sorted(RESULTS.glob("*.csv")):
+    for path in sorted([*RESULTS.glob("*.csv"), *ARCHIVE.glob("*.csv")], key=lambda p: p.name):
         with open(path, newline="") as f:
             header = set(next(csv.reader(f), []))
         if not COLUMNS <= header:
@@ -56,7 +58,7 @@ def pooled() -> list[str]:
                 pools.setdefault(key, []).append((path.stem, steps[ours] / steps[peer]))
     lines = ["# Step time, every round pooled", "",
              f"`.venv/bin/python benchmarks/pool_step_time.py`: every round of the {len(files)} step-time files in "
-             "this folder (benchmarks/step_time.py's CSVs), ours / peer taken within each round, pooled per "
+             "this folder and its archive/ (benchmarks/step_time.py's CSVs), ours / peer taken within each round, pooled per "
              "setting and pair. *ours / peer* < 1: our step is shorter. Each file's .md names its machine, "
              "command and the engine it measured (older files measured older engines).", "",
              "| model | nodes | link | ours | peer | ours / peer: median (range) | rounds (n) | ours faster in | "

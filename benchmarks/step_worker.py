@@ -408,7 +408,7 @@ def main() -> None:
     if args.method in DDP:
         # Every rank is past its last collective: leave without tearing the group down. On
         # this emulated cluster `destroy_process_group` hung now and then after the timed
-        # steps (5 of 21 DDP runs in step-time-ddp-hook-bucket.md, every hook alike).
+        # steps (5 of 21 DDP runs in results/archive/step-time-ddp-hook-bucket.md, every hook alike).
         import torch.distributed as dist
         dist.barrier()
         sys.stdout.flush()

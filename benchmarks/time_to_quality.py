@@ -232,7 +232,7 @@ def best_by(evals: list[dict], seconds: float) -> float:
 
 def summarize() -> list[str]:
     lines = [f"# Time to quality ({PROTOCOL})", "",
-             f"Protocol: [`benchmarks/protocols/{PROTOCOL}.md`](protocols/{PROTOCOL}.md), committed before the runs. "
+             f"Protocol: [`benchmarks/protocols/{PROTOCOL}.md`](../protocols/{PROTOCOL}.md), committed before the runs. "
              f"`.venv/bin/python benchmarks/time_to_quality.py --summarize`; raw runs in [{PROTOCOL}/]({PROTOCOL}/).", ""]
     for setting in SETTINGS:
         frozen = frozen_setting(setting)

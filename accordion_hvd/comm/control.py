@@ -18,7 +18,7 @@ MPI's or a Gloo group's allreduce of a few floats takes under 5 ms
 (benchmarks/results/control-latency.md). A window's end issues up to
 five of them (the norms; the network-aware policy's ready times, link and level errors), and
 a per-step policy one every step: at 20 ms each that was a visible share of a step on
-ResNet-18 (benchmarks/results/network-aware-steps-v5.md: window ends 60-140 ms slower than
+ResNet-18 (benchmarks/results/archive/network-aware-steps-v5.md: window ends 60-140 ms slower than
 Accordion's). The compressor's Gloo data plane has a group for them (comm/gloo.py).
 """
 
