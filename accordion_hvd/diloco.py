@@ -108,6 +108,7 @@ class DiLoCo:
         self.params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         self.mesh = _check_sharding(self.params, mesh)
         self.local = [local_tensor(p) for _, p in self.params]  # this rank's shard of each (FSDP2), or itself
+        self.named_local = [(name, local) for (name, _), local in zip(self.params, self.local)]
         optimized = {id(p) for group in inner_optimizer.param_groups for p in group["params"]}
         if optimized != {id(p) for _, p in self.params}:
             raise ValueError("inner_optimizer must optimize exactly the model's trainable parameters "
@@ -175,7 +176,7 @@ class DiLoCo:
         if due:
             self.sync()
         else:  # stats(): floats_dense is what per-step dense training would have sent by now
-            self.compressor.count_local_step(self.params)
+            self.compressor.count_local_step(self.named_local)  # (HSDP: this rank's shards, as a round counts)
             if self.window is not None:
                 self.window.round_took(time.perf_counter() - started)
         if self.window is not None and self.inner_steps % self.policy.window == 0:  # always after a round
@@ -196,7 +197,7 @@ class DiLoCo:
     def sync(self) -> None:
         """One round, on every rank: average the pseudo-gradients through the compressor,
         take the outer step, and set every rank's model to its result (module doc)."""
-        for (name, _), local, start in zip(self.params, self.local, self.start):
+        for (name, local), start in zip(self.named_local, self.start):
             self.round.add(name, start - local.float(), start, uncompressed_here=True)
         self.round.send("round")  # the layers sent whole this round (16-bit dense), one average per dtype
         results, _ = self.round.finish()

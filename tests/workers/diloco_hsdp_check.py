@@ -114,6 +114,9 @@ if mode == "lossless":
             check(node_agrees(got), f"round {rounds}: the ranks disagree after the round")
             rounds += 1
     check(rounds == ROUNDS, f"{rounds} rounds, expected {ROUNDS}")
+    shard_floats = sum(p.to_local().numel() for p in model.parameters())
+    dense = diloco.compressor.stats()["floats_dense"]  # this rank's shards, every inner step
+    check(dense == H * ROUNDS * shard_floats, f"floats_dense {dense}, expected {H * ROUNDS} x {shard_floats}")
     layers = diloco.compressor.stats()["layers"]
     check(layers["0.weight"]["level"] != "dense", f"0.weight was not compressed: {layers['0.weight']}")
     with diloco.synced():  # the last round's model, on the shards
