@@ -34,12 +34,6 @@ def _check_dense_pair(op: str, grad: torch.Tensor, residual: torch.Tensor) -> No
         raise ValueError(f"{op}: grad and residual must be on the same device, got {grad.device} and {residual.device}")
 
 
-def ef_add(grad: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-    """Return ``grad + residual`` in the residual's dtype (see ``reference.ef_add``)."""
-    _check_dense_pair("accordion::ef_add", grad, residual)
-    return torch.ops.accordion.ef_add.default(grad, residual)
-
-
 def ef_add_(grad: torch.Tensor, residual: torch.Tensor, finite: torch.Tensor | None = None) -> torch.Tensor:
     """In place: ``residual += grad``; returns ``residual``. With ``finite`` (a 0-d bool tensor
     on the gradient's device), the gradient is added only where it is True: a non-finite
@@ -47,12 +41,6 @@ def ef_add_(grad: torch.Tensor, residual: torch.Tensor, finite: torch.Tensor | N
     _check_dense_pair("accordion::ef_add_", grad, residual)
     torch.ops.accordion.ef_add_.default(grad, residual, finite)
     return residual
-
-
-@torch.library.register_fake("accordion::ef_add")
-def _ef_add_fake(grad: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-    torch._check(grad.shape == residual.shape, lambda: "accordion::ef_add: shapes differ")
-    return torch.empty_like(residual, memory_format=torch.contiguous_format)
 
 
 @torch.library.register_fake("accordion::ef_add_")
@@ -172,11 +160,6 @@ def orthogonalize_(ps: list[torch.Tensor], eps: float = 1e-8) -> list[torch.Tens
     if ps:  # the dispatcher needs at least one tensor to pick a kernel
         torch.ops.accordion.orthogonalize_.default(ps, float(eps))
     return ps
-
-
-def error_update_(residual: torch.Tensor, approx: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """PowerSGD's last step in one pass: ``residual -= approx``; returns ``approx.to(dtype)``."""
-    return torch.ops.accordion.error_update_.default(residual, approx, dtype)
 
 
 def fill_if_(tensors: list[torch.Tensor], flag: torch.Tensor, value: float = 0.0) -> None:
@@ -300,11 +283,6 @@ def _powersgd_settle_many_fake(residuals, ps, qts, flag):
 @torch.library.register_fake("accordion::orthogonalize_")
 def _orthogonalize_fake(ps, eps):
     return None
-
-
-@torch.library.register_fake("accordion::error_update_")
-def _error_update_fake(residual, approx, dtype):
-    return approx.new_empty(approx.shape, dtype=dtype)
 
 
 @torch.library.register_fake("accordion::fill_if_")

@@ -6,7 +6,6 @@
 #include <torch/library.h>
 
 TORCH_LIBRARY(accordion, m) {
-  m.def("ef_add(Tensor grad, Tensor residual) -> Tensor");
   m.def("ef_add_(Tensor grad, Tensor(a!) residual, Tensor? finite=None) -> ()");
   m.def("topk_ef(Tensor grad, Tensor(a!) residual, int k, Tensor? finite=None) -> (Tensor values, Tensor indices, Tensor g_sq, "
         "Tensor kept_sq)");
@@ -21,7 +20,6 @@ TORCH_LIBRARY(accordion, m) {
         "Tensor[] qts_avg, Tensor? ok=None) -> ()");
   m.def("powersgd_settle_many_(Tensor(a!)[] residuals, Tensor[] ps, Tensor[] qts, Tensor flag) -> ()");
   m.def("orthogonalize_(Tensor(a!)[] ps, float eps) -> ()");
-  m.def("error_update_(Tensor(a!) residual, Tensor approx, ScalarType dtype) -> Tensor");
   m.def("fill_if_(Tensor(a!)[] tensors, Tensor flag, Scalar value) -> ()");
   m.def("restore_if_(Tensor(a!) residual, Tensor indices, Tensor values, Tensor flag) -> ()");
   m.def("quantize_ef_(Tensor grad, Tensor(a!) residual, int bits, int chunk, Tensor? finite=None) -> Tensor");

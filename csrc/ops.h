@@ -25,7 +25,7 @@ inline void check_contiguous_float(const at::Tensor& t, const char* op, const ch
   TORCH_CHECK(t.is_contiguous(), op, ": ", name, " must be contiguous, got strides ", t.strides());
 }
 
-// ef_add: the error-feedback add shared by both codecs, out = grad + residual.
+// ef_add_: the error-feedback add shared by the codecs, residual += grad.
 // The residual may be kept in float32 for half/bfloat16 gradients, so that small
 // corrections that would round away in 16 bits keep accumulating; the sum has the
 // residual's dtype.
@@ -44,7 +44,7 @@ inline void check_ef_add_args(const at::Tensor& grad, const at::Tensor& residual
               g, " and residual ", r);
 }
 
-// ef_add and ef_add_ on a backend whose kernel is EfAddOut(grad, residual, out): out =
+// ef_add_ on a backend whose kernel is EfAddOut(grad, residual, out): out =
 // grad + residual over contiguous tensors, out may alias residual.
 using EfAddOut = void (*)(const at::Tensor& grad, const at::Tensor& residual, at::Tensor& out);
 
@@ -60,15 +60,6 @@ inline void check_finite_flag(const std::optional<at::Tensor>& finite, const at:
   TORCH_CHECK(finite->layout() == at::kStrided && finite->dim() == 0 && finite->scalar_type() == at::kBool, op,
               ": finite must be a 0-d bool tensor, got a ", finite->dim(), "-d ", finite->scalar_type(), " tensor");
   check_same_device(*finite, grad, op, "finite and grad");
-}
-
-// Functional form: returns grad + residual, in the residual's dtype.
-template <EfAddOut kernel>
-at::Tensor ef_add(const at::Tensor& grad, const at::Tensor& residual) {
-  check_ef_add_args(grad, residual, "accordion::ef_add");
-  at::Tensor out = at::empty(residual.sizes(), residual.options().memory_format(at::MemoryFormat::Contiguous));
-  kernel(grad.contiguous(), residual.contiguous(), out);  // contiguous: e.g. a channels-last gradient
-  return out;
 }
 
 // In-place form used by the codecs: residual += grad, turning the error-feedback buffer into
@@ -363,18 +354,6 @@ inline std::vector<at::Tensor> orthogonalize_matrices(at::TensorList ps, double 
     if (p.numel() > 0) mats.push_back(p);
   }
   return mats;
-}
-
-// error_update_: residual -= approx (float32); returns approx in `dtype`, in one pass.
-inline void check_error_update_args(const at::Tensor& residual, const at::Tensor& approx, at::ScalarType dtype) {
-  constexpr const char* op = "accordion::error_update_";
-  check_contiguous_float(residual, op, "residual");
-  check_contiguous_float(approx, op, "approx");
-  TORCH_CHECK(residual.sizes() == approx.sizes(), op, ": residual and approx must have the same shape, got ",
-              residual.sizes(), " and ", approx.sizes());
-  TORCH_CHECK(dtype == at::kFloat || dtype == at::kHalf || dtype == at::kBFloat16, op,
-              ": dtype must be float32, float16 or bfloat16, got ", dtype);
-  check_same_device(residual, approx, op, "residual and approx");
 }
 
 // fill_if_: fill every tensor with a value when a 0-d bool flag on their device is true (zero

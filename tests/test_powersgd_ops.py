@@ -1,5 +1,4 @@
-"""accordion::orthogonalize_ (batched Gram-Schmidt) and accordion::error_update_ against the
-plain-torch references."""
+"""accordion::orthogonalize_ (batched Gram-Schmidt) against the plain-torch reference."""
 
 import pytest
 import torch
@@ -64,24 +63,5 @@ def test_orthogonalize_negative_eps():
         acc.ops.orthogonalize_([torch.randn(3, 2)], eps=-1.0)
 
 
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("n", [1, 7, 100_003])
-def test_error_update_matches_reference(n, dtype):
-    residual, approx = torch.randn(n), torch.randn(n)
-    expected_residual, expected_out = residual - approx, approx.to(dtype)
-    out = acc.ops.error_update_(residual, approx, dtype)
-    assert torch.equal(residual, expected_residual) and torch.equal(out, expected_out)
-
-
-def test_error_update_bad_input():
-    with pytest.raises(RuntimeError, match="same shape"):
-        acc.ops.error_update_(torch.randn(4), torch.randn(5), torch.float16)
-    with pytest.raises(RuntimeError, match="dtype must be float32, float16 or bfloat16"):
-        acc.ops.error_update_(torch.randn(4), torch.randn(4), torch.int32)
-    with pytest.raises(RuntimeError, match="approx must be float32"):
-        acc.ops.error_update_(torch.randn(4), torch.randn(4).double(), torch.float16)
-
-
 def test_opcheck():
     opcheck(torch.ops.accordion.orthogonalize_.default, ([torch.randn(20, 3), torch.randn(7, 2)], 1e-8))
-    opcheck(torch.ops.accordion.error_update_.default, (torch.randn(6, 5), torch.randn(6, 5), torch.float16))

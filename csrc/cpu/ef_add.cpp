@@ -1,4 +1,4 @@
-// CPU kernel of accordion::ef_add: out = grad + residual, in the residual's dtype.
+// CPU kernel of accordion::ef_add_: out = grad + residual (out is the residual), in the residual's dtype.
 // A memory-bound stream: one read of each input and one write, split across threads with
 // at::parallel_for (the per-range loop is in ef_add_block.h). What it adds over torch is the
 // mixed case, a 16-bit gradient into a float32 residual, converted on the fly (F16C).

@@ -21,9 +21,8 @@ void topk_ef_cpu(const at::Tensor& grad, const at::Tensor& residual, int64_t k, 
 at::Tensor sparse_average_cpu(const at::Tensor& values, const at::Tensor& indices, int64_t numel,
                               int64_t world_size, at::ScalarType out_dtype, bool* bad = nullptr);
 
-// orthogonalize_ and error_update_ (cpu/powersgd.cpp).
+// orthogonalize_ (cpu/powersgd.cpp).
 void orthogonalize_cpu(const std::vector<at::Tensor>& ps, double eps);
-at::Tensor error_update_cpu(const at::Tensor& residual, const at::Tensor& approx, at::ScalarType out_dtype);
 
 // PowerSGD for a whole bucket, one layer per call (cpu/powersgd_bucket.cpp): M = grad + e into
 // e and P = M Q (skipped, P NaN, when !add); Q^T = P^T M; out = P Q^T in out's dtype; e -= P Q^T.

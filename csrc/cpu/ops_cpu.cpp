@@ -127,11 +127,6 @@ void orthogonalize_(at::TensorList ps, double eps) {
   orthogonalize_cpu(orthogonalize_matrices(ps, eps), eps);
 }
 
-at::Tensor error_update_(const at::Tensor& residual, const at::Tensor& approx, at::ScalarType dtype) {
-  check_error_update_args(residual, approx, dtype);
-  return error_update_cpu(residual, approx, dtype);
-}
-
 // On the CPU the flag is read directly (a memory load): nothing is touched when it is false,
 // where a masked fill would still stream through every tensor.
 void fill_if_(at::TensorList tensors, const at::Tensor& flag, const at::Scalar& value) {
@@ -184,7 +179,6 @@ at::Tensor quantize_average(const at::Tensor& rows, int64_t numel, int64_t bits,
 }
 
 TORCH_LIBRARY_IMPL(accordion, CPU, m) {
-  m.impl("ef_add", &ef_add<ef_add_out_cpu>);
   m.impl("ef_add_", &ef_add_<ef_add_out_cpu, grad_if_finite>);
   m.impl("topk_ef", &topk_ef);
   m.impl("topk_ef_many", &topk_ef_many);
@@ -195,7 +189,6 @@ TORCH_LIBRARY_IMPL(accordion, CPU, m) {
   m.impl("powersgd_finish_many_", &powersgd_finish_many_);
   m.impl("powersgd_settle_many_", &powersgd_settle_many_);
   m.impl("orthogonalize_", &orthogonalize_);
-  m.impl("error_update_", &error_update_);
   m.impl("fill_if_", &fill_if_);
   m.impl("restore_if_", &restore_if_);
   m.impl("quantize_ef_", &quantize_ef_);

@@ -57,21 +57,4 @@ void orthogonalize_cpu(const std::vector<at::Tensor>& ps, double eps) {
   });
 }
 
-at::Tensor error_update_cpu(const at::Tensor& residual, const at::Tensor& approx, at::ScalarType out_dtype) {
-  at::Tensor out = at::empty(approx.sizes(), approx.options().dtype(out_dtype));
-  const int64_t n = approx.numel();
-  float* e = residual.mutable_data_ptr<float>();
-  const float* a = approx.const_data_ptr<float>();
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, out_dtype, "error_update_cpu", [&] {
-    scalar_t* o = out.mutable_data_ptr<scalar_t>();
-    at::parallel_for(0, n, kGrain, [&](int64_t b, int64_t end) {
-      for (int64_t i = b; i < end; ++i) {
-        e[i] -= a[i];
-        o[i] = static_cast<scalar_t>(a[i]);
-      }
-    });
-  });
-  return out;
-}
-
 }  // namespace accordion

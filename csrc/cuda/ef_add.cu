@@ -1,4 +1,4 @@
-// CUDA kernel of accordion::ef_add (see kernels.h). A grid-stride elementwise stream; the
+// CUDA kernel of accordion::ef_add_ (see kernels.h). A grid-stride elementwise stream; the
 // arithmetic is done in float (double for float64), as torch's add does, so CPU, CUDA and
 // the plain-torch reference agree bit for bit.
 #include "cuda/convert.cuh"

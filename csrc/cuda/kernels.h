@@ -117,9 +117,6 @@ cudaError_t powersgd_finish(const PowerSGDLayer* layers, int count, DType out_dt
                             cudaStream_t stream);
 cudaError_t powersgd_settle(const PowerSGDLayer* layers, int count, const bool* flag, cudaStream_t stream);
 
-// residual[i] -= approx[i] (float32) and out[i] = approx[i] in out_dtype, in one pass.
-cudaError_t error_update(float* residual, const float* approx, int64_t n, void* out,
-                         DType out_dtype, cudaStream_t stream);
 
 // --- A layer or buffer sent whole (whole.cu) ------------------------------------------------
 // The CPU kernels' function (csrc/cpu/whole.cpp), bit for bit. flush_whole: residual (float32,

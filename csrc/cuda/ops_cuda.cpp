@@ -251,16 +251,6 @@ void orthogonalize_(at::TensorList ps, double eps) {
   }
 }
 
-at::Tensor error_update_(const at::Tensor& residual, const at::Tensor& approx, at::ScalarType dtype) {
-  check_error_update_args(residual, approx, dtype);
-  const c10::cuda::CUDAGuard guard(residual.device());
-  at::Tensor out = at::empty(approx.sizes(), approx.options().dtype(dtype));
-  C10_CUDA_CHECK(cuda::error_update(residual.mutable_data_ptr<float>(), approx.const_data_ptr<float>(),
-                                    approx.numel(), out.mutable_data_ptr(), to_kernel_dtype(dtype),
-                                    current_stream()));
-  return out;
-}
-
 // The flag stays on the device: a masked fill per tensor, never read by the host.
 void fill_if_(at::TensorList tensors, const at::Tensor& flag, const at::Scalar& value) {
   check_fill_if_args(tensors, flag);
@@ -330,7 +320,6 @@ at::Tensor quantize_average(const at::Tensor& rows, int64_t numel, int64_t bits,
 }  // namespace
 
 TORCH_LIBRARY_IMPL(accordion, CUDA, m) {
-  m.impl("ef_add", &ef_add<ef_add_out_cuda>);
   m.impl("ef_add_", &ef_add_<ef_add_out_cuda, grad_if_finite>);
   m.impl("topk_ef", &topk_ef);
   m.impl("topk_ef_many", &topk_ef_many);
@@ -341,7 +330,6 @@ TORCH_LIBRARY_IMPL(accordion, CUDA, m) {
   m.impl("powersgd_finish_many_", &powersgd_finish_many_);
   m.impl("powersgd_settle_many_", &powersgd_settle_many_);
   m.impl("orthogonalize_", &orthogonalize_);
-  m.impl("error_update_", &error_update_);
   m.impl("fill_if_", &fill_if_);
   m.impl("restore_if_", &restore_if_);
   m.impl("quantize_ef_", &quantize_ef_);

@@ -7,8 +7,7 @@
 // pass for their dot products with column i and one that removes column i from them. Sums
 // are kept in double per thread and reduced with warp shuffles, then across warps. Column i
 // is divided by (norm + eps), so a zero column stays finite, as in PyTorch's PowerSGD hook.
-//
-// error_update: residual -= approx and approx rounded to the gradient's dtype, one pass.
+
 #include "cuda/convert.cuh"
 #include "cuda/kernels.h"
 
@@ -78,16 +77,6 @@ __global__ void __launch_bounds__(kThreads) gram_schmidt_kernel(const Batch batc
   }
 }
 
-template <typename T>
-__global__ void error_update_kernel(float* residual, const float* __restrict__ approx, int64_t n, T* out) {
-  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
-  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += stride) {
-    const float a = approx[i];
-    residual[i] -= a;
-    out[i] = down<T>(a);
-  }
-}
-
 }  // namespace
 
 cudaError_t orthogonalize(const MatrixRef* matrices, int count, DType dtype, double eps, cudaStream_t stream) {
@@ -103,15 +92,6 @@ cudaError_t orthogonalize(const MatrixRef* matrices, int count, DType dtype, dou
     if (cudaError_t err = cudaGetLastError()) return err;
   }
   return cudaSuccess;
-}
-
-cudaError_t error_update(float* residual, const float* approx, int64_t n, void* out, DType out_dtype,
-                         cudaStream_t stream) {
-  if (n <= 0) return cudaSuccess;
-  const unsigned grid = grid_for(n, kThreads);
-  return with_out_type(out_dtype, out, [&](auto* typed) {
-    error_update_kernel<<<grid, kThreads, 0, stream>>>(residual, approx, n, typed);
-  });
 }
 
 }  // namespace cuda

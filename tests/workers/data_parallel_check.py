@@ -40,7 +40,8 @@ check(gathered.tolist() == [v for r in range(size) for v in (r * 10, r * 10 + 1)
 
 # 2. The compiled op inside a worker process.
 g, e = torch.randn(4097), torch.randn(4097)
-check(torch.equal(acc.ops.ef_add(g, e), reference.ef_add(g, e)), "accordion::ef_add differs from its reference")
+expected = reference.ef_add(g, e)
+check(torch.equal(acc.ops.ef_add_(g, e), expected), "accordion::ef_add_ differs from its reference")
 
 # 3. Training with the stock DistributedOptimizer: each rank sees different data, and all
 #    ranks must still hold identical parameters after every step.
