@@ -38,7 +38,8 @@ class Counters:
                 "bytes_sent": sum(self.bytes.values()), "bytes_dense": sum(self.bytes_dense.values())}
 
     def layer(self, name: str) -> dict[str, int]:
-        return {"floats_sent": self.sent[name], "floats_dense": self.dense[name],
+        # (sent.get: a layer counted only by steps that sent nothing yet, DiLoCo's inner steps)
+        return {"floats_sent": self.sent.get(name, 0), "floats_dense": self.dense[name],
                 "bytes_sent": self.bytes.get(name, 0), "bytes_dense": self.bytes_dense.get(name, 0)}
 
     def state_dict(self) -> dict[str, Any]:

@@ -263,13 +263,22 @@ class DiLoCo:
         if state["world"] != self.size:
             log.warning("DiLoCo: the state was saved by %d ranks, this job has %d: the outer optimizer restarts "
                         "(momentum zero) from the model's parameters", state["world"], self.size)
-            for start, local in zip(self.start, self.local):
-                start.copy_(local.detach().float())
-            return
+            return self.restart()
         with torch.no_grad():
             for start, saved in zip(self.start, state["start"]):
                 start.copy_(saved)
         self.outer.load_state_dict(state["outer"])
+
+
+    @torch.no_grad()
+    def restart(self) -> None:
+        """The outer loop starts again from the model as it is now (the start-of-round
+        parameters the model's, the outer momentum zero): after loading a model whose DiLoCo
+        state does not fit this job (another world or mesh)."""
+        for start, local in zip(self.start, self.local):
+            start.copy_(local.detach().float())
+        self.outer = torch.optim.SGD(self.start, lr=self.outer_lr, momentum=self.outer_momentum, nesterov=self.nesterov)
+        self.since_sync = 0
 
 
 @contextlib.contextmanager

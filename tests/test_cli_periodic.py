@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from accordion_hvd.cli.options import parse_args
-from launch import run_ddp_module
+from launch import run_ddp_module, torchrun
 
 COMMON = ["--launcher", "ddp", "--no-progress", "--lr-milestones", "2"]
 STEPS = (1438 // 2) // 32  # digits, 2 ranks, batch 32: steps per epoch
@@ -17,7 +17,7 @@ SMALL = (1438 // 2) // 8  # at --batch-size 8: enough steps for DiLoCo's windows
 
 
 def cli(*args, np=2):
-    return run_ddp_module("accordion_hvd.train", *args, np=np, timeout=300)
+    return run_ddp_module("accordion_hvd.train", *args, np=np, timeout=400)
 
 
 def rows(logdir):
@@ -73,8 +73,40 @@ def test_the_periodic_peers_train_and_count_their_rounds(tmp_path, method):
     assert int(steps[-1]["floats_sent"]) == syncs * floats and int(steps[-1]["floats_dense"]) == len(steps) * floats
 
 
+@pytest.mark.torchrun
+def test_diloco_across_the_nodes_of_fsdp_trains_and_resumes_bit_for_bit(tmp_path):
+    """``--launcher fsdp --sync diloco``: 2 nodes of 2 ranks, FSDP2 inside each node, rounds
+    across them every 3 inner steps; a run resumed from the checkpoint kept after epoch 1 (step
+    4, inside a round: each node's parameters and AdamW moments its own, which DCP alone would
+    save once for both nodes) trains its second epoch exactly as the run that never stopped
+    (every step's loss, the rounds, the final perplexity); a plain fsdp run refuses that
+    checkpoint, naming --sync."""
+    common = ["--launcher", "fsdp", "--nodes", "2", "--dataset", "text", "--model", "transformer",
+              "--optimizer", "adamw", "--lr", "0.001", "--batch-size", "128", "--no-progress",
+              "--sync", "diloco", "--sync-every", "3", "--epochs", "2",
+              "--max-train-samples", "2048", "--max-eval-samples", "256"]  # 4 steps an epoch
+    whole, ckpt, resumed = tmp_path / "whole", tmp_path / "ckpt.epoch1", tmp_path / "resumed"
+    a = cli(*common, "--logdir", str(whole), "--checkpoint", str(tmp_path / "ckpt"), "--keep-checkpoints", np=4)
+    assert "DiLoCo across them (sync_every=3, our compression)" in a and "final test perplexity" in a, a
+    b = cli(*common, "--resume", str(ckpt), "--logdir", str(resumed), np=4)
+    assert "resumed from" in b and "at epoch 1, step 4" in b, b
+    before, after = rows(whole), rows(resumed)
+    assert [int(r["syncs"]) for r in before] == [0, 0, 1, 1, 1, 2, 2, 2], before
+    by_step = {r["step"]: (r["loss"], r["syncs"]) for r in before}
+    assert [r["step"] for r in after] == ["5", "6", "7", "8"], after
+    assert all(by_step[r["step"]] == (r["loss"], r["syncs"]) for r in after), (before, after)
+    final = [line for line in a.splitlines() if "final test perplexity" in line]
+    assert final and final[-1].split("(")[0] in b, (final, b[-2000:])
+    plain = [c for c in common if c not in ("--sync", "diloco", "--sync-every", "3")]
+    c = torchrun(["-m", "accordion_hvd.train", *plain, "--resume", str(ckpt)], np=4, timeout=300)
+    assert c.returncode != 0 and "saved with --sync diloco, this run has --sync every-step" in c.stdout, c.stdout
+
+
 @pytest.mark.parametrize("argv,message", [
-    (["--sync", "diloco"], "--sync diloco runs under torchrun: add --launcher ddp"),
+    (["--sync", "diloco"], "--sync diloco runs under torchrun: add --launcher ddp (or --launcher fsdp"),
+    (["--launcher", "fsdp", "--sync", "torch-localsgd", "--codec", "none"], "add --launcher ddp"),
+    (["--launcher", "fsdp", "--sync", "diloco", "--codec", "none", "--sync-every", "4"],
+     "DiLoCo as published (--codec none) runs under --launcher ddp"),
     (["--launcher", "ddp", "--sync", "torch-localsgd"], "--codec none"),
     (["--launcher", "ddp", "--sync", "diloco", "--codec", "fp16"], "--sync diloco takes --codec none"),
     (["--launcher", "ddp", "--sync", "diloco", "--codec", "none"], "give --sync-every N"),

@@ -93,6 +93,7 @@ def load_checkpoint(path: Path, front, model, opt, compression, batch, device: t
         batch.load_state_dict(state["batch"])
     if state.get("rng") is not None:  # (checkpoints from before it have none: dropout then differs)
         _set_rng_state(state["rng"])
+    front.resumed()
     return state["epoch"], state["step"]
 
 
@@ -118,7 +119,7 @@ def _sharded_state(front, model, opt, compression, meta: dict) -> dict:
 
     model_sd, opt_sd = get_state_dict(model, opt)
     state = {"model": model_sd, "optimizer": opt_sd, "meta": meta, "rng": _rng_state()}
-    if front.hook is not None:  # ours: each rank's compressor state under its own key (hsdp.py)
+    if front.hook is not None:  # ours: each rank's state under its own key (hsdp.py, cli/periodic.py DiLoCoCheckpoint)
         state["accordion"] = front.hook
     else:  # FSDP's own all-reduce: the floats counted, the same on every rank
         state["meta"]["compression"] = compression.state_dict()
@@ -132,7 +133,8 @@ def _save_sharded(path: Path, front, epoch: int, step: int, model, opt, compress
     if front.rank == 0 and tmp.exists():
         shutil.rmtree(tmp)
     front.dist.barrier()
-    meta = {"epoch": epoch, "step": step, "world_size": front.size, "mesh": f"{front.nodes}x{front.size // front.nodes}"}
+    meta = {"epoch": epoch, "step": step, "world_size": front.size, "mesh": f"{front.nodes}x{front.size // front.nodes}",
+            "sync": front.sync}
     dcp.save(_sharded_state(front, model, opt, compression, meta), checkpoint_id=str(tmp))
     front.dist.barrier()  # every rank has written its shards and DCP its metadata
     if front.rank == 0:  # never a half-written checkpoint at PATH (the old one goes first)
@@ -150,7 +152,7 @@ def _load_sharded(path: Path, front, model, opt, compression) -> tuple[int, int]
     if not (path / ".metadata").is_file():
         raise SystemExit(f"--resume {path}: not a checkpoint written by --checkpoint under --launcher fsdp "
                          f"(a torch.distributed.checkpoint directory with its .metadata)")
-    meta = {"epoch": 0, "step": 0, "world_size": 0, "mesh": ""}
+    meta = {"epoch": 0, "step": 0, "world_size": 0, "mesh": "", "sync": ""}
     state = _sharded_state(front, model, opt, compression, meta)
     try:  # another mesh: the model and optimizer reshard; our hook warns and starts again
         dcp.load(state, checkpoint_id=str(path), planner=DefaultLoadPlanner(allow_partial_load=True))
@@ -159,6 +161,10 @@ def _load_sharded(path: Path, front, model, opt, compression) -> tuple[int, int]
     set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
     _set_rng_state(state["rng"])
     meta = state["meta"]
+    if (meta["sync"] or "every-step") != front.sync:  # (checkpoints from before it hold no "sync")
+        raise SystemExit(f"--resume {path}: saved with --sync {meta['sync'] or 'every-step'}, this run has --sync "
+                         f"{front.sync}: resume with the same --sync")
+    front.resumed()
     if front.hook is None:
         try:
             compression.load_state_dict(meta.get("compression"))

@@ -5,7 +5,7 @@ loop (cli/train.py) sees only this face: ``name``, ``label`` (for the log), ``ra
 averaged gradients unless the compression skipped the step), ``sum`` (a small reduction for the
 evaluation), ``close``; and, for the periodic ones (cli/periodic.py, ``--sync``), what they
 change: ``evaluating()`` (the model every rank evaluates), ``record()`` (steps.csv's extra
-columns), ``sync_state()``/``load_sync_state()`` (their part of a checkpoint)."""
+columns), ``sync_state()``/``load_sync_state()`` (their part of a checkpoint), ``resumed()``."""
 
 from __future__ import annotations
 
@@ -23,6 +23,8 @@ LAUNCHERS = ("horovod", "ddp", "fsdp")
 class FrontEnd:
     """What every front end shares: the face's parts only the periodic ones change."""
 
+    sync = "every-step"  # the CLI's --sync it runs (checkpoints refuse another's)
+
     def evaluating(self):
         """A context in which the model is the one every rank evaluates (here: as it is)."""
         return contextlib.nullcontext()
@@ -37,6 +39,9 @@ class FrontEnd:
 
     def load_sync_state(self, state) -> None:
         pass
+
+    def resumed(self) -> None:
+        """Called once a checkpoint is loaded, everything in place."""
 
 
 class HorovodFrontEnd(FrontEnd):
@@ -145,6 +150,17 @@ class FSDPFrontEnd(DDPFrontEnd):
         self.hook = None  # our compressed all-reduce's hook (checkpoints), once wrapped
 
     def wrap(self, model: torch.nn.Module, opt: torch.optim.Optimizer, compression, device: torch.device):
+        ours = isinstance(compression, Compressor)
+        model, opt, mesh = self.shard(model, opt, compression, within_nodes=ours)
+        if ours:
+            from ..hsdp import compress_hsdp
+            self.hook = compress_hsdp(model, compression, mesh, optimizer=opt)
+        return model, opt
+
+    def shard(self, model: torch.nn.Module, opt: torch.optim.Optimizer, compression, within_nodes: bool):
+        """(the model sharded with ``fully_shard``, the optimizer over its sharded parameters,
+        the mesh): over ``mesh["shard"]`` alone (``within_nodes``: what crosses the nodes is
+        ours to send) or over the whole 2-D mesh (PyTorch's HSDP)."""
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -156,11 +172,10 @@ class FSDPFrontEnd(DDPFrontEnd):
 
         mesh = init_device_mesh(self.device_type, (self.nodes, self.size // self.nodes),
                                 mesh_dim_names=("replicate", "shard"))
-        ours = isinstance(compression, Compressor)
-        kwargs = {"mesh": mesh["shard"] if ours else mesh}
-        if getattr(compression, "name", None) == "bf16" or (ours and self.reduce_dtype == "bfloat16"):
+        kwargs = {"mesh": mesh["shard"] if within_nodes else mesh}
+        if getattr(compression, "name", None) == "bf16" or (within_nodes and self.reduce_dtype == "bfloat16"):
             kwargs["mp_policy"] = MixedPrecisionPolicy(reduce_dtype=torch.bfloat16)
-            self.label = "fsdp, reduce in bfloat16"
+            self.label = f"{self.label}, reduce in bfloat16"
         names = {id(p): n for n, p in model.named_parameters()}
         for block in getattr(model, "blocks", ()):
             fully_shard(block, **kwargs)
@@ -170,10 +185,7 @@ class FSDPFrontEnd(DDPFrontEnd):
         opt = type(opt)([{**{k: v for k, v in group.items() if k != "params"},
                           "params": [sharded[names[id(p)]] for p in group["params"]]} for group in opt.param_groups])
         self.shard_floats = sum(p.to_local().numel() for p in sharded.values() if p.requires_grad)
-        if ours:
-            from ..hsdp import compress_hsdp
-            self.hook = compress_hsdp(model, compression, mesh, optimizer=opt)
-        return model, opt
+        return model, opt, mesh
 
     def step(self, opt, compression) -> None:
         if not isinstance(compression, Compressor):

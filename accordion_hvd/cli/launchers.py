@@ -5,7 +5,7 @@ SGD). Apart from both, so that neither module imports the other's."""
 from __future__ import annotations
 
 from .frontends import DDPFrontEnd, FSDPFrontEnd, HorovodFrontEnd
-from .periodic import DiLoCoFrontEnd, TorchLocalSGDFrontEnd
+from .periodic import DiLoCoFrontEnd, HSDPDiLoCoFrontEnd, TorchLocalSGDFrontEnd
 
 
 def make_front_end(args, device_type: str, ours: bool = False):
@@ -14,6 +14,9 @@ def make_front_end(args, device_type: str, ours: bool = False):
     gradient through Horovod's loop, so Horovod's cycle is made long: comm/horovod.py
     ``quiet_horovod_cycle``)."""
     if args.sync != "every-step":  # under torchrun (options.py refuses other launchers)
+        if args.sync == "diloco" and args.launcher == "fsdp":
+            return HSDPDiLoCoFrontEnd(device_type, args.nodes, args.reduce_dtype, args.sync_every, args.outer_lr,
+                                      args.outer_momentum)
         if args.sync == "diloco":
             return DiLoCoFrontEnd(device_type, args.sync_every, args.outer_lr, args.outer_momentum)
         return TorchLocalSGDFrontEnd(device_type, args.sync_every, args.localsgd_warmup)

@@ -87,8 +87,9 @@ def _check_sync(p, args) -> None:
                 f"{'' if args.sync == 'every-step' else f', not --sync {args.sync}'}")
     if args.sync == "every-step":
         return
-    if args.launcher != "ddp":
-        p.error(f"--sync {args.sync} runs under torchrun: add --launcher ddp")
+    if args.launcher == "horovod" or (args.launcher == "fsdp" and args.sync != "diloco"):
+        p.error(f"--sync {args.sync} runs under torchrun: add --launcher ddp"
+                + (" (or --launcher fsdp, for --sync diloco)" if args.sync == "diloco" else ""))
     if args.batch_mode:
         p.error(f"--batch-mode and --sync {args.sync} do not go together (one sets the batch, one the interval)")
     if args.sync == "torch-localsgd":
@@ -102,6 +103,9 @@ def _check_sync(p, args) -> None:
         p.error(f"--sync diloco takes --codec none (DiLoCo as published) or ours (default, {', '.join(OURS)}), "
                 f"got --codec {args.codec}")
     args.sync_every = args.sync_every or "auto"
+    if args.launcher == "fsdp" and args.codec == "none":
+        p.error("--launcher fsdp --sync diloco runs our DiLoCo across the nodes: --codec default or one of ours "
+                f"({', '.join(OURS)}); DiLoCo as published (--codec none) runs under --launcher ddp")
     if args.codec == "none" and args.sync_every == "auto":
         p.error("--sync-every auto is our interval policy, with our compression: with --codec none (DiLoCo as "
                 "published) give --sync-every N")
@@ -145,8 +149,9 @@ def parse_args(argv=None, description: str | None = None) -> argparse.Namespace:
                         "all-reduce in bfloat16)")
     p.add_argument("--sync", choices=SYNCS, default="every-step",
                    help="how often the ranks meet (--launcher ddp, under torchrun): every step, or periodically: "
-                        "diloco (acc.DiLoCo with our compression; with --codec none DiLoCo as published, float32) "
-                        "or torch-localsgd (PyTorch's PostLocalSGDOptimizer, --codec none)")
+                        "diloco (acc.DiLoCo with our compression; with --codec none DiLoCo as published, float32; "
+                        "ours also under --launcher fsdp: FSDP2 inside each node every step, the rounds across the "
+                        "nodes) or torch-localsgd (PyTorch's PostLocalSGDOptimizer, --codec none)")
     p.add_argument("--sync-every", type=_interval, default=None,
                    help="--sync diloco: inner steps per round, or auto (our interval policy, acc.SyncInterval); "
                         "--sync torch-localsgd: PeriodicModelAverager's period (default: auto for diloco, 4 for "

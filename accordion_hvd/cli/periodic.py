@@ -5,6 +5,10 @@ copy of the model and the copies meet every so many steps, not every step.
   ``acc.DiLoCo(model, opt, compressor, sync_every=--sync-every, outer_lr=--outer-lr,
   outer_momentum=--outer-momentum)`` (accordion_hvd/diloco.py), ``--sync-every auto`` its
   interval policy.
+- ``--launcher fsdp --sync diloco`` (ours): each node's ranks shard the model with FSDP2 over
+  the mesh's ``shard`` dimension (in step every inner step, inside the node) and the rounds
+  cross the nodes (``acc.DiLoCo(..., mesh=mesh)``); its state goes into the
+  ``torch.distributed.checkpoint`` directory, each rank's own (``DiLoCoCheckpoint``).
 - ``--sync diloco --codec none``: DiLoCo as published (Douillard et al., 2023), the peer it is
   measured against: every ``--sync-every`` steps the pseudo-gradients averaged in float32 in
   one ``all_reduce`` of the flattened model, an outer SGD step with Nesterov momentum. Written
@@ -21,13 +25,17 @@ interval and the rounds so far in steps.csv (``sync_interval``, ``syncs``).
 
 from __future__ import annotations
 
+import io
+import logging
 import os
 
 import torch
 
 from ..compressor import Compressor
-from ..diloco import DiLoCo, swapped_in
-from .frontends import DDPFrontEnd
+from ..diloco import DiLoCo, local_tensor, swapped_in
+from .frontends import DDPFrontEnd, FSDPFrontEnd
+
+log = logging.getLogger("accordion_hvd.train")
 
 SYNCS = ("every-step", "diloco", "torch-localsgd")
 
@@ -35,7 +43,7 @@ SYNCS = ("every-step", "diloco", "torch-localsgd")
 class DiLoCoFrontEnd(DDPFrontEnd):
     """``--sync diloco``: a plain model, the inner optimizer stepped locally, a round when due."""
 
-    name = "diloco"
+    name = sync = "diloco"
     label = "torchrun, DiLoCo"
 
     def __init__(self, device_type: str, sync_every, outer_lr: float, outer_momentum: float) -> None:
@@ -70,6 +78,93 @@ class DiLoCoFrontEnd(DDPFrontEnd):
 
     def load_sync_state(self, state) -> None:
         self.periodic.load_state_dict(state)
+
+
+class HSDPDiLoCoFrontEnd(FSDPFrontEnd):
+    """``--launcher fsdp --sync diloco``: FSDP2 inside each node every inner step, DiLoCo's
+    rounds across the nodes (module doc). Checkpoints are the FSDP front end's (DCP)."""
+
+    sync = "diloco"
+    label = "fsdp, DiLoCo"
+
+    def __init__(self, device_type: str, nodes: int | None, reduce_dtype: str | None, sync_every, outer_lr: float,
+                 outer_momentum: float) -> None:
+        super().__init__(device_type, nodes, reduce_dtype)
+        self.sync_every, self.outer_lr, self.outer_momentum = sync_every, outer_lr, outer_momentum
+        self.periodic = None  # acc.DiLoCo, once wrapped
+
+    def wrap(self, model: torch.nn.Module, opt: torch.optim.Optimizer, compression, device: torch.device):
+        broadcast_model(model, self.dist)  # every rank starts from rank 0's model, as FSDP would
+        self.label = f"fsdp over {self.nodes} nodes, DiLoCo across them (sync_every={self.sync_every}, our compression)"
+        model, opt, mesh = self.shard(model, opt, compression, within_nodes=True)  # (may add ", reduce in bfloat16")
+        self.periodic = DiLoCo(model, opt, compression, sync_every=self.sync_every, outer_lr=self.outer_lr,
+                               outer_momentum=self.outer_momentum, mesh=mesh)
+        self.hook = DiLoCoCheckpoint(self.periodic, opt, f"{self.nodes}x{self.size // self.nodes}", self.rank)
+        return model, opt
+
+    def step(self, opt, compression) -> None:
+        opt.step()  # FSDP has reduce-scattered the gradients inside the node; nothing crossed the nodes
+        self.periodic.step()
+
+    def evaluating(self):
+        return self.periodic.synced()
+
+    def record(self) -> dict:
+        return {"sync_interval": self.periodic.interval, "syncs": self.periodic.syncs}
+
+    def resumed(self) -> None:
+        self.hook.apply()  # this rank's own copy over the one DCP loaded (DiLoCoCheckpoint)
+
+
+class DiLoCoCheckpoint:
+    """DiLoCo's part of a ``torch.distributed.checkpoint`` (a ``Stateful``), each rank's own,
+    serialized under a key of its rank beside the mesh it was saved on (as ``compress_hsdp``'s
+    hook does): the outer state (start-of-round parameters, outer momentum, error feedback) and
+    the rank's own shards of the parameters and of the inner optimizer's state. Why the last
+    two: DCP saves a shard once for all the nodes holding it (replicas, to FSDP), and between
+    rounds each node's copy is its own (its parameters after the last round, its AdamW
+    moments always). They are put back in ``apply``, after DCP has loaded the model (``resumed``).
+    Another mesh's state does not fit: the outer loop restarts from the loaded model (node 0's
+    copy), with a warning."""
+
+    def __init__(self, diloco: DiLoCo, optimizer: torch.optim.Optimizer, mesh: str, rank: int) -> None:
+        self.diloco, self.optimizer, self.mesh, self.key = diloco, optimizer, mesh, f"accordion.diloco.rank{rank}"
+        self.saved = None  # what load_state_dict read, until apply
+
+    def _inner_state(self) -> list[dict]:
+        """The inner optimizer's state, this rank's shards, in the order of its parameters."""
+        return [dict(self.optimizer.state.get(p, {})) for group in self.optimizer.param_groups for p in group["params"]]
+
+    def state_dict(self) -> dict:
+        buffer = io.BytesIO()
+        torch.save({"outer": self.diloco.state_dict(), "params": [t.detach().clone() for t in self.diloco.local],
+                    "inner": [{k: local_tensor(v).clone() if torch.is_tensor(v) else v for k, v in state.items()}
+                              for state in self._inner_state()]}, buffer)
+        return {"accordion.diloco.mesh": self.mesh, self.key: buffer.getvalue()}
+
+    def load_state_dict(self, state: dict) -> None:
+        mine = state.get(self.key)
+        if state.get("accordion.diloco.mesh") == self.mesh and isinstance(mine, bytes):
+            self.saved = torch.load(io.BytesIO(mine), weights_only=True)
+            return
+        log.warning("DiLoCo: the checkpoint's outer state is of mesh %s, this job's %s: the outer loop restarts "
+                    "from the loaded model (node 0's copy; momentum zero, error feedback from zero)",
+                    state.get("accordion.diloco.mesh"), self.mesh)
+        self.saved = "restart"
+
+    @torch.no_grad()
+    def apply(self) -> None:
+        if self.saved == "restart":
+            self.diloco.restart()
+        elif self.saved is not None:
+            for local, saved in zip(self.diloco.local, self.saved["params"]):
+                local.copy_(saved)
+            for state, saved in zip(self._inner_state(), self.saved["inner"]):
+                for k, value in saved.items():
+                    if torch.is_tensor(value):
+                        local_tensor(state[k]).copy_(value)
+            self.diloco.load_state_dict(self.saved["outer"])
+        self.saved = None
 
 
 class PlainDiLoCo:
@@ -125,7 +220,7 @@ class PlainDiLoCo:
 class TorchLocalSGDFrontEnd(DDPFrontEnd):
     """``--sync torch-localsgd``: PyTorch's post-local SGD (module doc)."""
 
-    name = "torch-localsgd"
+    name = sync = "torch-localsgd"
 
     def __init__(self, device_type: str, period: int, warmup: int) -> None:
         super().__init__(device_type)
