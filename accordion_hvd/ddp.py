@@ -6,16 +6,17 @@
 
 The same compressor object as under Horovod, with the same codecs, exchange, policies,
 controller, non-finite skip, ``stats()`` and ``state_dict()``; only the front end differs.
-Each gradient reaches the compressor as soon as autograd has accumulated it, from a hook on
-the parameter (``register_post_accumulate_grad_hook``), under the parameter's name, so the
-codec's exchange cuts its own buckets and starts their rounds during backward exactly as
-under Horovod. DDP's buckets are too coarse for that: with its defaults the last one holds
-the first 40% of ResNet-18's gradient and reaches the hook only when backward is over. DDP
-still calls the hook once per bucket of its own, in bucket order; a parameter that has not
-reached the compressor by then (one without a gradient this step, one not known at
-registration) is handed over there, from DDP's bucket. The early hooks act only after a
-forward of the DDP model that will synchronize gradients (not under ``no_sync``, not
-without grad mode), so DDP's comm hook always ends the step they start.
+Each gradient reaches the compressor as soon as autograd has accumulated it, from a hook on the
+parameter (``register_post_accumulate_grad_hook``), under the parameter's name, so the codec's
+exchange cuts its own buckets and starts their rounds during backward exactly as under Horovod.
+DDP's buckets are too coarse for that: with its defaults the last one holds the gradients of a
+model's first layers, a large share of the whole, and reaches the hook only when backward is
+over (measured: docs/design.md, "Measured reasons"). DDP still calls the hook once per bucket
+of its own, in bucket order; a parameter that has not reached the compressor by then (one
+without a gradient this step, one not known at registration) is handed over there, from DDP's
+bucket. The early hooks act only after a forward of the DDP model that will synchronize
+gradients (not under ``no_sync``, not without grad mode), so DDP's comm hook always ends the
+step they start.
 
 The layers the compressor does not compress (or sends whole this step) go in one averaging
 collective per DDP bucket and dtype (a DENSE16 layer's float16 apart, so that it is not

@@ -51,9 +51,9 @@ def level_errors(M: torch.Tensor, grad_dtype: torch.dtype, levels: tuple[Level, 
     tail of M's singular values); it costs four n x m x r products.
 
     The products run in M's precision (float32 for 16- and 32-bit gradients) and only the sums
-    of squares in float64: in float64 throughout they cost 3x as much (0.40 s against 0.14 s per
-    window for ResNet-18 on one core) for a relative change of the errors of at most 1e-7
-    (benchmarks/results/level-errors.md)."""
+    of squares in float64: in float64 throughout they cost several times as much for a change
+    of the errors far below what a level's choice reads (measured: docs/design.md, "Measured
+    reasons")."""
     if max(ranks) == 0:
         return [_whole_error(M, level, grad_dtype) for level in levels]
     p = torch.linalg.qr(M @ start).Q

@@ -2,11 +2,11 @@
 hold most of its energy; the others wait in error feedback.
 
 Why: a layer's gradient is not always spread evenly. An embedding's (vocabulary x width) is
-concentrated in the rows of the tokens a batch holds (benchmarks/results/gradient-energy.md:
-its top 10% of entries leave nothing of its energy out, on the transformer language model),
-and it is most of a language model's bytes. Quantizing every chunk of it to 8 bits sends a
-million near-zero entries a step. This is TopK with memory (Stich et al., NeurIPS 2018) at the
-granularity of Quantize's chunks, each sent in 8 bits with its scale (QSGD's buckets).
+concentrated in the rows of the tokens a batch holds (measured: docs/design.md, "Measured
+reasons"), and it is most of a language model's bytes. Quantizing every chunk of it to 8 bits
+sends a million near-zero entries a step. This is TopK with memory (Stich et al., NeurIPS
+2018) at the granularity of Quantize's chunks, each sent in 8 bits with its scale (QSGD's
+buckets).
 
 Per layer and step, with g = grad + e viewed as chunks c of ``chunk`` entries:
 

@@ -13,13 +13,11 @@ plane under ``--gloo``) and ``SimulatedControlPlane`` (unit tests). ``control_pl
 MPI where MPI's world is Horovod's, else the caller's ``fallback``, else Horovod.
 
 Why a fallback before Horovod's collectives: each of them waits for Horovod's background
-cycle and its negotiation, about 20 ms at the quiet cycle (horovod/patches.py), where
-MPI's or a Gloo group's allreduce of a few floats takes under 5 ms
-(benchmarks/results/control-latency.md). A window's end issues up to
-five of them (the norms; the network-aware policy's ready times, link and level errors), and
-a per-step policy one every step: at 20 ms each that was a visible share of a step on
-ResNet-18 (benchmarks/results/archive/network-aware-steps-v5.md: window ends 60-140 ms slower than
-Accordion's). The compressor's Gloo data plane has a group for them (comm/gloo.py).
+cycle and its negotiation (horovod/patches.py), several times longer than MPI's or a Gloo
+group's allreduce of a few floats. A window's end issues up to five of them (the norms; the
+network-aware policy's ready times, link and level errors), and a per-step policy one every
+step: through Horovod that was a visible share of a step (measured: docs/design.md,
+"Measured reasons"). The compressor's Gloo data plane has a group for them (comm/gloo.py).
 """
 
 from __future__ import annotations

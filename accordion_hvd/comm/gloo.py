@@ -3,12 +3,12 @@
 Why not Horovod's collectives for the compressed data: Horovod runs every collective through
 its background loop, which wakes every ``HOROVOD_CYCLE_TIME`` (1 ms by default), agrees with
 the other ranks on what is ready, and only then starts the transfer. A collective issued
-between two cycles waits for the next one, and the agreement itself is a round trip: on
-ResNet-18 (benchmarks/results/step-profile.md) a layer's tiny P allreduce spent 140-560 ms
-between its submission and its start, waiting for the slowest rank's negotiation message, and
-the step's last round (Q) added a negotiation on top of its transfer. A long cycle makes the
-loop cheaper in CPU but adds its latency to every round; a short one costs CPU that the
-backward pass needs when cores are scarce.
+between two cycles waits for the next one, and the agreement itself is a round trip: a
+layer's tiny P allreduce waited for the slowest rank's negotiation message far longer than its
+transfer took (measured: docs/design.md, "Measured reasons"), and the step's last round (Q)
+added a negotiation on top of its transfer. A long cycle makes the loop cheaper in CPU but
+adds its latency to every round; a short one costs CPU that the backward pass needs when cores
+are scarce.
 
 A Gloo process group (``torch.distributed.ProcessGroupGloo``, the engine DDP runs on) has no
 cycle and no negotiation: a collective starts on its worker threads the moment it is issued,

@@ -3,7 +3,7 @@
 diagnosis.
 
 ``hvd.synchronize`` (Horovod 0.28.1, PyTorch) busy-waits, burning a whole core for as long as
-the collective takes (measured: 0.50 s of CPU in a 0.51 s wait for a late rank); on a machine
+the collective takes (measured: docs/design.md, "Measured reasons"); on a machine
 whose cores are shared, a rank that waits steals the CPU that the ranks it waits for need.
 ``polite_synchronize`` polls with growing sleeps instead (``poll_until``: at most 1 ms late).
 Installing it in Horovod's optimizer, and every other change to Horovod's own behaviour, is

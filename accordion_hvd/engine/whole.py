@@ -3,8 +3,8 @@
 When the policy has put every layer at ``DENSE16`` for good (the link gate found that
 compression does not pay on this job's link: policies/link_gate.py), the per-layer route still
 costs host time for every layer of every step: routing, the controller's norms, a finite flag
-and a cast per layer, the average issued and checked per layer. On HSDP at 1 Gbit/s that was
-27 ms a step against FSDP's own all-reduce (benchmarks/results/hsdp-dense-route.md). A front
+and a cast per layer, the average issued and checked per layer: a visible share of a step
+against FSDP's own all-reduce (measured: docs/design.md, "Measured reasons"). A front
 end whose gradients arrive in flat buffers (FSDP2's reduce-scatter output, one per module)
 then hands the engine each buffer instead:
 

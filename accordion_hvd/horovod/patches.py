@@ -22,9 +22,9 @@ hands whatever ``compress`` returns to ``allreduce_async_`` and later gives the 
 the context to ``decompress``. The compressor exchanges every floating-point gradient on its
 own data plane, so what it returns is a placeholder (``placeholder``): an empty tensor that
 carries nothing. Submitting it to Horovod anyway would cost a negotiation round and a
-background-loop cycle per step for no data (benchmarks/results/step-profile.md), so the
-optimizer module's ``allreduce_async_`` and ``grouped_allreduce_async_`` are wrapped: a
-placeholder (or a group of nothing but placeholders) gets a ``LocalResult`` handle, which
+background-loop cycle per step for no data (measured: docs/design.md, "Measured reasons"),
+so the optimizer module's ``allreduce_async_`` and ``grouped_allreduce_async_`` are wrapped:
+a placeholder (or a group of nothing but placeholders) gets a ``LocalResult`` handle, which
 Horovod's ``synchronize`` returns at once (``optimizer_synchronize`` below). Every other tensor, and any
 caller other than Horovod's optimizer, goes to Horovod as before.
 
@@ -47,8 +47,8 @@ WAIT_ENV = "ACCORDION_HOROVOD_WAIT"  # overrides wait=: "sleep" ("poll" too) or 
 WAIT_MODES = ("sleep", "spin")
 CYCLE_ENV = "HOROVOD_CYCLE_TIME"     # Horovod's own setting, read once by hvd.init()
 # Horovod's background loop wakes every cycle and runs a small collective with every other
-# rank, work or not: at Horovod's default of 1 ms that cost 15-25% of a core per worker on
-# the emulated cluster (benchmarks/results/step-profile.md). Our gradients, compressed or
+# rank, work or not: at Horovod's default of 1 ms that costs a visible share of a core per
+# worker (measured: docs/design.md, "Measured reasons"). Our gradients, compressed or
 # not, travel on our own Gloo group (comm/gloo.py) and none reaches Horovod's loop in a
 # step (``install_bypass`` below), so a cycle of 20 ms costs our steps nothing; it only
 # delays what still goes through Horovod (broadcasts, a job's own collectives). It is the

@@ -14,11 +14,9 @@ detection point, as in the paper.
 ``low_rate`` (off by default, as in the paper): while the learning rate is at or below
 ``low_rate`` times the highest it has been, every layer stays critical. The hypothesis: after
 a decay the updates are small and what the aggressive level leaves out of each gradient is
-what is left to learn. Measured (evidence-v2 amendment 2, transformer at 100 Mbit/s, seed 0):
-rank 32 held from the decay on gave the same validation curve as the paper's rule within
-0.05 perplexity at every evaluation, at 6% longer steps, so the library's default does not
-use it (docs/time-to-quality.md). The fraction is the controller's
-(``WindowReport.lr_fraction``), the same on every rank.
+what is left to learn. It gave the same validation curve as the paper's rule, at longer steps
+(measured: docs/design.md, "Measured reasons"), so the library's default does not use it. The
+fraction is the controller's (``WindowReport.lr_fraction``), the same on every rank.
 
 A window whose norms are not all finite (a NaN or Inf gradient on some rank) is skipped with
 a warning: levels and the reference norms stay as they were, so one bad step can neither

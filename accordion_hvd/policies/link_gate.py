@@ -2,12 +2,12 @@
 and let the inner policy (Accordion) choose the codec's levels where it does.
 
 Why: a user compresses to reach a model of the quality they need sooner. Compression costs
-quality per step (error feedback recovers most of it, not all: evidence-v1 and
-benchmarks/results/evidence-v2.md), so it pays only where it makes a step much shorter. On a
-fast link 16-bit dense training is nearly as fast per step as any compressed method, and
-then compression can only lose time to quality. This policy measures that on the job's own
-link and model, rather than predicting it, the lesson of network_aware.py's verification
-(a prediction right about the link can still be wrong about the machine):
+quality per step (error feedback recovers most of it, not all; measured: docs/design.md,
+"Measured reasons"), so it pays only where it makes a step much shorter. On a fast link 16-bit
+dense training is nearly as fast per step as any compressed method, and then compression can
+only lose time to quality. This policy measures that on the job's own link and model, rather
+than predicting it, the lesson of network_aware.py's verification (a prediction right about the
+link can still be wrong about the machine):
 
 1. **Window 1, dense trial**: every layer at ``DENSE16`` (float16 through the front end's
    allreduce, its rounding kept in error feedback). The first window of training is a

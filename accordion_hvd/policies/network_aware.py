@@ -37,17 +37,17 @@ underneath, so the next usable window decides as usual. Every input is reduced o
 and the search is deterministic, so every rank decides the same levels by construction.
 
 Two margins keep the model's error from costing time (the first version, without them, sent
-layers dense that were predicted to hide and did not, for predicted gains of 0.1% of a step:
-benchmarks/results/archive/network-aware-steps.md): every prediction is made on a link ``headroom``
-times slower than the one measured (latency and time per byte both; default 2), so a
-transfer counts as hidden only with that margin; and the error-for-time trades of (b) are
-kept only if the step they give is predicted at least ``min_gain`` (default 2%) shorter than
-at Accordion's levels, else the levels after (a) stand.
+layers dense that were predicted to hide and did not, for tiny predicted gains; measured:
+docs/design.md, "Measured reasons"): every prediction is made on a link ``headroom`` times
+slower than the one measured (latency and time per byte both; default 2), so a transfer counts
+as hidden only with that margin; and the error-for-time trades of (b) are kept only if the step
+they give is predicted at least ``min_gain`` (default 2%) shorter than at Accordion's levels,
+else the levels after (a) stand.
 
 The model is checked against the clock (``verify``, on by default): a prediction that is
 right about the link can still be wrong about the machine (on the emulated cluster, whose
 nodes share two cores, a dense layer's transfer that hid on the link slowed both ranks'
-backward: benchmarks/results/archive/network-aware-steps-v2.md). So the policy leaves Accordion's
+backward; measured: docs/design.md, "Measured reasons"). So the policy leaves Accordion's
 levels only after it has measured them: for each budget (Accordion's levels of a window), it
 first runs a window at exactly those levels and keeps their measured step (the probe's
 median time between steps' ends, network_probe.py); then it runs its own levels, and as soon
@@ -56,42 +56,37 @@ window, it goes back to the budget's levels for that budget. Measurements and th
 expire after ``memory`` windows (the network or the model may have changed), so the policy
 measures again. So does a search that kept the budget's own levels: it is not repeated for
 that budget until then (or until the host cost per byte below changes), since its level
-errors' products cost a window's end about 0.1 s on ResNet-18 on one core. Its cost against
-Accordion is at most the trial windows; without a measured step (a rank timed none) it keeps
-Accordion's levels.
+errors' products cost a window's end a visible share of a step (measured: docs/design.md,
+"Measured reasons"). Its cost against Accordion is at most the trial windows; without a
+measured step (a rank timed none) it keeps Accordion's levels.
 
 ``tolerance``: a move of (a) may lengthen the predicted step by up to this fraction of the
 budget's predicted step (0: only moves that cost nothing).
 
 ``warmup``: the first windows (8 by default) run Accordion's levels, with no search and no
 trial: a trial that measures slower costs up to a whole window before it is undone, and on a
-short job that is a large share of all its steps (12-step ResNet-18 jobs at 100 Mbit/s with
-windows of 4 steps: 1.05-1.11x the fastest fixed choice per round, all of it in the trial
-window and the searches at window ends: benchmarks/results/archive/network-aware-short-12.md). After
-8 windows a failed trial is at most one window in nine.
+short job that is a large share of all its steps (measured: docs/design.md, "Measured
+reasons"). After 8 windows a failed trial is at most one window in nine.
 
 The prediction has each level's math as well as its transfers: the codec counts a level's
 work per layer (bytes and multiply-adds, ``codec.kernel_work``), and the probe prices it at
 the rate the window's own math ran (network_probe.py), so a level whose kernels cost more
 than its transfer saves (on a fast link, PowerSGD against sending a layer whole) is seen to.
 
-What the link fit cannot see is the CPU a transfer takes from the computation beside it
-(TCP copies, and on the emulated cluster the other node's network stack on the same cores):
-a layer sent whole whose bytes hid on the link still lengthened backward there
-(benchmarks/results/archive/network-aware-steps-v5.md: 0.1-0.15 s per step for 7 layers sent whole
-at 1 Gbit/s). The policy learns that cost from its own trials: each trial window's measured
-step against the budget's, less what the model predicted for the same two, is the model's
-error; divided by the bytes per step the trial put on the wire beyond the budget's, it
-corrects a host cost per byte (seconds of the main thread per byte issued, never below 0),
-which every later prediction charges before each round as it charges the round's math. A
-trial that measured faster than predicted lowers it again; one that sent less than 10% more
-bytes than the budget teaches nothing (its difference is the noise of a measured step). One
-number for the machine, kept in the state (``host_s_per_byte`` in ``last``): after one
+What the link fit cannot see is the CPU a transfer takes from the computation beside it (TCP
+copies, and on the emulated cluster the other node's network stack on the same cores): a layer
+sent whole whose bytes hid on the link still lengthened backward there (measured:
+docs/design.md, "Measured reasons"). The policy learns that cost from its own trials: each
+trial window's measured step against the budget's, less what the model predicted for the same
+two, is the model's error; divided by the bytes per step the trial put on the wire beyond the
+budget's, it corrects a host cost per byte (seconds of the main thread per byte issued, never
+below 0), which every later prediction charges before each round as it charges the round's
+math. A trial that measured faster than predicted lowers it again; one that sent less than 10%
+more bytes than the budget teaches nothing (its difference is the noise of a measured step).
+One number for the machine, kept in the state (``host_s_per_byte`` in ``last``): after one
 dense-heavy trial was measured slower, the next budget's search no longer counts such a
-transfer as free. On the emulated cluster it came to 7-14e-8 s per byte at 100 Mbit/s and
-1-4e-9 at 1 and 10 Gbit/s (benchmarks/results/archive/network-aware-steps-v6.md): there it
-also stands for what the link fit, made on the exchange's kilobyte-sized collectives, misses
-about megabytes.
+transfer as free. It also stands for what the link fit, made on the exchange's kilobyte-sized
+collectives, misses about megabytes (measured: docs/design.md, "Measured reasons").
 """
 
 from __future__ import annotations
