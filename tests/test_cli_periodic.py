@@ -100,6 +100,12 @@ def test_diloco_across_the_nodes_of_fsdp_trains_and_resumes_bit_for_bit(tmp_path
     plain = [c for c in common if c not in ("--sync", "diloco", "--sync-every", "3")]
     c = torchrun(["-m", "accordion_hvd.train", *plain, "--resume", str(ckpt)], np=4, timeout=300)
     assert c.returncode != 0 and "saved with --sync diloco, this run has --sync every-step" in c.stdout, c.stdout
+    # another mesh (4 nodes of 1): DCP reshards the model (node 0's copy), DiLoCo's outer loop restarts
+    other = list(common)
+    other[other.index("--nodes") + 1] = "4"
+    d = cli(*other, "--resume", str(ckpt), "--logdir", str(tmp_path / "other"), np=4)
+    assert "of mesh 2x2, this job's 4x1: the outer loop restarts" in d and "final test perplexity" in d, d
+    assert [r["step"] for r in rows(tmp_path / "other")] == ["5", "6", "7", "8"]
 
 
 @pytest.mark.parametrize("argv,message", [
