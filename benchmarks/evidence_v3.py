@@ -135,12 +135,14 @@ def frozen_setting(setting: str) -> dict | None:
     source, path = f"{task}-100mbit", OUT / setting / "setting.json"
     if path.exists():
         return json.loads(path.read_text())
-    done = {m: [where for s in SEEDS if final_and_wall(where := run_dir(source, m, s)) is not None] for m in BASELINES}
-    if any(len(runs) < len(SEEDS) for runs in done.values()):
+    read = {m: {where: got for s in SEEDS if (got := final_and_wall(where := run_dir(source, m, s))) is not None}
+            for m in BASELINES}  # each run's (final perplexity, wall), read once
+    if any(len(runs) < len(SEEDS) for runs in read.values()):
         return None
-    finals = {m: [final_and_wall(where)[0] for where in runs] for m, runs in done.items()}
+    done = {m: list(runs) for m, runs in read.items()}
+    finals = {m: [final for final, _ in runs.values()] for m, runs in read.items()}
     if rate == "100mbit":
-        walls = {m: statistics.mean(final_and_wall(where)[1] for where in runs) for m, runs in done.items()}
+        walls = {m: statistics.mean(wall for _, wall in runs.values()) for m, runs in read.items()}
     else:
         sitting = cells.sitting_file(OUT, task)
         if not sitting.exists():
