@@ -26,12 +26,12 @@ A round whose pseudo-gradient is not finite on some rank is skipped on every ran
 step, and every rank returns to the start-of-round parameters.
 
 ``sync_every="auto"`` chooses the interval per window of inner steps (policies/interval.py,
-``acc.SyncInterval``): the lowest rung the link affords (1, a round every step, on a fast
-one) in critical regimes (the start, a learning-rate decay, a window whose gradient norm
-moved by eta), one rung up (4, 16, 64) while training stays calm. The window's statistics
-are each rank's squared gradient norm at every inner step, summed on the device (no host
-sync), and the wall times of its inner steps and rounds, reduced once per window on the
-control plane, so every rank chooses the same interval. A round at interval 1
+``acc.SyncInterval``): the first rung (1, a round every step) in critical regimes (the start,
+a learning-rate decay, a window whose gradient norm moved by eta), one rung up (4, 16, 64)
+while training stays calm (with ``SyncInterval(overhead=...)``, no lower than the link
+affords). The window's statistics are each rank's squared gradient norm at every inner step,
+summed on the device (no host sync), and the wall times of its inner steps and rounds,
+reduced once per window on the control plane, so every rank chooses the same interval. A round at interval 1
 is the per-step path: the plain average of the ranks' models (an outer step of lr 1, no
 momentum: the outer momentum, a memory of long rounds' pseudo-gradients, is left as it is).
 
@@ -175,10 +175,10 @@ class DiLoCo:
         due = self.since_sync >= self.interval
         if due:
             self.sync()
-        else:  # stats(): floats_dense is what per-step dense training would have sent by now
-            self.compressor.count_local_step(self.named_local)  # (HSDP: this rank's shards, as a round counts)
             if self.window is not None:
                 self.window.round_took(time.perf_counter() - started)
+        else:  # stats(): floats_dense is what per-step dense training would have sent by now
+            self.compressor.count_local_step(self.named_local)  # (HSDP: this rank's shards, as a round counts)
         if self.window is not None and self.inner_steps % self.policy.window == 0:  # always after a round
             before, self.interval = self.interval, self.policy.end_window(self.window.report(self.control, self.size))
             if self.interval != before:

@@ -35,7 +35,7 @@ def test_a_non_finite_norm_goes_to_the_first_rung_and_keeps_the_reference_norm()
 
 
 def test_the_floor_is_the_first_rung_whose_rounds_cost_at_most_the_overhead_of_a_step():
-    policy = acc.SyncInterval()  # overhead 0.1
+    policy = acc.SyncInterval(overhead=0.1)
     # a round as long as 1/3 of a step: 0.1 / 1 > 0.03, 0.1 / 4 <= 0.03: the floor is 4
     assert policy.end_window(window(5.0, step_s=0.3, round_s=0.1)) == 4 and policy.floor == 4
     assert policy.end_window(window(5.0, step_s=0.3, round_s=0.1)) == 16  # calm: up from 4
@@ -45,8 +45,8 @@ def test_the_floor_is_the_first_rung_whose_rounds_cost_at_most_the_overhead_of_a
     assert policy.end_window(window(1.0, decreased=True, step_s=0.3, round_s=3.0)) == 64
     # a fast one: the first rung again
     assert policy.end_window(window(1.0, decreased=True, step_s=0.3, round_s=0.01)) == 1
-    free = acc.SyncInterval(overhead=None)
-    assert free.end_window(window(1.0, step_s=0.3, round_s=3.0)) == 1  # no link term
+    free = acc.SyncInterval()  # the default: no link term (the rule evidence-v3 measured)
+    assert free.overhead is None and free.end_window(window(1.0, step_s=0.3, round_s=3.0)) == 1
 
 
 def test_a_non_positive_overhead_is_refused_naming_it():

@@ -15,15 +15,20 @@ window always ends on a round of any rung):
   while training stays calm (as a congestion window does), and falls to the floor at once
   when a regime starts.
 
-**The floor is where the link allows** (``overhead``): the smallest rung at which a round,
-spread over the rung's inner steps, costs at most ``overhead`` (0.1) of an inner step, both
-measured on this job over the last window (``IntervalReport.round_s`` and ``step_s``). On a
-fast link it is the first rung (1: a round after every inner step, which averages the ranks'
-models plainly, no outer momentum: the per-step path, accordion_hvd/diloco.py); where a
-round takes as long as ten inner steps it is 16 with the default ladder (1, 4, 16, 64), so a
-critical regime on a slow link still synchronises as often as the link can afford rather
-than making every step wait for it. Before the first measurement the floor is the first rung.
-``overhead=None``: no link term, the floor is always the first rung.
+**The floor**, the rung of a critical window, is the first rung (1: a round after every
+inner step, which averages the ranks' models plainly, no outer momentum: the per-step path,
+accordion_hvd/diloco.py). With ``overhead`` set it is where the link allows: the smallest rung
+at which a round, spread over the rung's inner steps, costs at most ``overhead`` of an inner
+step, both measured on this job over the last window (``IntervalReport.round_s`` and
+``step_s``); where a round takes as long as ten inner steps and ``overhead`` is 0.1, it is 16
+with the default ladder (1, 4, 16, 64). Before the first measurement the floor is the first
+rung.
+
+Why the link term is off by default (``overhead=None``): it is not what evidence-v3 measured.
+Until the fix that came with this paragraph, ``acc.DiLoCo`` timed the inner steps *without* a
+round as its "rounds", so the floor stayed at the first rung in every run, pilots and scored
+runs alike (benchmarks/protocols/evidence-v3.md, amendment 4). The default is the rule those
+runs measured; the link term is an option no run has scored.
 
 The compression level of each round is the compressor's own policy's, on its own windows of
 rounds (docs/api.md says why: a round's pseudo-gradient is a layer like any gradient).
@@ -71,13 +76,14 @@ class SyncInterval:
         ladder: the intervals it chooses from, increasing positive integers, each dividing
             the last (the window).
         eta: the threshold on the relative change of the window's gradient norm (paper: 0.5).
-        overhead: the floor rung is the smallest at which a round costs at most this
-            fraction of an inner step (module doc); None: always the first rung.
+        overhead: with a number, the floor rung is the smallest at which a round costs at
+            most this fraction of an inner step (module doc: not measured for time to
+            quality yet); None (the default): always the first rung.
     """
 
     name = "accordion-interval"
 
-    def __init__(self, ladder: tuple[int, ...] = LADDER, eta: float = 0.5, overhead: float | None = 0.1) -> None:
+    def __init__(self, ladder: tuple[int, ...] = LADDER, eta: float = 0.5, overhead: float | None = None) -> None:
         ladder = tuple(ladder) if isinstance(ladder, (tuple, list)) else ladder
         if (not isinstance(ladder, tuple) or not ladder
                 or any(isinstance(r, bool) or not isinstance(r, numbers.Integral) or r < 1 for r in ladder)

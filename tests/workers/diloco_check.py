@@ -260,6 +260,8 @@ elif mode == "auto":
     diloco = acc.DiLoCo(model, opt, acc.AccordionCompressor(codec, policy="static"),
                         sync_every=acc.SyncInterval(LADDER, eta=CALM, overhead=None))
     checked_synced = False
+    timed, time_round = [], diloco.window.round_took  # (a spy: which steps are timed as rounds)
+    diloco.window.round_took = lambda seconds: (timed.append(diloco.syncs), time_round(seconds))
     for i, (interval, params) in enumerate(expected):
         if i == DECAY:
             opt.param_groups[0]["lr"] = LR / 10
@@ -276,6 +278,8 @@ elif mode == "auto":
             check(torch.equal(flat(model), local), "synced() did not give the local model back")
             checked_synced = True
     check(checked_synced, "no step without a round")
+    # the link term's input: every round timed once, after it ran; no step without one
+    check(timed == list(range(1, diloco.syncs + 1)), f"rounds timed after rounds {timed}, {diloco.syncs} rounds")
     say(f"rank {rank}: OK auto, intervals {intervals}, {diloco.syncs} rounds")
 elif mode == "bad-input":
     model = make_model()
