@@ -14,10 +14,16 @@ from . import _extension
 _C = _extension.load()  # registers torch.ops.accordion.*
 
 
-def has_kernel(t: torch.Tensor) -> bool:
+# Ops with a CPU kernel only so far: on CUDA their codec takes its torch-op path.
+_CPU_ONLY = frozenset({"quantize_chunks_ef_", "quantize_chunks_average", "quantize_chunks_settle_"})
+
+
+def has_kernel(t: torch.Tensor, op: str | None = None) -> bool:
     """Whether ``t``'s device has compiled kernels in this build (CPU always; CUDA when the
-    extension was built with them)."""
-    return t.device.type == "cpu" or (t.device.type == "cuda" and bool(_C.with_cuda))
+    extension was built with them), for ``op`` when named (some ops are CPU only so far)."""
+    if t.device.type == "cpu":
+        return True
+    return t.device.type == "cuda" and bool(_C.with_cuda) and op not in _CPU_ONLY
 
 
 def _check_dense_pair(op: str, grad: torch.Tensor, residual: torch.Tensor) -> None:
@@ -230,6 +236,46 @@ def quantize_payload_bytes(numel: int, bits: int, chunk: int) -> int:
     return 4 * -(-numel // chunk) + -(-numel * bits // 32) * 4
 
 
+def quantize_chunks_ef_(grad: torch.Tensor, residual: torch.Tensor, bits: int, chunk: int, k: int, skip: float,
+                        finite: torch.Tensor | None = None) -> torch.Tensor:
+    """Quantize's encode with sparse chunks, fused (csrc/cpu/quantize_chunks.cpp): ``residual``
+    (flat float32) becomes ``g = grad + residual`` (not where ``finite`` is False), and this
+    rank's payload is returned as uint8 bytes (codecs/quantize_chunks.py's layout): its
+    ``k_next``, the ``k`` chunks of largest energy (ascending indices), their float32 scales and
+    integers (NaN scales where ``finite`` is False). Bit for bit ``reference.quantize_chunks_ef``'s."""
+    op = "accordion::quantize_chunks_ef_"
+    _check_dense_pair(op, grad, residual)
+    for name, value in (("bits", bits), ("chunk", chunk), ("k", k)):
+        _check_int(op, name, value)
+    if isinstance(skip, bool) or not isinstance(skip, (int, float)):
+        raise TypeError(f"{op}: skip must be a number, got {type(skip).__name__}")
+    return torch.ops.accordion.quantize_chunks_ef_.default(grad, residual, bits, chunk, k, float(skip), finite)
+
+
+def quantize_chunks_average(rows: torch.Tensor, numel: int, k: int, bits: int, chunk: int,
+                            dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantize's decode with sparse chunks: ``(mean, k_next)``, the mean over the rows (one
+    rank's payload each, as ``quantize_chunks_ef_`` writes it, ``k`` chunks) of their chunks
+    dequantized in place, summed in rank order in float32, in ``dtype``; and the next step's k,
+    the largest ``k_next`` of any row (1 at least, every chunk at most), a 0-d int64 tensor.
+    Bit for bit ``reference.quantized_chunks_average``'s."""
+    op = "accordion::quantize_chunks_average"
+    if not isinstance(rows, torch.Tensor):
+        raise TypeError(f"{op}: rows must be a torch.Tensor, got {type(rows).__name__}")
+    for name, value in (("numel", numel), ("k", k), ("bits", bits), ("chunk", chunk)):
+        _check_int(op, name, value)
+    return torch.ops.accordion.quantize_chunks_average.default(rows, numel, k, bits, chunk, dtype)
+
+
+def quantize_chunks_settle_(residual: torch.Tensor, indices: torch.Tensor, q: torch.Tensor, scales: torch.Tensor,
+                            chunk: int, done: torch.Tensor) -> None:
+    """End of a sparse-chunk step: if ``done``, ``residual -= q * s`` over the chunks sent
+    (``indices``, int32 ascending; ``q`` and ``scales`` as the payload holds them); the others
+    keep all of g."""
+    _check_int("accordion::quantize_chunks_settle_", "chunk", chunk)
+    torch.ops.accordion.quantize_chunks_settle_.default(residual, indices, q, scales, chunk, done)
+
+
 def _check_int(op: str, name: str, value) -> None:
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"{op}: {name} must be an int, got {type(value).__name__}")
@@ -314,3 +360,18 @@ def _settle_sent_fake(residual, dtype, done):
 @torch.library.register_fake("accordion::quantize_average")
 def _quantize_average_fake(rows, numel, bits, chunk, dtype):
     return rows.new_empty(numel, dtype=dtype)
+
+
+@torch.library.register_fake("accordion::quantize_chunks_ef_")
+def _quantize_chunks_ef_fake(grad, residual, bits, chunk, k, skip, finite=None):
+    return residual.new_empty(4 + 8 * k + -(-k * chunk * bits // 32) * 4, dtype=torch.uint8)
+
+
+@torch.library.register_fake("accordion::quantize_chunks_average")
+def _quantize_chunks_average_fake(rows, numel, k, bits, chunk, dtype):
+    return rows.new_empty(numel, dtype=dtype), rows.new_empty((), dtype=torch.int64)
+
+
+@torch.library.register_fake("accordion::quantize_chunks_settle_")
+def _quantize_chunks_settle_fake(residual, indices, q, scales, chunk, done):
+    return None

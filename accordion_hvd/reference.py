@@ -121,25 +121,45 @@ def quantize_chunks_ef(grad: torch.Tensor, residual: torch.Tensor, bits: int, ch
     the codec must compute it: ``g = grad + residual``; the chunks ordered by their energy
     (sum of squares in float64), largest first, ties by position; the first ``k`` of them
     quantized as ``quantize_ef`` does (the last chunk zero-padded); ``k_next``, the fewest of
-    that order holding at least ``1 - skip`` of the energy. Returns ``(indices (ascending),
-    q, scales, k_next, new_residual)``, the new residual being g less what was sent."""
+    that order holding at least ``1 - skip`` of the energy. Every sum is added in one fixed
+    order (``tree_sum``, ``running_sum``). Returns ``(indices (ascending, int32), q, scales, k_next,
+    new_residual)``, the new residual being g less what was sent."""
     g = residual.reshape(-1) + grad.reshape(-1).to(residual.dtype)
     n = g.numel()
     parts = [torch.cat([g[s:s + chunk].float(), torch.zeros(max(0, s + chunk - n))]) for s in range(0, n, chunk)]
-    energy = [float(part.double().square().sum()) for part in parts]
+    energy = [tree_sum(part.double().square()) for part in parts]
     order = sorted(range(len(parts)), key=lambda c: (-energy[c], c))
-    total, cum, k_next = sum(energy[c] for c in order), 0.0, 0  # summed in that order, as the codec's cumsum
-    for c in order:
-        if cum >= (1.0 - skip) * total:
-            break
-        cum += energy[c]
-        k_next += 1
+    cum = running_sum([energy[c] for c in order])
+    k_next = 1 + sum(1 for value in cum if value < (1.0 - skip) * cum[-1])
     indices = sorted(order[:k])
     q, scales, _ = quantize_ef(torch.cat([parts[c] for c in indices]), torch.zeros(k * chunk), bits, chunk)
     sent = torch.zeros(len(parts) * chunk)
     for i, c in enumerate(indices):
         sent[c * chunk:(c + 1) * chunk] = q[i * chunk:(i + 1) * chunk].float() * scales[i]
-    return torch.tensor(indices), q, scales, max(1, k_next), g - sent[:n].to(g.dtype)
+    return torch.tensor(indices, dtype=torch.int32), q, scales, min(k_next, len(parts)), g - sent[:n].to(g.dtype)
+
+
+def running_sum(values: list[float], block: int = 1024) -> list[float]:
+    """Running sums of ``values`` in blocks of ``block``: within a block left to right, plus the
+    block's offset, the sum of the blocks before it left to right."""
+    out, offset = [], 0.0
+    for start in range(0, len(values), block):
+        local = 0.0
+        for value in values[start:start + block]:
+            local += value
+            out.append(offset + local)
+        offset += local
+    return out
+
+
+def tree_sum(x: torch.Tensor) -> float:
+    """The sum of 1-d ``x`` added as a fixed tree: zero-padded to a power of two, then the
+    second half added to the first until one entry is left."""
+    x = torch.cat([x, x.new_zeros((1 << (x.numel() - 1).bit_length()) - x.numel())])
+    while x.numel() > 1:
+        half = x.numel() // 2
+        x = x[:half] + x[half:]
+    return float(x[0])
 
 
 def quantized_chunks_average(payloads: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], numel: int,

@@ -31,6 +31,7 @@ import accordion_hvd as acc
 from accordion_hvd import reference
 from accordion_hvd.codecs._common import flush_whole_in_torch, settle_sent_in_torch
 from accordion_hvd.codecs.quantize import dequantize_flat, quantize_flat
+import kernel_chunks as chunks
 from machine import cpu_model
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -170,12 +171,18 @@ SETTLE_SENT = Case("settle_sent_ (what 16 bits rounded away)",
                    lambda n, dt, dev: (torch.randn(n, device=dev), _wire(dt), torch.tensor(True, device=dev)),
                    ours=acc.ops.settle_sent_, torch_pipeline=settle_sent_in_torch,
                    bytes_moved=lambda n, dt: n * (4 + 4))
+CHUNKS_STEP = Case(f"quantize_chunks step {chunks.BITS} bits, skip {chunks.SKIP}", chunks.step_inputs,
+                   ours=chunks.step_ours, torch_pipeline=chunks.step_torch, bytes_moved=chunks.step_bytes,
+                   restore=chunks.step_restore)
+CHUNKS_AVERAGE = Case(f"quantize_chunks_average {chunks.BITS} bits x{chunks.WORLD} ranks", chunks.average_inputs,
+                      ours=chunks.average_ours, torch_pipeline=chunks.average_torch, bytes_moved=chunks.average_bytes)
 CASES = {
     "cpu": [EF_ADD, FLUSH_WHOLE, SETTLE_SENT, _topk_case(0.01), _topk_case(0.10), _sparse_case(0.01), _sparse_case(0.10),
-            _quantize_case(8), _quantize_average_case(8)],
+            _quantize_case(8), _quantize_average_case(8), CHUNKS_STEP, CHUNKS_AVERAGE],
     # The GPU issue's grid: ratios 0.1% to 25%.
     "cuda": [EF_ADD, FLUSH_WHOLE, SETTLE_SENT] + [_topk_case(r) for r in (0.001, 0.01, 0.10, 0.25)]
-            + [_sparse_case(0.01), _sparse_case(0.10)],
+            + [_sparse_case(0.01), _sparse_case(0.10), _quantize_case(8), _quantize_average_case(8), CHUNKS_STEP,
+               CHUNKS_AVERAGE],
 }
 DEFAULT_SIZES = {"cpu": "1e6,1e7", "cuda": "1e6,1e7,1e8"}
 
@@ -468,7 +475,7 @@ def main(argv=None):
         f"# Kernel benchmarks ({device.type})", "",
         f"Machine: {name}; torch {torch.__version__}. Command: "
         f"`.venv/bin/python benchmarks/kernels.py --device {device.type} --sizes {args.sizes} "
-        f"--dtypes {args.dtypes} --reps {args.reps}`. Median of {args.reps} calls, inputs rotating "
+        f"--dtypes {args.dtypes} --reps {args.reps}{' --ops ' + args.ops if args.ops else ''}`. Median of {args.reps} calls, inputs rotating "
         f"through at least {POOL_BYTES >> 20} MiB. *copy* = a plain copy of an n-entry float32 "
         f"tensor, measured in the same run; *floor* = bytes the op must move / that copy's "
         f"bandwidth." + (" Device times between CUDA events; *peak extra* = the most device memory "

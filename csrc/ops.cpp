@@ -26,4 +26,10 @@ TORCH_LIBRARY(accordion, m) {
   m.def("flush_whole(Tensor grad, Tensor(a!) residual, ScalarType dtype, Tensor? finite=None) -> Tensor");
   m.def("settle_sent_(Tensor(a!) residual, ScalarType dtype, Tensor done) -> ()");
   m.def("quantize_average(Tensor rows, int numel, int bits, int chunk, ScalarType dtype) -> Tensor");
+  m.def("quantize_chunks_ef_(Tensor grad, Tensor(a!) residual, int bits, int chunk, int k, float skip, "
+        "Tensor? finite=None) -> Tensor");
+  m.def("quantize_chunks_average(Tensor rows, int numel, int k, int bits, int chunk, ScalarType dtype) -> "
+        "(Tensor mean, Tensor k_next)");
+  m.def("quantize_chunks_settle_(Tensor(a!) residual, Tensor indices, Tensor q, Tensor scales, int chunk, "
+        "Tensor done) -> ()");
 }

@@ -8,7 +8,9 @@ cut at the threshold, k = 0, 1 and n, misaligned (scalar) and aligned (vector) i
 gradient dtype; a bucket's TopK (more layers than one launch's table, a non-finite layer)
 and its restore; the decode with overlapping ranks and a bad index; Gram-Schmidt with r <= 8
 and r > 8; the error update; PowerSGD's four bucket phases (ranks 1-16, a non-finite layer,
-16-bit outputs, a settle flag of each value). Prints one line per case and checks each result against the
+16-bit outputs, a settle flag of each value); a layer sent whole and settled; Quantize's sparse
+chunks (encode, decode with a bad chunk index, settle; chunks of 512, 100 and 4096, the
+running sum over several blocks). Prints one line per case and checks each result against the
 CPU kernel, so a sanitizer report can be matched to a case.
 """
 
@@ -57,12 +59,15 @@ def powersgd_bucket():
 
 
 def main():
-    """``--only buckets``: the bucket ops alone (TopK's and PowerSGD's), the GPU check's phase 1."""
+    """``--only buckets,whole,chunks``: only those groups (the GPU check's phase 1: the bucket
+    ops, and the kernels added since the first GPU run)."""
     assert acc.with_cuda and torch.cuda.is_available(), "needs a GPU and a build with CUDA kernels"
     torch.manual_seed(0)
-    if sys.argv[1:] == ["--only", "buckets"]:
-        topk_bucket()
-        powersgd_bucket()
+    groups = {"buckets": (topk_bucket, powersgd_bucket), "whole": (whole,), "chunks": (quantize_chunks,)}
+    if sys.argv[1:2] == ["--only"]:
+        for name in sys.argv[2].split(","):
+            for case in groups[name]:
+                case()
         return
     for dtype in (torch.float32, torch.float16, torch.bfloat16):
         g, r = torch.randn(20_011).to(dtype), torch.randn(20_011)
@@ -76,6 +81,40 @@ def main():
     topk_bucket()
     powersgd_bucket()
     single_ops()
+    whole()
+    quantize_chunks()
+
+
+def whole():
+    for dtype in (torch.float16, torch.bfloat16):
+        g, e = torch.randn(10_001), torch.randn(10_001)
+        e_gpu = e.cuda()
+        out = acc.ops.flush_whole(g.cuda(), e_gpu, dtype, torch.tensor(True, device="cuda"))
+        acc.ops.settle_sent_(e_gpu, dtype, torch.tensor(True, device="cuda"))
+        want = acc.ops.flush_whole(g, e, dtype, torch.tensor(True))
+        acc.ops.settle_sent_(e, dtype, torch.tensor(True))
+        torch.cuda.synchronize()
+        assert torch.equal(out.cpu(), want) and torch.equal(e_gpu.cpu(), e)
+        print(f"ok flush_whole, settle_sent_ {dtype}", flush=True)
+
+
+def quantize_chunks():
+    from accordion_hvd.codecs import quantize_chunks as sparse
+    for n, chunk, k in ((20_011, 512, 9), (300_000, 100, 700), (9_000, 4096, 3), (5, 512, 1)):
+        g, e = torch.randn(n), torch.randn(n) * 0.1
+        e_gpu, done = e.cuda(), torch.tensor(True, device="cuda")
+        payload = acc.ops.quantize_chunks_ef_(g.cuda(), e_gpu, 8, chunk, k, 0.05, done)
+        _, indices, scales, q = sparse.unpack(payload, k, chunk, 8)
+        acc.ops.quantize_chunks_settle_(e_gpu, indices, q, scales, chunk, done)
+        rows = torch.stack([payload, payload])
+        mean, k_next = acc.ops.quantize_chunks_average(rows, n, k, 8, chunk, torch.float32)
+        bad = rows.clone()
+        bad[1, 4:8] = torch.tensor([10 ** 6], dtype=torch.int32).view(torch.uint8).cuda()  # skipped, not written
+        acc.ops.quantize_chunks_average(bad, n, k, 8, chunk, torch.float32)
+        want = acc.ops.quantize_chunks_ef_(g, e, 8, chunk, k, 0.05)
+        torch.cuda.synchronize()
+        assert torch.equal(payload.cpu(), want), (n, chunk)
+        print(f"ok quantize_chunks_ef_, _average, _settle_ n={n} chunk={chunk} k={k}", flush=True)
 
 
 def topk_bucket():

@@ -3,7 +3,8 @@
 #
 #   scripts/gpu_check.sh --phase 1   build for sm_90, every CUDA test (single and bucket ops,
 #                                    no host sync, the NumPy reference through the DDP hook on
-#                                    CUDA tensors), compute-sanitizer memcheck on the bucket ops
+#                                    CUDA tensors), compute-sanitizer memcheck on the bucket ops and
+#                                    the kernels added since the first GPU run (whole, sparse chunks)
 #   scripts/gpu_check.sh --phase 2   the kernel bars (benchmarks/kernels.py) and a GPU training
 #                                    step, our DDP hook against DDP's (benchmarks/gpu_step.py: ResNet-50
 #                                    and GPT-2 small, one GPU over NCCL, then 2 processes over Gloo);
@@ -74,7 +75,7 @@ fi
 IMPORT="$py -c 'import torch, accordion_hvd'"
 CUDA_TESTS="tests/test_cuda_kernels.py tests/test_ef_add.py tests/test_topk_ef.py tests/test_topk_ef_many.py \
 tests/test_powersgd_ops.py tests/test_powersgd_many.py tests/test_no_host_sync.py tests/test_quantize_ops.py \
-tests/test_flag_ops.py tests/test_whole_ops.py"
+tests/test_flag_ops.py tests/test_whole_ops.py tests/test_quantize_chunks_ops.py"
 
 if [ "$phase" = 1 ]; then
   # ccache, where the image has one, makes a rebuild on a warm machine take seconds
@@ -87,7 +88,7 @@ if [ "$phase" = 1 ]; then
   step reference 120 "$py -m pytest -q --collect-only -p no:cacheprovider tests/test_ddp_hook.py -k numpy" -- \
     env ACCORDION_TEST_DEVICE=cuda $py -m pytest -q -p no:cacheprovider tests/test_ddp_hook.py -k numpy_reference
   step memcheck 45 "$IMPORT" -- \
-    compute-sanitizer --tool memcheck --error-exitcode 3 $py scripts/cuda_sanitize.py --only buckets
+    compute-sanitizer --tool memcheck --error-exitcode 3 $py scripts/cuda_sanitize.py --only buckets,whole,chunks
   # the build, for phase 2's call to carry if the machine went back in between (16 MiB come back)
   for so in accordion_hvd/_C*.so; do [ -f "$so" ] && [ "$(stat -c %s "$so")" -lt 16000000 ] && cp "$so" "$out/"; done
 else

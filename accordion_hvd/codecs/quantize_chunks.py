@@ -10,7 +10,7 @@ buckets).
 
 Per layer and step, with g = grad + e viewed as chunks c of ``chunk`` entries:
 
-    E_c = sum of g_c^2 (float64)          order the chunks by E, largest first (stable)
+    E_c = sum of g_c^2 (float64, a fixed tree)   order the chunks by E, largest first (stable)
     send the first k of that order        k: agreed by every rank at the end of the last step
     k_next = 1 + #{j : cumsum(E sorted)_j < (1 - s) * sum(E)}   this rank's need, sent with them
 
@@ -19,16 +19,27 @@ rank's k_next from the gathered payloads, and the next step sends k = max over r
 least, every chunk at most). The first step sends every chunk. Chunks never sent keep
 accumulating in e until they are among the largest: nothing is dropped, only delayed.
 
+Every sum here has one order on every device, since a sum's rounding depends on its order
+(torch's own reductions pick theirs by CPU and vector width, and a near-tie between two
+chunks would then send different chunks from a kernel and from torch):
+- E_c (``energies``): the chunk zero-padded to a power of two, then halves added,
+  x[:h] + x[h:], down to one entry;
+- the running sum in energy order (``running_sum``): in blocks of ``BLOCK`` chunks, each summed
+  left to right, plus the block's offset (the blocks before it, summed left to right). A GPU
+  runs the blocks in parallel; one running sum left to right would be one thread's work.
+
 One rank's payload (bytes, each part 4-byte aligned):
 
     k_next (int32) | k chunk indices (int32, ascending) | k scales (float32) | k x chunk integers
 
 The mean of the ranks' dequantized chunks, scattered into place, is every rank's result. The
 plain-torch reference is ``reference.quantize_chunks_ef`` and
-``reference.quantized_chunks_average``. This path runs in torch ops on every device (the
-compiled kernels cover the dense layout) and reads one integer per layer and step on the host
-(the next step's k, agreed from the gathered payloads, which sizes the next payload; k_next goes
-into the payload on the device): on a GPU, one synchronization per layer.
+``reference.quantized_chunks_average``. On the CPU the codec runs the compiled kernels
+(csrc/cpu/quantize_chunks.cpp, bit for bit this module's torch ops); elsewhere these torch ops.
+The host needs one integer per layer and step: the next step's k, agreed on the device from
+the gathered payloads, which sizes the next payload. On a GPU the codec copies it to pinned
+memory behind an event and reads it at the layer's next encode (``Quantize._agreed_k``); by
+then the device is long past it, so no step waits for the device.
 """
 
 from __future__ import annotations
@@ -36,6 +47,7 @@ from __future__ import annotations
 import torch
 
 _INT = {8: torch.int8, 16: torch.int16}
+BLOCK = 1024  # chunks per block of the running sum (module doc)
 
 
 def check_skip_energy(value) -> float:
@@ -57,22 +69,43 @@ def as_chunks(g: torch.Tensor, chunk: int) -> torch.Tensor:
     return torch.nn.functional.pad(g.float(), (0, chunks * chunk - g.numel())).view(chunks, chunk)
 
 
+def energies(chunks: torch.Tensor) -> torch.Tensor:
+    """Each chunk's sum of squares in float64, added as the module doc's tree."""
+    x = chunks.double().square()
+    width = 1 << (x.shape[1] - 1).bit_length()
+    x = torch.nn.functional.pad(x, (0, width - x.shape[1]))
+    while x.shape[1] > 1:
+        half = x.shape[1] // 2
+        x = x[:, :half] + x[:, half:]
+    return x[:, 0]
+
+
+def running_sum(x: torch.Tensor) -> torch.Tensor:
+    """The running sums of 1-d float64 ``x`` in the module doc's order. ``torch.cumsum`` adds
+    left to right on the CPU (on CUDA, as a scan: there the torch path may round apart from
+    the reference)."""
+    blocks = -(-x.numel() // BLOCK)
+    local = torch.cumsum(torch.nn.functional.pad(x, (0, blocks * BLOCK - x.numel())).view(blocks, BLOCK), 1)
+    offsets = torch.cat([local.new_zeros(1), torch.cumsum(local[:-1, -1], 0)])
+    return (offsets[:, None] + local).reshape(-1)[:x.numel()]
+
+
 def choose(chunks: torch.Tensor, k: int, skip: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """(the k chunks of largest energy, as ascending int64 indices; this rank's k_next, a
+    """(the k chunks of largest energy, as ascending int32 indices; this rank's k_next, a
     one-element int32 tensor on the chunks' device: it goes into the payload as it is, never
     read on the host here)."""
-    energy = chunks.double().square().sum(dim=1)
+    energy = energies(chunks)
     order = torch.sort(energy, descending=True, stable=True).indices
-    cum = torch.cumsum(energy[order], 0)
+    cum = running_sum(energy[order])
     k_next = ((cum < (1.0 - skip) * cum[-1]).sum() + 1).clamp(max=chunks.shape[0])
-    return torch.sort(order[:k]).values, k_next.to(torch.int32).reshape(1)
+    return torch.sort(order[:k]).values.to(torch.int32), k_next.to(torch.int32).reshape(1)
 
 
 def pack(k_next: torch.Tensor, indices: torch.Tensor, scales: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     """One rank's payload bytes (module doc); ``k_next`` as ``choose`` returns it."""
     header = k_next
     pad = -(-q.numel() * q.element_size() // 4) * 4 - q.numel() * q.element_size()
-    return torch.cat([header.view(torch.uint8), indices.to(torch.int32).view(torch.uint8), scales.view(torch.uint8),
+    return torch.cat([header.view(torch.uint8), indices.view(torch.uint8), scales.view(torch.uint8),
                       q.reshape(-1).view(torch.uint8), torch.zeros(pad, dtype=torch.uint8, device=q.device)])
 
 
@@ -83,9 +116,10 @@ def unpack(row: torch.Tensor, k: int, chunk: int, bits: int):
             row[at:at + k * chunk * bits // 8].view(_INT[bits]))
 
 
-def average(rows: torch.Tensor, numel: int, k: int, chunk: int, bits: int) -> tuple[torch.Tensor, int]:
+def average(rows: torch.Tensor, numel: int, k: int, chunk: int, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Every rank's payload (a (ranks, bytes) uint8 block) -> (the mean of their dequantized
-    chunks in place, flat float32; the next step's k, the largest k_next of any rank)."""
+    chunks in place, flat float32; the next step's k, the largest k_next of any rank, a 0-d
+    int64 tensor on the rows' device)."""
     chunks = -(-numel // chunk)
     total = torch.zeros(chunks, chunk, dtype=torch.float32, device=rows.device)
     needs = []
@@ -94,8 +128,7 @@ def average(rows: torch.Tensor, numel: int, k: int, chunk: int, bits: int) -> tu
         total.index_add_(0, indices.long(), q.view(k, chunk).float() * scales[:, None])
         needs.append(k_next)
     ranks = torch.full((), rows.shape[0], dtype=total.dtype, device=total.device)  # (quantize.quantize_flat says why)
-    k_next = int(torch.cat(needs).max())
-    return (total / ranks).reshape(-1)[:numel], max(1, min(k_next, chunks))
+    return (total / ranks).reshape(-1)[:numel], torch.cat(needs).max().clamp(1, chunks).long()
 
 
 def scattered(indices: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, numel: int, chunk: int) -> torch.Tensor:

@@ -3,6 +3,9 @@
 
 #include "cpu/kernels.h"
 #include "ops.h"
+#include "quantize_chunks.h"
+
+#include <tuple>
 
 namespace accordion {
 namespace {
@@ -178,6 +181,33 @@ at::Tensor quantize_average(const at::Tensor& rows, int64_t numel, int64_t bits,
   return dtype == at::kFloat ? total : total.to(dtype);
 }
 
+namespace {
+
+at::Tensor quantize_chunks_ef_(const at::Tensor& grad, const at::Tensor& residual, int64_t bits, int64_t chunk,
+                               int64_t k, double skip, const std::optional<at::Tensor>& finite) {
+  check_quantize_chunks_ef_args(grad, residual, bits, chunk, k, skip, finite);
+  at::Tensor payload = at::empty({quantize_chunks_payload_bytes(k, chunk, bits)}, residual.options().dtype(at::kByte));
+  const bool add = !finite || finite->item<bool>();
+  quantize_chunks_ef_cpu(grad.contiguous(), residual, bits, chunk, k, skip, add, payload);
+  return payload;
+}
+
+std::tuple<at::Tensor, at::Tensor> quantize_chunks_average(const at::Tensor& rows, int64_t numel, int64_t k,
+                                                           int64_t bits, int64_t chunk, at::ScalarType dtype) {
+  check_quantize_chunks_average_args(rows, numel, k, bits, chunk, dtype);
+  int64_t k_next = 0;
+  at::Tensor total = quantize_chunks_average_cpu(rows, numel, k, bits, chunk, k_next);
+  return {dtype == at::kFloat ? total : total.to(dtype), at::scalar_tensor(k_next, rows.options().dtype(at::kLong))};
+}
+
+void quantize_chunks_settle_(const at::Tensor& residual, const at::Tensor& indices, const at::Tensor& q,
+                             const at::Tensor& scales, int64_t chunk, const at::Tensor& done) {
+  check_quantize_chunks_settle_args(residual, indices, q, scales, chunk, done);
+  if (done.item<bool>()) quantize_chunks_settle_cpu(residual, indices, q, scales, chunk);
+}
+
+}  // namespace
+
 TORCH_LIBRARY_IMPL(accordion, CPU, m) {
   m.impl("ef_add_", &ef_add_<ef_add_out_cpu, grad_if_finite>);
   m.impl("topk_ef", &topk_ef);
@@ -195,6 +225,9 @@ TORCH_LIBRARY_IMPL(accordion, CPU, m) {
   m.impl("quantize_average", &quantize_average);
   m.impl("flush_whole", &flush_whole);
   m.impl("settle_sent_", &settle_sent_);
+  m.impl("quantize_chunks_ef_", &quantize_chunks_ef_);
+  m.impl("quantize_chunks_average", &quantize_chunks_average);
+  m.impl("quantize_chunks_settle_", &quantize_chunks_settle_);
 }
 
 }  // namespace accordion

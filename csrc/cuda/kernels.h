@@ -139,5 +139,28 @@ cudaError_t quantize_ef(const void* grad, DType grad_dtype, float* residual, int
 cudaError_t quantize_average(const void* rows, int64_t ranks, int64_t row_stride, int64_t n, int bits,
                              int64_t chunk, float* out, cudaStream_t stream);
 
+// --- Quantize's sparse chunks (quantize_chunks.cu) --------------------------------------------
+// The CPU kernels' function (csrc/cpu/quantize_chunks.cpp; layout and the order of every sum:
+// csrc/quantize_chunks.h), bit for bit, asynchronous on `stream`, nothing read on the host.
+// quantize_chunks_ef: residual (float32, n) += grad (not where *finite is false; finite may be
+// nullptr) and the payload (zeroed by the caller) of the k chunks of largest energy, its scales
+// NaN where *finite is false. 1 <= k <= chunks, chunk <= kMaxSparseChunk (a chunk's energy tree
+// is in shared memory). `workspace`: quantize_chunks_workspace_bytes(n, chunk, k) bytes, alive
+// until the work is done.
+// quantize_chunks_average: out (float32, n) = the mean over `ranks` payloads of k chunks (row r
+// at rows + r * row_stride), each entry summed in rank order; a chunk index outside the layer
+// is skipped (never written); *k_next (int64, device memory) = the largest header, clamped to
+// [1, chunks]. quantize_chunks_settle: if *done, residual -= q * s over the k chunks sent.
+constexpr int64_t kMaxSparseChunk = 4096;
+size_t quantize_chunks_workspace_bytes(int64_t n, int64_t chunk, int64_t k);
+cudaError_t quantize_chunks_ef(const void* grad, DType grad_dtype, float* residual, int64_t n, int bits, int64_t chunk,
+                               int64_t k, double skip, const bool* finite, void* payload, void* workspace,
+                               cudaStream_t stream);
+cudaError_t quantize_chunks_average(const void* rows, int64_t ranks, int64_t row_stride, int64_t n, int bits,
+                                    int64_t chunk, int64_t k, float* out, int64_t* k_next, cudaStream_t stream);
+cudaError_t quantize_chunks_settle(float* residual, int64_t n, int64_t chunk, int64_t k, const int32_t* indices,
+                                   const void* q, int bits, const float* scales, const bool* done,
+                                   cudaStream_t stream);
+
 }  // namespace cuda
 }  // namespace accordion

@@ -8,9 +8,11 @@
 #include <torch/library.h>
 
 #include <limits>
+#include <tuple>
 
 #include "cuda/kernels.h"
 #include "ops.h"
+#include "quantize_chunks.h"
 
 namespace accordion {
 namespace {
@@ -317,6 +319,48 @@ at::Tensor quantize_average(const at::Tensor& rows, int64_t numel, int64_t bits,
   return dtype == at::kFloat ? total : total.to(dtype);
 }
 
+at::Tensor quantize_chunks_ef_(const at::Tensor& grad, const at::Tensor& residual, int64_t bits, int64_t chunk,
+                               int64_t k, double skip, const std::optional<at::Tensor>& finite) {
+  check_quantize_chunks_ef_args(grad, residual, bits, chunk, k, skip, finite);
+  TORCH_CHECK(chunk <= cuda::kMaxSparseChunk, "accordion::quantize_chunks_ef_: chunk must be <= ",
+              cuda::kMaxSparseChunk, " on CUDA (a chunk's energy is summed in shared memory), got ", chunk);
+  const c10::cuda::CUDAGuard guard(residual.device());
+  const int64_t n = residual.numel();
+  // zeros: the last chunk's padding and the payload's are sent as zeros
+  at::Tensor payload = at::zeros({quantize_chunks_payload_bytes(k, chunk, bits)}, residual.options().dtype(at::kByte));
+  at::Tensor workspace = at::empty({static_cast<int64_t>(cuda::quantize_chunks_workspace_bytes(n, chunk, k))},
+                                   residual.options().dtype(at::kByte));
+  const at::Tensor g = grad.contiguous();
+  C10_CUDA_CHECK(cuda::quantize_chunks_ef(g.const_data_ptr(), to_kernel_dtype(g.scalar_type()),
+                                          residual.mutable_data_ptr<float>(), n, static_cast<int>(bits), chunk, k,
+                                          skip, finite ? finite->const_data_ptr<bool>() : nullptr,
+                                          payload.mutable_data_ptr(), workspace.mutable_data_ptr(),
+                                          current_stream()));
+  return payload;
+}
+
+std::tuple<at::Tensor, at::Tensor> quantize_chunks_average(const at::Tensor& rows, int64_t numel, int64_t k,
+                                                           int64_t bits, int64_t chunk, at::ScalarType dtype) {
+  check_quantize_chunks_average_args(rows, numel, k, bits, chunk, dtype);
+  const c10::cuda::CUDAGuard guard(rows.device());
+  at::Tensor total = at::empty({numel}, rows.options().dtype(at::kFloat));
+  at::Tensor k_next = at::empty({}, rows.options().dtype(at::kLong));
+  C10_CUDA_CHECK(cuda::quantize_chunks_average(rows.const_data_ptr(), rows.size(0), rows.stride(0), numel,
+                                               static_cast<int>(bits), chunk, k, total.mutable_data_ptr<float>(),
+                                               k_next.mutable_data_ptr<int64_t>(), current_stream()));
+  return {dtype == at::kFloat ? total : total.to(dtype), k_next};
+}
+
+void quantize_chunks_settle_(const at::Tensor& residual, const at::Tensor& indices, const at::Tensor& q,
+                             const at::Tensor& scales, int64_t chunk, const at::Tensor& done) {
+  check_quantize_chunks_settle_args(residual, indices, q, scales, chunk, done);
+  const c10::cuda::CUDAGuard guard(residual.device());
+  C10_CUDA_CHECK(cuda::quantize_chunks_settle(residual.mutable_data_ptr<float>(), residual.numel(), chunk,
+                                              indices.numel(), indices.const_data_ptr<int32_t>(), q.const_data_ptr(),
+                                              q.scalar_type() == at::kChar ? 8 : 16, scales.const_data_ptr<float>(),
+                                              done.const_data_ptr<bool>(), current_stream()));
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(accordion, CUDA, m) {
@@ -336,6 +380,9 @@ TORCH_LIBRARY_IMPL(accordion, CUDA, m) {
   m.impl("quantize_average", &quantize_average);
   m.impl("flush_whole", &flush_whole);
   m.impl("settle_sent_", &settle_sent_);
+  m.impl("quantize_chunks_ef_", &quantize_chunks_ef_);
+  m.impl("quantize_chunks_average", &quantize_chunks_average);
+  m.impl("quantize_chunks_settle_", &quantize_chunks_settle_);
 }
 
 }  // namespace accordion
