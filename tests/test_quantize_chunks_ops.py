@@ -85,7 +85,7 @@ def test_a_non_finite_gradient_leaves_e_sends_nan_scales_and_a_skipped_step_keep
 
 @pytest.mark.parametrize("bits", [8, 16])
 @pytest.mark.parametrize("ranks", [1, 2, 3])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64])
 def test_average_is_the_reference_bit_for_bit(bits, ranks, dtype):
     numel, chunk, k = 1000, 64, 6
     payloads, parts, needs = [], [], []

@@ -46,12 +46,12 @@ at::Tensor quantize_average_cpu(const at::Tensor& rows, int64_t numel, int64_t b
 
 // Quantize's sparse chunks (cpu/quantize_chunks.cpp; layout: quantize_chunks.h): e += grad
 // (unless !add) and the payload of the k chunks of largest energy written, its scales NaN when
-// !add; the mean over the rows' payloads in float32 and the next k (the largest k_next, at most
-// every chunk); e -= q * s over the sent chunks.
+// !add; the mean over the rows' payloads in `dtype` (summed in float32) and the next k (the
+// largest k_next, at most every chunk); e -= q * s over the sent chunks.
 void quantize_chunks_ef_cpu(const at::Tensor& grad, const at::Tensor& residual, int64_t bits, int64_t chunk,
                             int64_t k, double skip, bool add, at::Tensor& payload);
 at::Tensor quantize_chunks_average_cpu(const at::Tensor& rows, int64_t numel, int64_t k, int64_t bits, int64_t chunk,
-                                       int64_t& k_next);
+                                       at::ScalarType dtype, int64_t& k_next);
 void quantize_chunks_settle_cpu(const at::Tensor& residual, const at::Tensor& indices, const at::Tensor& q,
                                 const at::Tensor& scales, int64_t chunk);
 

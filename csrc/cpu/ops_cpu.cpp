@@ -196,8 +196,8 @@ std::tuple<at::Tensor, at::Tensor> quantize_chunks_average(const at::Tensor& row
                                                            int64_t bits, int64_t chunk, at::ScalarType dtype) {
   check_quantize_chunks_average_args(rows, numel, k, bits, chunk, dtype);
   int64_t k_next = 0;
-  at::Tensor total = quantize_chunks_average_cpu(rows, numel, k, bits, chunk, k_next);
-  return {dtype == at::kFloat ? total : total.to(dtype), at::scalar_tensor(k_next, rows.options().dtype(at::kLong))};
+  at::Tensor mean = quantize_chunks_average_cpu(rows, numel, k, bits, chunk, dtype, k_next);
+  return {mean, at::scalar_tensor(k_next, rows.options().dtype(at::kLong))};
 }
 
 void quantize_chunks_settle_(const at::Tensor& residual, const at::Tensor& indices, const at::Tensor& q,

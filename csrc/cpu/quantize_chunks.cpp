@@ -9,8 +9,9 @@
 // quantize.cpp does (s = max|g| / qmax, half to even, clamped). Chunks not chosen are not
 // read again: on a step that sends few chunks of a large embedding, that is most of it.
 //
-// quantize_chunks_average: the sent chunks of every rank, in rank order (the reference's sum
-// order), dequantized into a zeroed output; the touched chunks then divided by the ranks.
+// quantize_chunks_average: one pass over the output, parallel over chunks: each chunk the sum of
+// the ranks that sent it, in rank order (the reference's sum order), divided by the ranks, or
+// zeros.
 //
 // quantize_chunks_settle: e -= q * s over the sent chunks only (elsewhere e - 0 = e).
 #include <ATen/ATen.h>
@@ -132,11 +133,13 @@ void ef_typed(const at::Tensor& grad, const at::Tensor& residual, int64_t chunk,
   std::memset(bytes + used, 0, payload.numel() - used);  // the padding to 4 bytes
 }
 
-template <typename Q>
-void average_typed(const uint8_t* rows, int64_t ranks, int64_t stride, int64_t n, int64_t chunk, int64_t k,
-                   float* out) {
+// One pass over the output: each chunk written once, as zeros or as the sum over the ranks that
+// sent it, in rank order from 0.f (the reference's order), divided by the ranks and rounded to
+// the output's dtype (as torch's .to() rounds: to nearest, ties to even).
+template <typename Q, typename O>
+void average_typed(const uint8_t* rows, int64_t ranks, int64_t stride, int64_t n, int64_t chunk, int64_t k, O* out) {
   const int64_t chunks = (n + chunk - 1) / chunk;
-  std::vector<uint8_t> touched(chunks, 0);
+  std::vector<int32_t> slot(chunks * ranks, -1);  // [chunk][rank]: where that rank sent it
   for (int64_t r = 0; r < ranks; ++r) {  // indices from other ranks: checked before any write
     const int32_t* indices = reinterpret_cast<const int32_t*>(rows + r * stride + 4);
     for (int64_t i = 0; i < k; ++i) {
@@ -144,28 +147,29 @@ void average_typed(const uint8_t* rows, int64_t ranks, int64_t stride, int64_t n
                   "accordion::quantize_chunks_average: rank ", r, "'s payload is not a sparse-chunk payload of this "
                   "layer: its chunk index at position ", i, " is ", indices[i], ", expected ascending indices in "
                   "[0, ", chunks, ")");
-      touched[indices[i]] = 1;
+      slot[indices[i] * ranks + r] = static_cast<int32_t>(i);
     }
-  }
-  at::parallel_for(0, n, 1 << 15, [&](int64_t b, int64_t e) { std::fill(out + b, out + e, 0.f); });
-  for (int64_t r = 0; r < ranks; ++r) {
-    const uint8_t* row = rows + r * stride;
-    const int32_t* indices = reinterpret_cast<const int32_t*>(row + 4);
-    const float* scales = reinterpret_cast<const float*>(row + 4 + 4 * k);
-    const Q* q = reinterpret_cast<const Q*>(row + 4 + 8 * k);
-    at::parallel_for(0, k, kGrain, [&](int64_t begin, int64_t end) {  // indices unique within a row
-      for (int64_t i = begin; i < end; ++i) {
-        const int64_t lo = static_cast<int64_t>(indices[i]) * chunk, len = std::min(n, lo + chunk) - lo;
-        const float s = scales[i];
-        for (int64_t j = 0; j < len; ++j) out[lo + j] += static_cast<float>(q[i * chunk + j]) * s;
-      }
-    });
   }
   const float world = static_cast<float>(ranks);
   at::parallel_for(0, chunks, kGrain, [&](int64_t begin, int64_t end) {
+    std::vector<float> sum(chunk);
     for (int64_t c = begin; c < end; ++c) {
-      if (!touched[c]) continue;  // zeros: 0 / ranks = 0
-      for (int64_t i = c * chunk, hi = std::min(n, i + chunk); i < hi; ++i) out[i] /= world;
+      const int64_t lo = c * chunk, len = std::min(n, lo + chunk) - lo;
+      const int32_t* from = slot.data() + c * ranks;
+      if (std::all_of(from, from + ranks, [](int32_t i) { return i < 0; })) {
+        std::fill(out + lo, out + lo + len, static_cast<O>(0.f));  // no rank sent it: 0 / ranks
+        continue;
+      }
+      std::fill(sum.begin(), sum.begin() + len, 0.f);
+      for (int64_t r = 0; r < ranks; ++r) {
+        const int32_t i = from[r];
+        if (i < 0) continue;
+        const uint8_t* row = rows + r * stride;
+        const float s = reinterpret_cast<const float*>(row + 4 + 4 * k)[i];
+        const Q* q = reinterpret_cast<const Q*>(row + 4 + 8 * k) + static_cast<int64_t>(i) * chunk;
+        for (int64_t j = 0; j < len; ++j) sum[j] += static_cast<float>(q[j]) * s;
+      }
+      for (int64_t j = 0; j < len; ++j) out[lo + j] = static_cast<O>(sum[j] / world);
     }
   });
 }
@@ -194,7 +198,7 @@ void quantize_chunks_ef_cpu(const at::Tensor& grad, const at::Tensor& residual, 
 }
 
 at::Tensor quantize_chunks_average_cpu(const at::Tensor& rows, int64_t numel, int64_t k, int64_t bits, int64_t chunk,
-                                       int64_t& k_next) {
+                                       at::ScalarType dtype, int64_t& k_next) {
   const int64_t ranks = rows.size(0), chunks = (numel + chunk - 1) / chunk;
   const uint8_t* data = rows.const_data_ptr<uint8_t>();
   int32_t most = 1;
@@ -204,12 +208,14 @@ at::Tensor quantize_chunks_average_cpu(const at::Tensor& rows, int64_t numel, in
     most = std::max(most, need);
   }
   k_next = std::min<int64_t>(most, chunks);
-  at::Tensor out = at::empty({numel}, rows.options().dtype(at::kFloat));
-  if (bits == 8) {
-    average_typed<int8_t>(data, ranks, rows.stride(0), numel, chunk, k, out.mutable_data_ptr<float>());
-  } else {
-    average_typed<int16_t>(data, ranks, rows.stride(0), numel, chunk, k, out.mutable_data_ptr<float>());
-  }
+  at::Tensor out = at::empty({numel}, rows.options().dtype(dtype));
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, dtype, "quantize_chunks_average_cpu", [&] {
+    if (bits == 8) {
+      average_typed<int8_t, scalar_t>(data, ranks, rows.stride(0), numel, chunk, k, out.mutable_data_ptr<scalar_t>());
+    } else {
+      average_typed<int16_t, scalar_t>(data, ranks, rows.stride(0), numel, chunk, k, out.mutable_data_ptr<scalar_t>());
+    }
+  });
   return out;
 }
 
