@@ -52,7 +52,7 @@ class QuantizeState:
     sent: tuple[torch.Tensor, ...] | None = None  # (q, scales) of the step in flight; sparse: (indices, q, scales)
     generator: torch.Generator | None = None  # stochastic rounding's, made at the first step
     k: int | None = None      # sparse chunks (skip_energy): how many this step sends, agreed by every rank
-    k_pending: tuple | None = None  # sparse chunks on CUDA: the next k, on its way to the host (_agreed_k)
+    k_pending: tuple | None = None  # sparse chunks on CUDA: the next k, on its way to the host (quantize_chunks.py)
     nbytes: int | None = None  # sparse chunks: the bytes of the last payload sent
 
 
@@ -187,7 +187,7 @@ class Quantize(Codec):
 
     def state_to_dict(self, state: QuantizeState) -> dict:
         d = {"shape": list(state.shape), "level": state.level.to_state(), "residual": state.residual.clone()}
-        if self._agreed_k(state) is not None:  # sparse chunks: the count every rank agreed for the next step
+        if sparse.agreed_k(state) is not None:  # sparse chunks: the count every rank agreed for the next step
             d["k"] = state.k
         if state.generator is not None:  # stochastic rounding resumes where it was: bit for bit
             d["generator"] = state.generator.get_state()
@@ -248,7 +248,8 @@ class Quantize(Codec):
         scales sent are NaN); returns this rank's payload bytes: float32 scales, then q (with
         sparse chunks: quantize_chunks.py's layout)."""
         if self.skip_energy:
-            return self._encode_chunks(state, grad, finite)
+            return sparse.encode(state, grad, finite, chunk=self.chunk, skip=self.skip_energy, fused=self._fused(state),
+                                 quantize=quantize_flat, generator=self._generator(state))
         if self._fused(state):  # one pass: csrc/cpu/quantize.cpp, bit for bit the lines below
             payload = ops.quantize_ef_(grad.reshape(-1), state.residual, state.bits, self.chunk, finite)
             state.sent = self._parts(payload, state.residual.numel(), state.bits)
@@ -267,36 +268,12 @@ class Quantize(Codec):
         return (payload[4 * chunks:4 * chunks + numel * bits // 8].view(_INT[bits]),
                 payload[:4 * chunks].view(torch.float32))
 
-    def _encode_chunks(self, state: QuantizeState, grad: torch.Tensor, finite: torch.Tensor) -> torch.Tensor:
-        if self._agreed_k(state) is None:  # the first step: every chunk
-            state.k = self.chunks(state.residual.numel())
-        if self._fused(state):  # csrc/cpu/quantize_chunks.cpp, bit for bit the lines below
-            payload = ops.quantize_chunks_ef_(grad.reshape(-1), state.residual, state.bits, self.chunk, state.k,
-                                              self.skip_energy, finite)
-            _, indices, scales, q = sparse.unpack(payload, state.k, self.chunk, state.bits)
-            state.sent, state.nbytes = (indices, q, scales), payload.numel()
-            return payload
-        g = ops.ef_add_(grad.reshape(-1), state.residual, finite)
-        chunks = sparse.as_chunks(g, self.chunk)
-        indices, k_next = sparse.choose(chunks, state.k, self.skip_energy)
-        q, scales = quantize_flat(chunks.index_select(0, indices).reshape(-1), state.bits, self.chunk,
-                                  self._generator(state))
-        state.sent = (indices, q, scales)
-        payload = sparse.pack(k_next, indices, torch.where(finite, scales, float("nan")), q)
-        state.nbytes = payload.numel()
-        return payload
-
     def decode(self, state: QuantizeState, rows: torch.Tensor, grad_dtype: torch.dtype) -> torch.Tensor:
         """Every rank's payload (a (ranks, bytes) uint8 block) -> their dequantized mean, in
         the gradient's dtype and shape (with sparse chunks, also the next step's k)."""
         numel = state.residual.numel()
         if self.skip_energy:
-            if ops.has_kernel(rows, "quantize_chunks_average") and rows.stride(-1) == 1 and rows.stride(0) % 4 == 0:
-                mean, k_next = ops.quantize_chunks_average(rows, numel, state.k, state.bits, self.chunk, grad_dtype)
-            else:
-                mean, k_next = sparse.average(rows, numel, state.k, self.chunk, state.bits)
-            self._take_k(state, k_next)
-            return mean.to(grad_dtype).view(state.shape)
+            return sparse.decode(state, rows, self.chunk, grad_dtype)
         if ops.has_kernel(rows) and rows.stride(-1) == 1:  # csrc/*/quantize.*, bit for bit the loop below
             return ops.quantize_average(rows, numel, state.bits, self.chunk, grad_dtype).view(state.shape)
         total = torch.zeros(numel, dtype=torch.float32, device=rows.device)
@@ -306,40 +283,13 @@ class Quantize(Codec):
         ranks = torch.full((), rows.shape[0], dtype=total.dtype, device=total.device)  # see quantize_flat
         return (total / ranks).to(grad_dtype).view(state.shape)
 
-    @staticmethod
-    def _take_k(state: QuantizeState, k_next: torch.Tensor) -> None:
-        """The next step's k, agreed on the device (``decode``). On the CPU it is read now. On
-        CUDA it is copied to pinned host memory behind an event, read at the layer's next
-        encode: the step's decode is queued before the next step's backward, so by then the
-        event has long passed and reading it never waits (quantize_chunks.py)."""
-        if k_next.device.type == "cpu":
-            state.k, state.k_pending = int(k_next), None
-            return
-        host = torch.empty((), dtype=torch.int64, pin_memory=True)
-        host.copy_(k_next, non_blocking=True)
-        arrived = torch.cuda.Event()
-        arrived.record()
-        state.k_pending = (host, arrived)
-
-    @staticmethod
-    def _agreed_k(state: QuantizeState) -> int | None:
-        if state.k_pending is not None:
-            host, arrived = state.k_pending
-            arrived.synchronize()
-            state.k, state.k_pending = int(host), None
-        return state.k
-
     def settle(self, state: QuantizeState, done: torch.Tensor) -> None:
         """End of step: where it went through (``done``), e = g - q * s; else e keeps g."""
-        if len(state.sent) == 3 and self._fused(state):  # sparse chunks: only the sent ones change
-            ops.quantize_chunks_settle_(state.residual, *state.sent, self.chunk, done)
-            state.sent = None
-            return
         if len(state.sent) == 3:  # sparse chunks
-            sent = sparse.scattered(*state.sent, state.residual.numel(), self.chunk).to(state.residual.dtype)
-        else:
-            q, scales = state.sent
-            sent = dequantize_flat(q, scales, state.residual.numel(), self.chunk).to(state.residual.dtype)
+            sparse.settle(state, done, self.chunk, self._fused(state))
+            return
+        q, scales = state.sent
+        sent = dequantize_flat(q, scales, state.residual.numel(), self.chunk).to(state.residual.dtype)
         state.residual.sub_(torch.where(done, sent, torch.zeros_like(sent)))
         state.sent = None
 

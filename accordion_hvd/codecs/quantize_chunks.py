@@ -38,13 +38,20 @@ plain-torch reference is ``reference.quantize_chunks_ef`` and
 (csrc/cpu/quantize_chunks.cpp, bit for bit this module's torch ops); elsewhere these torch ops.
 The host needs one integer per layer and step: the next step's k, agreed on the device from
 the gathered payloads, which sizes the next payload. On a GPU the codec copies it to pinned
-memory behind an event and reads it at the layer's next encode (``Quantize._agreed_k``); by
+memory behind an event and reads it at the layer's next encode (``take_k``, ``agreed_k``); by
 then the device is long past it, so no step waits for the device.
+
+``encode``, ``decode`` and ``settle`` are ``Quantize``'s step with sparse chunks, on its
+``QuantizeState`` (codecs/quantize.py, which delegates here).
 """
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
+
+from .. import ops
 
 _INT = {8: torch.int8, 16: torch.int16}
 BLOCK = 1024  # chunks per block of the running sum (module doc)
@@ -137,3 +144,71 @@ def scattered(indices: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, nume
     out = torch.zeros(chunks, chunk, dtype=torch.float32, device=q.device)
     out[indices] = q.view(-1, chunk).float() * scales[:, None]
     return out.reshape(-1)[:numel]
+
+
+def encode(state, grad: torch.Tensor, finite: torch.Tensor, *, chunk: int, skip: float, fused: bool,
+           quantize: Callable, generator) -> torch.Tensor:
+    """g = grad + e into ``state.residual`` (not where ``finite`` is False) and this rank's
+    payload; what was sent kept in ``state.sent`` until ``settle``. ``fused``: the compiled
+    kernel (bit for bit the torch ops below); ``quantize``: codecs/quantize.py's
+    ``quantize_flat`` (passed in: that module imports this one)."""
+    if agreed_k(state) is None:  # the first step: every chunk
+        state.k = -(-state.residual.numel() // chunk)
+    if fused:  # csrc/cpu/quantize_chunks.cpp
+        payload = ops.quantize_chunks_ef_(grad.reshape(-1), state.residual, state.bits, chunk, state.k, skip, finite)
+        _, indices, scales, q = unpack(payload, state.k, chunk, state.bits)
+        state.sent, state.nbytes = (indices, q, scales), payload.numel()
+        return payload
+    chunks = as_chunks(ops.ef_add_(grad.reshape(-1), state.residual, finite), chunk)
+    indices, k_next = choose(chunks, state.k, skip)
+    q, scales = quantize(chunks.index_select(0, indices).reshape(-1), state.bits, chunk, generator)
+    state.sent = (indices, q, scales)
+    payload = pack(k_next, indices, torch.where(finite, scales, float("nan")), q)
+    state.nbytes = payload.numel()
+    return payload
+
+
+def decode(state, rows: torch.Tensor, chunk: int, grad_dtype: torch.dtype) -> torch.Tensor:
+    """Every rank's payload -> their mean in the gradient's dtype and shape; the next k taken."""
+    numel = state.residual.numel()
+    if ops.has_kernel(rows, "quantize_chunks_average") and rows.stride(-1) == 1 and rows.stride(0) % 4 == 0:
+        mean, k_next = ops.quantize_chunks_average(rows, numel, state.k, state.bits, chunk, grad_dtype)
+    else:
+        mean, k_next = average(rows, numel, state.k, chunk, state.bits)
+    take_k(state, k_next)
+    return mean.to(grad_dtype).view(state.shape)
+
+
+def settle(state, done: torch.Tensor, chunk: int, fused: bool) -> None:
+    """End of step: where it went through (``done``), e -= what was sent (only the sent chunks
+    change); else e keeps g."""
+    if fused:
+        ops.quantize_chunks_settle_(state.residual, *state.sent, chunk, done)
+    else:
+        sent = scattered(*state.sent, state.residual.numel(), chunk).to(state.residual.dtype)
+        state.residual.sub_(torch.where(done, sent, torch.zeros_like(sent)))
+    state.sent = None
+
+
+def take_k(state, k_next: torch.Tensor) -> None:
+    """The next step's k, agreed on the device (``decode``). On the CPU it is read now. On CUDA
+    it is copied to pinned host memory behind an event and read at the layer's next encode: the
+    step's decode is queued before the next step's backward, so by then the event has long
+    passed and reading it never waits."""
+    if k_next.device.type == "cpu":
+        state.k, state.k_pending = int(k_next), None
+        return
+    host = torch.empty((), dtype=torch.int64, pin_memory=True)
+    host.copy_(k_next, non_blocking=True)
+    arrived = torch.cuda.Event()
+    arrived.record()
+    state.k_pending = (host, arrived)
+
+
+def agreed_k(state) -> int | None:
+    """``state.k``, once what ``take_k`` sent on its way has arrived."""
+    if state.k_pending is not None:
+        host, arrived = state.k_pending
+        arrived.synchronize()
+        state.k, state.k_pending = int(host), None
+    return state.k
