@@ -12,6 +12,7 @@ four ranks' payloads.
 from __future__ import annotations
 
 from functools import lru_cache
+from types import SimpleNamespace
 
 import torch
 
@@ -57,13 +58,11 @@ def step_ours(grad, residual, _pristine, k, done):
 
 
 def step_torch(grad, residual, _pristine, k, done):
-    g = ops.ef_add_(grad, residual, done)
-    chunks = sparse.as_chunks(g, CHUNK)
-    indices, k_next = sparse.choose(chunks, k, SKIP)
-    q, scales = quantize_flat(chunks.index_select(0, indices.long()).reshape(-1), BITS, CHUNK)
-    payload = sparse.pack(k_next, indices, torch.where(done, scales, float("nan")), q)
-    sent = sparse.scattered(indices.long(), q, scales, residual.numel(), CHUNK)
-    residual.sub_(torch.where(done, sent, torch.zeros_like(sent)))
+    """The codec's own torch-op path (quantize_chunks.encode and settle, unfused)."""
+    state = SimpleNamespace(residual=residual, bits=BITS, k=k, k_pending=None, sent=None, nbytes=None)
+    payload = sparse.encode(state, grad, done, chunk=CHUNK, skip=SKIP, fused=False, quantize=quantize_flat,
+                            generator=None)
+    sparse.settle(state, done, CHUNK, fused=False)
     return payload
 
 

@@ -6,6 +6,8 @@ two), 16-bit gradients, near-ties of energy, a non-finite gradient, payloads fro
 and sliced from a wider bucket; opcheck; bad arguments named, and payloads that are not
 sparse-chunk payloads refused before anything is written."""
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 from torch.library import opcheck
@@ -25,12 +27,10 @@ def skewed(numel, seed, dtype=torch.float32):
 
 
 def torch_path(grad, residual, bits, chunk, k, skip, finite=TRUE):
-    """The codec's torch-op path (codecs/quantize.py ``_encode_chunks``, unfused)."""
-    g = ops.ef_add_(grad, residual, finite)
-    chunks = sparse.as_chunks(g, chunk)
-    indices, k_next = sparse.choose(chunks, k, skip)
-    q, scales = quantize_flat(chunks.index_select(0, indices.long()).reshape(-1), bits, chunk)
-    return sparse.pack(k_next, indices, torch.where(finite, scales, float("nan")), q)
+    """The codec's torch-op path (quantize_chunks.encode, unfused)."""
+    state = SimpleNamespace(residual=residual, bits=bits, k=k, k_pending=None, sent=None, nbytes=None)
+    return sparse.encode(state, grad, finite, chunk=chunk, skip=skip, fused=False, quantize=quantize_flat,
+                         generator=None)
 
 
 @pytest.mark.parametrize("bits", [8, 16])
