@@ -35,6 +35,17 @@ reduced once per window on the control plane, so every rank chooses the same int
 is the per-step path: the plain average of the ranks' models (an outer step of lr 1, no
 momentum: the outer momentum, a memory of long rounds' pseudo-gradients, is left as it is).
 
+**Overlap** (``overlap=True``, Streaming DiLoCo's overlapping of communication, Douillard et
+al. 2025, here one whole round late): a round of more than one inner step is launched and
+not waited for; the inner steps of the next round run while its collectives cross the
+network, and it lands at the next round's start: the outer step on the start-of-round
+parameters, and each rank's model set to that result plus the progress it made while the
+round was in flight (which the next round then sends). A round's time on the wire is hidden
+behind up to ``sync_every`` inner steps' compute; the price is a model one round behind the
+outer step it starts from. Rounds at interval 1 (the critical regimes of ``"auto"``) stay
+synchronous. ``flush()`` lands the round in flight (before evaluating ``synced()``'s model,
+and at the end of training); ``state_dict()`` flushes first.
+
 Communication: process groups of the job's ranks made at construction (every rank constructs
 it, in the same order): one for the data with the default group's backend and lanes for
 PowerSGD's Q rounds and the uncompressed layers, and a Gloo one for control, as the DDP front
@@ -89,15 +100,18 @@ class DiLoCo:
         nesterov: Nesterov momentum (with ``outer_momentum > 0``).
         mesh: for HSDP, the ("replicate", "shard") DeviceMesh whose ``shard`` dimension the
             model was sharded over (module doc); None for a plain model.
+        overlap: launch each round of more than one inner step without waiting for it; it
+            lands at the next round's start (module doc).
         timeout: seconds a collective may take; default $ACCORDION_COLLECTIVE_TIMEOUT, else 300.
     """
 
     def __init__(self, model: torch.nn.Module, inner_optimizer: torch.optim.Optimizer,
                  compressor: Compressor | None = None, *, sync_every: int | str | SyncInterval = "auto", outer_lr: float = 0.7,
-                 outer_momentum: float = 0.9, nesterov: bool = True, mesh=None, timeout: float | None = None) -> None:
+                 outer_momentum: float = 0.9, nesterov: bool = True, mesh=None, overlap: bool = False,
+                 timeout: float | None = None) -> None:
         from torch.nn.parallel import DistributedDataParallel
 
-        _check_arguments(sync_every, outer_lr, outer_momentum)
+        _check_arguments(sync_every, outer_lr, outer_momentum, overlap)
         self.policy = (SyncInterval() if sync_every == "auto" else sync_every
                        if isinstance(sync_every, SyncInterval) else None)
         if isinstance(model, DistributedDataParallel):
@@ -118,13 +132,14 @@ class DiLoCo:
             raise TypeError(f"compressor must be an acc.AccordionCompressor, got {type(self.compressor).__name__}")
         self.outer_lr, self.outer_momentum = float(outer_lr), float(outer_momentum)
         self.nesterov = bool(nesterov) and self.outer_momentum > 0
+        self.overlap = overlap
         self.interval = self.policy.interval if self.policy is not None else int(sync_every)  # inner steps per round now
         self.inner = inner_optimizer
         # compared across ranks with the compressor's settings, at the first round
         self.compressor.engine.front_end = {
             "diloco_sync_every": repr(self.policy) if self.policy is not None else self.interval,
             "diloco_outer_lr": self.outer_lr, "diloco_outer_momentum": self.outer_momentum,
-            "diloco_nesterov": self.nesterov}
+            "diloco_nesterov": self.nesterov, "diloco_overlap": self.overlap}
         self.size = self._bind(model, inner_optimizer, collective_timeout(timeout))  # ranks of the control plane
         self.control = self.compressor.engine.control
         self.round = BufferedStep(self.compressor.engine, "acc.diloco")  # one round: one step of it
@@ -136,6 +151,8 @@ class DiLoCo:
         self.since_sync = 0  # inner steps since the last round
         self.syncs = 0
         self.skipped = 0
+        self.launched = None  # overlap: each local parameter when the round in flight was launched
+        self.plain = False    # the round in flight is a plain average (launched at interval 1 under "auto")
         self.window = None if self.policy is None else WindowStatistic(inner_optimizer)
 
     def _bind(self, model, optimizer, timeout: float) -> int:
@@ -196,26 +213,60 @@ class DiLoCo:
     @torch.no_grad()
     def sync(self) -> None:
         """One round, on every rank: average the pseudo-gradients through the compressor,
-        take the outer step, and set every rank's model to its result (module doc)."""
+        take the outer step, and set every rank's model to its result (module doc). With
+        ``overlap`` a round in flight lands first, and a round of more than one inner step is
+        only launched: it lands at the next one."""
+        if self.launched is not None:
+            self._land()
+        self.plain = self.policy is not None and self.interval == 1  # the per-step path: the plain average
         for (name, local), start in zip(self.named_local, self.start):
             self.round.add(name, start - local.float(), start, uncompressed_here=True)
         self.round.send("round")  # the layers sent whole this round (16-bit dense), one average per dtype
-        results, _ = self.round.finish()
         self.syncs += 1
         self.since_sync = 0
+        if self.overlap and self.interval > 1:
+            self.launched = [local.detach().clone() for local in self.local]
+        else:
+            self._land()
+
+    @torch.no_grad()
+    def flush(self) -> None:
+        """Land the round in flight, if any (``overlap``), on every rank at the same inner step:
+        before evaluating ``synced()``'s model, and at the end of training."""
+        if self.launched is not None:
+            self._land()
+
+    def _drop_in_flight(self) -> None:
+        """Wait for the round in flight, if any, and drop its result (its collectives done on
+        every rank, the engine's step closed): what it would have changed is being replaced."""
+        if self.launched is not None:
+            self.round.finish()
+            self.launched = None
+
+    def _land(self) -> None:
+        """Wait for the round launched last; take its outer step (none if some rank's
+        pseudo-gradient was not finite) and set the local parameters: to its result, plus
+        (overlap) the progress each made since the launch."""
+        results, _ = self.round.finish()
+        launched, self.launched = self.launched, None
         if self.compressor.step_skipped:  # some rank's pseudo-gradient was not finite: the same on every rank
             self.skipped += 1
             log.warning("DiLoCo: round %d skipped on every rank (a pseudo-gradient was not finite); every rank "
                         "returns to the round's start", self.syncs)
+            launched = None  # (the progress since may be as non-finite)
         else:
             for start, average in results:
                 start.grad = average.view_as(start)
-            if self.policy is not None and self.interval == 1:  # the per-step path: the plain average
+            if self.plain:
                 torch._foreach_sub_(self.start, [start.grad for start in self.start])
             else:
                 self.outer.step()
-        for local, start in zip(self.local, self.start):
-            local.copy_(start)
+        if launched is None:
+            for local, start in zip(self.local, self.start):
+                local.copy_(start)
+        else:
+            for local, start, then in zip(self.local, self.start, launched):
+                local.copy_(start + (local.float() - then.float()))
 
     def _agree_start(self) -> None:
         """Every rank starts from the same parameters (under HSDP: every rank of a column from
@@ -239,7 +290,9 @@ class DiLoCo:
     def state_dict(self) -> dict:
         """What resumes the outer loop bit for bit on the same world: the start-of-round
         parameters, the outer optimizer's momentum, the counters and the compressor's state
-        (its error feedback: this rank's). Between inner steps."""
+        (its error feedback: this rank's). Between inner steps, on every rank: a round in
+        flight (``overlap``) lands first."""
+        self.flush()
         return {"world": self.size, "inner_steps": self.inner_steps, "syncs": self.syncs,
                 "skipped": self.skipped, "start": [t.clone() for t in self.start], "interval": self.interval,
                 "since_sync": self.since_sync, "outer": self.outer.state_dict(),
@@ -249,7 +302,9 @@ class DiLoCo:
 
     def load_state_dict(self, state: dict) -> None:
         """Restore a ``state_dict()``. From a job with another number of ranks the outer state
-        restarts (momentum zero, the round starts from the model as loaded) with a warning."""
+        restarts (momentum zero, the round starts from the model as loaded) with a warning.
+        A round in flight is waited for and dropped (every rank loads at the same step)."""
+        self._drop_in_flight()
         self.compressor.load_state_dict(state["compressor"])
         self.inner_steps, self.syncs, self.skipped = state["inner_steps"], state["syncs"], state["skipped"]
         if (self.policy is None) != ("policy" not in state):
@@ -274,7 +329,9 @@ class DiLoCo:
     def restart(self) -> None:
         """The outer loop starts again from the model as it is now (the start-of-round
         parameters the model's, the outer momentum zero): after loading a model whose DiLoCo
-        state does not fit this job (another world or mesh)."""
+        state does not fit this job (another world or mesh). A round in flight is waited for
+        and dropped: the model as it is now is the start."""
+        self._drop_in_flight()
         for start, local in zip(self.start, self.local):
             start.copy_(local.detach().float())
         self.outer = torch.optim.SGD(self.start, lr=self.outer_lr, momentum=self.outer_momentum, nesterov=self.nesterov)
@@ -330,7 +387,7 @@ def _horovod_size() -> int | None:
     return hvd.size() if hvd.is_initialized() else None
 
 
-def _check_arguments(sync_every, outer_lr, outer_momentum) -> None:
+def _check_arguments(sync_every, outer_lr, outer_momentum, overlap) -> None:
     if not (sync_every == "auto" or isinstance(sync_every, SyncInterval)) and (
             isinstance(sync_every, bool) or not isinstance(sync_every, numbers.Integral) or sync_every < 1):
         raise ValueError(f"sync_every must be a positive integer (inner steps per round), \"auto\" or an "
@@ -340,6 +397,8 @@ def _check_arguments(sync_every, outer_lr, outer_momentum) -> None:
     if isinstance(outer_momentum, bool) or not isinstance(outer_momentum, numbers.Real) \
             or not 0 <= outer_momentum < 1:
         raise ValueError(f"outer_momentum must be a number in [0, 1), got {outer_momentum!r}")
+    if not isinstance(overlap, bool):
+        raise TypeError(f"overlap must be True or False, got {overlap!r}")
 
 
 __all__ = ["DiLoCo"]

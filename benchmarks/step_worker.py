@@ -39,7 +39,8 @@ Only the communication differs between methods:
   included): ``localsgd-p4`` (PyTorch's post-local SGD, period 4, in its local phase from the
   first step), ``diloco-hH`` (DiLoCo as published, the CLI's plain-torch one, every H steps)
   and ``diloco-ours-hH`` (``acc.DiLoCo`` with the default compressor, every H steps), H in
-  16, 64, 256.
+  16, 64, 256; ``diloco-ours-overlap-hH`` the same with ``overlap=True`` (each round lands at
+  the next; the one in flight at the end lands after the timed steps).
 
 Rank 0 writes a JSON file: per-step wall times (and, for ours, the compressor's seconds in
 compression and in waiting on its collectives, in all and during backward, each
@@ -70,7 +71,7 @@ HVD = ("hvd-idle", "hvd-fp32", "hvd-fp16", "ours-r1", "ours-r4", "ours-accordion
        "ours-network-aware-fp16", "ours-topk1", "ours-topk10", "plain-topk1")
 DDP = ("ddp-idle", "ddp-fp32", "ddp-fp16", "ddp-r1", "ddp-r4", "ddp-pg-r1", "ddp-pg-r4", "ddp-ours-r1", "ddp-ours-r4",
        "ddp-ours-accordion")
-PERIODIC = ("localsgd-p4", *(f"diloco{ours}-h{h}" for ours in ("", "-ours") for h in (16, 64, 256)))
+PERIODIC = ("localsgd-p4", *(f"diloco{ours}-h{h}" for ours in ("", "-ours", "-ours-overlap") for h in (16, 64, 256)))
 HVD += ("ours-default",)
 DDP += PERIODIC  # under torchrun
 METHODS = ("floor", *HVD, *DDP)
@@ -212,7 +213,7 @@ def periodic(method: str, model, opt):
     h = int(method.rsplit("-h", 1)[1])
     if method.startswith("diloco-ours-"):
         import accordion_hvd as acc
-        diloco = acc.DiLoCo(model, opt, sync_every=h)
+        diloco = acc.DiLoCo(model, opt, sync_every=h, overlap="-overlap-" in method)
     else:
         from accordion_hvd.cli.baselines import Uncompressed
         from accordion_hvd.cli.periodic import PlainDiLoCo
@@ -375,6 +376,9 @@ def main() -> None:
             if decision and (not decisions or decisions[-1][1] is not decision):
                 decisions.append((step, decision))
     total = time.perf_counter() - start
+    flush = getattr(getattr(after_step, "__self__", None), "flush", None)
+    if flush is not None:  # DiLoCo: the round in flight (overlap) lands, none left at exit
+        flush()
     if not torch.isfinite(loss.detach()):
         raise RuntimeError(f"{args.method}: loss is not finite")
     timed, link = [], None

@@ -1,6 +1,6 @@
 """The training CLI's periodic synchronisation under real torchrun jobs (cli/periodic.py):
 ``--sync diloco`` with our compression (a fixed interval and ``auto``), DiLoCo as published
-(``--codec none``), PyTorch's local SGD; their records, evaluation of one model, resume bit for
+(``--codec none``), overlapped rounds (``--overlap``), PyTorch's local SGD; their records, evaluation of one model, resume bit for
 bit, and the flags refused where they do not apply."""
 
 import csv
@@ -55,6 +55,26 @@ def test_diloco_auto_trains_records_its_intervals_and_resumes_bit_for_bit(tmp_pa
         for x, y in zip(a["sync"]["start"], b["sync"]["start"]):
             assert torch.equal(x, y), f"rank {rank}: the start-of-round parameters differ"
         assert a["sync"]["interval"] == b["sync"]["interval"] and a["sync"]["syncs"] == b["sync"]["syncs"]
+
+
+@pytest.mark.torchrun
+def test_diloco_overlapped_trains_counts_its_rounds_and_resumes_bit_for_bit(tmp_path):
+    """``--overlap``: rounds every 8 steps, each landing one round late (an evaluation lands
+    the one in flight); it learns, counts its rounds, and a run resumed from epoch 1's
+    checkpoint ends with the parameters of the run that never stopped."""
+    whole, half, resumed = tmp_path / "whole", tmp_path / "whole.epoch1", tmp_path / "resumed"
+    args = [*COMMON, "--sync", "diloco", "--sync-every", "8", "--overlap", "--epochs", "2"]
+    out = cli(*args, "--checkpoint", str(whole), "--keep-checkpoints", "--logdir", str(tmp_path / "log"))
+    assert "DiLoCo (sync_every=8, our compression, overlapped)" in out and "final test accuracy" in out, out
+    assert float(out.split("final test accuracy: ")[1].split()[0]) > 0.3, out  # 44 steps; chance is 0.1
+    assert int(rows(tmp_path / "log")[-1]["syncs"]) == 2 * STEPS // 8
+    out = cli(*args, "--resume", str(half), "--checkpoint", str(resumed))
+    assert "resumed from" in out, out
+    for rank in range(2):
+        a = torch.load(f"{whole}.rank{rank}", weights_only=False)
+        b = torch.load(f"{resumed}.rank{rank}", weights_only=False)
+        for name in a["model"]:
+            assert torch.equal(a["model"][name], b["model"][name]), f"rank {rank}: {name} differs"
 
 
 @pytest.mark.torchrun
@@ -121,6 +141,11 @@ def test_diloco_across_the_nodes_of_fsdp_trains_and_resumes_bit_for_bit(tmp_path
      "--localsgd-warmup is for --sync torch-localsgd, not --sync diloco"),
     (["--launcher", "ddp", "--sync", "diloco", "--sync-every", "0"], "must be auto or a positive number"),
     (["--launcher", "ddp", "--sync", "diloco", "--outer-momentum", "1"], "--outer-momentum in [0, 1)"),
+    (["--launcher", "ddp", "--overlap"], "--overlap is for --sync diloco"),
+    (["--launcher", "ddp", "--sync", "torch-localsgd", "--codec", "none", "--overlap"],
+     "--overlap is for --sync diloco, not --sync torch-localsgd"),
+    (["--launcher", "ddp", "--sync", "diloco", "--codec", "none", "--sync-every", "4", "--overlap"],
+     "--overlap is our DiLoCo's"),
 ])
 def test_periodic_flags_are_refused_where_they_do_not_apply(argv, message, capsys):
     with pytest.raises(SystemExit):

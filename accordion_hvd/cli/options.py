@@ -76,13 +76,14 @@ def _interval(text: str):
 
 def _check_sync(p, args) -> None:
     """--sync and its flags: refused where they do not apply, defaults resolved."""
-    periodic = ("sync_every", "outer_lr", "outer_momentum", "localsgd_warmup")
-    defaults = {"sync_every": None, "outer_lr": 0.7, "outer_momentum": 0.9, "localsgd_warmup": 100}
-    own = {"diloco": ("sync_every", "outer_lr", "outer_momentum"), "torch-localsgd": ("sync_every", "localsgd_warmup")}
+    periodic = ("sync_every", "outer_lr", "outer_momentum", "overlap", "localsgd_warmup")
+    defaults = {"sync_every": None, "outer_lr": 0.7, "outer_momentum": 0.9, "overlap": False, "localsgd_warmup": 100}
+    own = {"diloco": ("sync_every", "outer_lr", "outer_momentum", "overlap"),
+           "torch-localsgd": ("sync_every", "localsgd_warmup")}
     given = [n for n in periodic if getattr(args, n) != defaults[n] and n not in own.get(args.sync, ())]
     if given:
         whose = {"sync_every": "diloco or torch-localsgd", "outer_lr": "diloco", "outer_momentum": "diloco",
-                 "localsgd_warmup": "torch-localsgd"}
+                 "overlap": "diloco", "localsgd_warmup": "torch-localsgd"}
         p.error(f"--{given[0].replace('_', '-')} is for --sync {whose[given[0]]}"
                 f"{'' if args.sync == 'every-step' else f', not --sync {args.sync}'}")
     if args.sync == "every-step":
@@ -106,6 +107,9 @@ def _check_sync(p, args) -> None:
     if args.launcher == "fsdp" and args.codec == "none":
         p.error("--launcher fsdp --sync diloco runs our DiLoCo across the nodes: --codec default or one of ours "
                 f"({', '.join(OURS)}); DiLoCo as published (--codec none) runs under --launcher ddp")
+    if args.codec == "none" and args.overlap:
+        p.error("--overlap is our DiLoCo's (acc.DiLoCo(overlap=True)), with our compression: not with --codec none "
+                "(DiLoCo as published)")
     if args.codec == "none" and args.sync_every == "auto":
         p.error("--sync-every auto is our interval policy, with our compression: with --codec none (DiLoCo as "
                 "published) give --sync-every N")
@@ -160,6 +164,9 @@ def parse_args(argv=None, description: str | None = None) -> argparse.Namespace:
     p.add_argument("--outer-momentum", type=float, default=0.9,
                    help="--sync diloco: the outer optimizer's Nesterov momentum (0: none; with --outer-lr 1 plain "
                         "model averaging)")
+    p.add_argument("--overlap", action="store_true",
+                   help="--sync diloco (ours): overlap each round of more than one inner step with the next round's "
+                        "inner steps; it lands one round late (acc.DiLoCo(overlap=True), Streaming DiLoCo's overlap)")
     p.add_argument("--localsgd-warmup", type=int, default=100,
                    help="--sync torch-localsgd: steps averaged every step before local SGD starts")
     p.add_argument("--codec", choices=CODECS, default="default",

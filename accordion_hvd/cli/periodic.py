@@ -3,8 +3,8 @@ copy of the model and the copies meet every so many steps, not every step.
 
 - ``--sync diloco`` with our compression (``--codec default`` or one of ours):
   ``acc.DiLoCo(model, opt, compressor, sync_every=--sync-every, outer_lr=--outer-lr,
-  outer_momentum=--outer-momentum)`` (accordion_hvd/diloco.py), ``--sync-every auto`` its
-  interval policy.
+  outer_momentum=--outer-momentum, overlap=--overlap)`` (accordion_hvd/diloco.py),
+  ``--sync-every auto`` its interval policy.
 - ``--launcher fsdp --sync diloco`` (ours): each node's ranks shard the model with FSDP2 over
   the mesh's ``shard`` dimension (in step every inner step, inside the node) and the rounds
   cross the nodes (``acc.DiLoCo(..., mesh=mesh)``); its state goes into the
@@ -18,7 +18,7 @@ copy of the model and the copies meet every so many steps, not every step.
   ``PostLocalSGDOptimizer`` with ``PeriodicModelAverager(period=--sync-every)``.
 
 Evaluation sees one model, the same on every rank: DiLoCo's of the last round (``synced()``:
-what DiLoCo's outer loop holds); local SGD's average of the ranks' models, made for the
+what DiLoCo's outer loop holds; with --overlap the round in flight lands first); local SGD's average of the ranks' models, made for the
 evaluation and undone after it (PyTorch's averager keeps no such copy). Records: the current
 interval and the rounds so far in steps.csv (``sync_interval``, ``syncs``).
 """
@@ -46,17 +46,19 @@ class DiLoCoFrontEnd(DDPFrontEnd):
     name = sync = "diloco"
     label = "torchrun, DiLoCo"
 
-    def __init__(self, device_type: str, sync_every, outer_lr: float, outer_momentum: float) -> None:
+    def __init__(self, device_type: str, sync_every, outer_lr: float, outer_momentum: float,
+                 overlap: bool = False) -> None:
         super().__init__(device_type)
-        self.sync_every, self.outer_lr, self.outer_momentum = sync_every, outer_lr, outer_momentum
+        self.sync_every, self.outer_lr, self.outer_momentum, self.overlap = sync_every, outer_lr, outer_momentum, overlap
         self.periodic = None  # acc.DiLoCo or PlainDiLoCo, once wrapped
 
     def wrap(self, model: torch.nn.Module, opt: torch.optim.Optimizer, compression, device: torch.device):
         broadcast_model(model, self.dist)  # every rank starts from rank 0's model, as DDP would
         if isinstance(compression, Compressor):
             self.periodic = DiLoCo(model, opt, compression, sync_every=self.sync_every, outer_lr=self.outer_lr,
-                                   outer_momentum=self.outer_momentum)
-            self.label = f"torchrun, DiLoCo (sync_every={self.sync_every}, our compression)"
+                                   outer_momentum=self.outer_momentum, overlap=self.overlap)
+            self.label = (f"torchrun, DiLoCo (sync_every={self.sync_every}, our compression"
+                          f"{', overlapped' if self.overlap else ''})")
         else:
             self.periodic = PlainDiLoCo(model, self.dist, compression, self.sync_every, self.outer_lr,
                                         self.outer_momentum)
@@ -68,6 +70,7 @@ class DiLoCoFrontEnd(DDPFrontEnd):
         self.periodic.step()
 
     def evaluating(self):
+        self.periodic.flush()  # --overlap: the round in flight lands (every rank evaluates)
         return self.periodic.synced()
 
     def record(self) -> dict:
@@ -88,17 +91,18 @@ class HSDPDiLoCoFrontEnd(FSDPFrontEnd):
     label = "fsdp, DiLoCo"
 
     def __init__(self, device_type: str, nodes: int | None, reduce_dtype: str | None, sync_every, outer_lr: float,
-                 outer_momentum: float) -> None:
+                 outer_momentum: float, overlap: bool = False) -> None:
         super().__init__(device_type, nodes, reduce_dtype)
-        self.sync_every, self.outer_lr, self.outer_momentum = sync_every, outer_lr, outer_momentum
+        self.sync_every, self.outer_lr, self.outer_momentum, self.overlap = sync_every, outer_lr, outer_momentum, overlap
         self.periodic = None  # acc.DiLoCo, once wrapped
 
     def wrap(self, model: torch.nn.Module, opt: torch.optim.Optimizer, compression, device: torch.device):
         broadcast_model(model, self.dist)  # every rank starts from rank 0's model, as FSDP would
-        self.label = f"fsdp over {self.nodes} nodes, DiLoCo across them (sync_every={self.sync_every}, our compression)"
+        self.label = (f"fsdp over {self.nodes} nodes, DiLoCo across them (sync_every={self.sync_every}, our compression"
+                      f"{', overlapped' if self.overlap else ''})")
         model, opt, mesh = self.shard(model, opt, compression, within_nodes=True)  # (may add ", reduce in bfloat16")
         self.periodic = DiLoCo(model, opt, compression, sync_every=self.sync_every, outer_lr=self.outer_lr,
-                               outer_momentum=self.outer_momentum, mesh=mesh)
+                               outer_momentum=self.outer_momentum, mesh=mesh, overlap=self.overlap)
         self.hook = DiLoCoCheckpoint(self.periodic, opt, f"{self.nodes}x{self.size // self.nodes}", self.rank)
         return model, opt
 
@@ -107,6 +111,7 @@ class HSDPDiLoCoFrontEnd(FSDPFrontEnd):
         self.periodic.step()
 
     def evaluating(self):
+        self.periodic.flush()  # --overlap: the round in flight lands (every rank evaluates)
         return self.periodic.synced()
 
     def record(self) -> dict:
@@ -204,6 +209,9 @@ class PlainDiLoCo:
 
     def synced(self):
         return swapped_in(self.params, self.start)
+
+    def flush(self) -> None:
+        """Nothing is ever in flight here: every round is waited for."""
 
     def state_dict(self) -> dict:
         return {"start": [s.clone() for s in self.start], "outer": self.outer.state_dict(),

@@ -289,6 +289,7 @@ elif mode == "bad-input":
         (dict(sync_every="often"), ValueError, "sync_every must be a positive integer"),
         (dict(outer_lr=0.0), ValueError, "outer_lr must be a positive number"),
         (dict(outer_momentum=1.0), ValueError, "outer_momentum must be a number in [0, 1)"),
+        (dict(overlap="yes"), TypeError, "overlap must be True or False"),
     ]
     for kwargs, kind, text in cases:
         try:

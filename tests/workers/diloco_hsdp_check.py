@@ -12,6 +12,9 @@ MODE "lossless": TopK keeping every entry (every weight through the codec, the b
 the uncompressed round): after every round each parameter, gathered whole, equals the
 reference's (to float32 rounding: FSDP and the reference sum in different orders), on every
 rank; nodes differ between rounds (nothing crosses them) and agree at each round.
+MODE "overlap": the same with ``overlap=True`` (each round lands at the next, each rank's model
+its result plus the progress since the launch; the reference likewise); after ``flush()`` the
+nodes agree.
 MODE "bad-input": a model sharded over the whole mesh, a sharded model without mesh= and a
 mesh of the wrong shape are each refused with a ValueError naming ``mesh``, on every rank.
 """
@@ -52,13 +55,22 @@ def sharded(model, over):
     return model
 
 
-def reference_rounds():
-    """The whole model's parameters after each round, by the plain-torch DiLoCo (module doc)."""
+def reference_rounds(overlap=False):
+    """The whole model's parameters after each round, by the plain-torch DiLoCo (module doc);
+    ``overlap``: each round's average applied at the next round's start."""
     model = make_model()
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     start = [p.detach().clone() for p in model.parameters()]
     outer = torch.optim.SGD(start, lr=0.7, momentum=0.9, nesterov=True)
-    after = []
+    params, after, pending = list(model.parameters()), [], None
+
+    def land(average, launched):
+        for s, a in zip(start, average):
+            s.grad = a
+        outer.step()
+        for s, p, then in zip(start, params, launched or start):
+            p.copy_(s if launched is None else s + (p - then))
+
     for i in range(H * ROUNDS):
         x, y = DATA[i]
         opt.zero_grad()
@@ -69,13 +81,13 @@ def reference_rounds():
         opt.step()
         if (i + 1) % H == 0:
             with torch.no_grad():
-                for s, p in zip(start, model.parameters()):
-                    delta = s - p
-                    dist.all_reduce(delta, group=EVERY)  # a node's two ranks hold the same: the mean over nodes
-                    s.grad = delta / size
-                outer.step()
-                for s, p in zip(start, model.parameters()):
-                    p.copy_(s)
+                if pending is not None:
+                    land(*pending)
+                average = [s - p for s, p in zip(start, params)]
+                for a in average:
+                    dist.all_reduce(a, group=EVERY)  # a node's two ranks hold the same: the mean over nodes
+                    a /= size
+                pending = (average, [p.detach().clone() for p in params]) if overlap else land(average, None)
             after.append([p.detach().clone() for p in model.parameters()])
     return after
 
@@ -92,12 +104,13 @@ def node_agrees(tensors) -> bool:
     return all(torch.equal(g, gathered[0]) for g in gathered)
 
 
-if mode == "lossless":
-    expected = reference_rounds()
+if mode in ("lossless", "overlap"):
+    overlap = mode == "overlap"
+    expected = reference_rounds(overlap)
     model = sharded(make_model(), mesh["shard"])
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     compressor = acc.AccordionCompressor(acc.TopK(1.0, min_compression_rate=0.5), policy="static")
-    diloco = acc.DiLoCo(model, opt, compressor, sync_every=H, mesh=mesh)
+    diloco = acc.DiLoCo(model, opt, compressor, sync_every=H, mesh=mesh, overlap=overlap)
     rounds = 0
     for i in range(H * ROUNDS):
         x, y = DATA[i]
@@ -111,7 +124,7 @@ if mode == "lossless":
             for name, a, b in zip(("0.weight", "0.bias", "2.weight", "2.bias"), got, expected[rounds]):
                 check(torch.allclose(a, b, rtol=1e-5, atol=1e-6),
                       f"round {rounds}: {name} differs from the reference by {float((a - b).abs().max()):.3g}")
-            check(node_agrees(got), f"round {rounds}: the ranks disagree after the round")
+            check(overlap or node_agrees(got), f"round {rounds}: the ranks disagree after the round")
             rounds += 1
     check(rounds == ROUNDS, f"{rounds} rounds, expected {ROUNDS}")
     shard_floats = sum(p.to_local().numel() for p in model.parameters())
@@ -121,7 +134,10 @@ if mode == "lossless":
     check(layers["0.weight"]["level"] != "dense", f"0.weight was not compressed: {layers['0.weight']}")
     with diloco.synced():  # the last round's model, on the shards
         check(node_agrees(whole(model)), "synced() differs across ranks")
-    say(f"rank {rank}: OK lossless")
+    if overlap:
+        diloco.flush()
+        check(node_agrees(whole(model)), "the ranks disagree after flush()")
+    say(f"rank {rank}: OK {mode}")
 
 elif mode == "bad-input":
     def refused(make, what):
