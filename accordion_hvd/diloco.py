@@ -64,21 +64,19 @@ all), so every node's ranks synchronise at the same inner step.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import logging
-import numbers
 import time
 
-import numpy as np
 import torch
 from torch.distributed.tensor import DTensor
 
 from .comm.channel import collective_timeout
 from .buffered_step import BufferedStep
 from .comm.control import new_control_plane
-from .comm.mesh import check_mesh, column_channel
+from .comm.mesh import column_channel
 from .comm.process_group import new_channel
 from .compressor import Compressor
+from .diloco_checks import agree_start, check_arguments, check_sharding
 from .diloco_window import WindowStatistic
 from .policies import SyncInterval
 
@@ -111,7 +109,7 @@ class DiLoCo:
                  timeout: float | None = None) -> None:
         from torch.nn.parallel import DistributedDataParallel
 
-        _check_arguments(sync_every, outer_lr, outer_momentum, overlap)
+        check_arguments(sync_every, outer_lr, outer_momentum, overlap)
         self.policy = (SyncInterval() if sync_every == "auto" else sync_every
                        if isinstance(sync_every, SyncInterval) else None)
         if isinstance(model, DistributedDataParallel):
@@ -120,7 +118,7 @@ class DiLoCo:
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
         self.params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-        self.mesh = _check_sharding(self.params, mesh)
+        self.mesh = check_sharding(self.params, mesh)
         self.local = [local_tensor(p) for _, p in self.params]  # this rank's shard of each (FSDP2), or itself
         self.named_local = [(name, local) for (name, _), local in zip(self.params, self.local)]
         optimized = {id(p) for group in inner_optimizer.param_groups for p in group["params"]}
@@ -143,7 +141,7 @@ class DiLoCo:
         self.size = self._bind(model, inner_optimizer, collective_timeout(timeout))  # ranks of the control plane
         self.control = self.compressor.engine.control
         self.round = BufferedStep(self.compressor.engine, "acc.diloco")  # one round: one step of it
-        self._agree_start()
+        agree_start(self.params, self.local, self.mesh, self.control)
         # The start-of-round parameters, in float32: what the outer optimizer updates.
         self.start = [p.detach().clone().float() for p in self.local]
         self.outer = torch.optim.SGD(self.start, lr=self.outer_lr, momentum=self.outer_momentum, nesterov=self.nesterov)
@@ -268,24 +266,6 @@ class DiLoCo:
             for local, start, then in zip(self.local, self.start, launched):
                 local.copy_(start + (local.float() - then.float()))
 
-    def _agree_start(self) -> None:
-        """Every rank starts from the same parameters (under HSDP: every rank of a column from
-        the same shard), or every rank refuses: a digest of them in this column's row of a
-        table, reduced by max and by min on the control plane (a row's two equal only if every
-        rank of the column has the same digest)."""
-        digest = hashlib.sha256()
-        for (name, _), local in zip(self.params, self.local):
-            digest.update(name.encode())
-            digest.update(local.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
-        columns, column = (1, 0) if self.mesh is None else (self.mesh.size(1), self.mesh.get_local_rank("shard"))
-        high, low = np.full((columns, 32), -1.0), np.full((columns, 32), 256.0)  # bytes are 0-255: neutral
-        high[column] = low[column] = np.frombuffer(digest.digest(), dtype=np.uint8)
-        high = self.control.allreduce(high.reshape(-1), "acc.diloco.start.max", op="max")
-        low = self.control.allreduce(low.reshape(-1), "acc.diloco.start.min", op="min")
-        if not np.array_equal(high, low):
-            raise ValueError("DiLoCo: the model's parameters differ across ranks at the start; start every rank from "
-                             "the same model (seed it alike, or broadcast rank 0's parameters first)")
-
     # --- state --------------------------------------------------------------------------------
     def state_dict(self) -> dict:
         """What resumes the outer loop bit for bit on the same world: the start-of-round
@@ -359,25 +339,6 @@ def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
-def _check_sharding(params: list[tuple], mesh):
-    """``mesh`` checked against the model: a plain model takes none; a model FSDP2 sharded
-    takes the ("replicate", "shard") mesh it was sharded over the ``shard`` dimension of.
-    Returns the mesh."""
-    meshes = {id(p.device_mesh): p.device_mesh for _, p in params if isinstance(p, DTensor)}
-    if mesh is None:
-        if meshes:
-            raise ValueError("mesh: the model's parameters are sharded (FSDP2): pass mesh=, the (\"replicate\", "
-                             "\"shard\") DeviceMesh whose shard dimension the model was sharded over")
-        return None
-    check_mesh(mesh)
-    shard = mesh["shard"]
-    if any(m.ndim != 1 or m.mesh.tolist() != shard.mesh.tolist() for m in meshes.values()):
-        raise ValueError("mesh: the model must be sharded over mesh[\"shard\"] alone (fully_shard(module, "
-                         "mesh=mesh[\"shard\"])): sharded over the whole mesh, FSDP would average across the nodes "
-                         "every step, where DiLoCo synchronises them every sync_every steps")
-    return mesh
-
-
 def _horovod_size() -> int | None:
     """Horovod's world size, if Horovod is initialized in this process."""
     try:
@@ -385,20 +346,6 @@ def _horovod_size() -> int | None:
     except ImportError:
         return None
     return hvd.size() if hvd.is_initialized() else None
-
-
-def _check_arguments(sync_every, outer_lr, outer_momentum, overlap) -> None:
-    if not (sync_every == "auto" or isinstance(sync_every, SyncInterval)) and (
-            isinstance(sync_every, bool) or not isinstance(sync_every, numbers.Integral) or sync_every < 1):
-        raise ValueError(f"sync_every must be a positive integer (inner steps per round), \"auto\" or an "
-                         f"acc.SyncInterval, got {sync_every!r}")
-    if isinstance(outer_lr, bool) or not isinstance(outer_lr, numbers.Real) or not outer_lr > 0:
-        raise ValueError(f"outer_lr must be a positive number, got {outer_lr!r}")
-    if isinstance(outer_momentum, bool) or not isinstance(outer_momentum, numbers.Real) \
-            or not 0 <= outer_momentum < 1:
-        raise ValueError(f"outer_momentum must be a number in [0, 1), got {outer_momentum!r}")
-    if not isinstance(overlap, bool):
-        raise TypeError(f"overlap must be True or False, got {overlap!r}")
 
 
 __all__ = ["DiLoCo"]

@@ -58,7 +58,9 @@ PAIRS = [("ours-r1", "ddp-r1"), ("ours-r4", "ddp-r4"), ("ours-accordion", "ddp-r
          # the same, against DDP's hook on a Gloo group per bucket (step_worker: ddp-pg-*)
          ("ours-r1", "ddp-pg-r1"), ("ours-r4", "ddp-pg-r4"), ("ours-accordion", "ddp-pg-r4"),
          ("ddp-ours-r1", "ddp-pg-r1"), ("ddp-ours-r4", "ddp-pg-r4"), ("ddp-ours-accordion", "ddp-pg-r4"),
-         ("ddp-pg-r1", "ddp-r1"), ("ddp-pg-r4", "ddp-r4")]
+         ("ddp-pg-r1", "ddp-r1"), ("ddp-pg-r4", "ddp-r4"),
+         # acc.DiLoCo's rounds overlapped with the next round's inner steps, against waiting for each
+         *((f"diloco-ours-overlap-h{h}", f"diloco-ours-h{h}") for h in (16, 64, 256))]
 
 
 # Horovod's own methods run at Horovod's default cycle (1 ms): importing accordion_hvd would

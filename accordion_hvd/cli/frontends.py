@@ -4,8 +4,9 @@ loop (cli/train.py) sees only this face: ``name``, ``label`` (for the log), ``ra
 ``local_rank``, ``wrap`` (the model and optimizer with the compression on), ``step`` (apply the
 averaged gradients unless the compression skipped the step), ``sum`` (a small reduction for the
 evaluation), ``close``; and, for the periodic ones (cli/periodic.py, ``--sync``), what they
-change: ``evaluating()`` (the model every rank evaluates), ``record()`` (steps.csv's extra
-columns), ``sync_state()``/``load_sync_state()`` (their part of a checkpoint), ``resumed()``."""
+change: ``evaluating()`` (the model every rank evaluates), ``settle()`` (nothing left in
+flight), ``record()`` (steps.csv's extra columns), ``sync_state()``/``load_sync_state()``
+(their part of a checkpoint), ``resumed()``."""
 
 from __future__ import annotations
 
@@ -28,6 +29,10 @@ class FrontEnd:
     def evaluating(self):
         """A context in which the model is the one every rank evaluates (here: as it is)."""
         return contextlib.nullcontext()
+
+    def settle(self) -> None:
+        """Finish what is in flight between steps, on every rank (DiLoCo --overlap: the round
+        in flight lands), before the compressor's epoch_end(). Here: nothing is."""
 
     def record(self) -> dict:
         """Extra columns of this step's steps.csv row."""

@@ -70,8 +70,11 @@ class DiLoCoFrontEnd(DDPFrontEnd):
         self.periodic.step()
 
     def evaluating(self):
-        self.periodic.flush()  # --overlap: the round in flight lands (every rank evaluates)
+        self.settle()
         return self.periodic.synced()
+
+    def settle(self) -> None:
+        self.periodic.flush()  # --overlap: the round in flight lands (every rank calls this)
 
     def record(self) -> dict:
         return {"sync_interval": self.periodic.interval, "syncs": self.periodic.syncs}
@@ -111,8 +114,11 @@ class HSDPDiLoCoFrontEnd(FSDPFrontEnd):
         self.periodic.step()
 
     def evaluating(self):
-        self.periodic.flush()  # --overlap: the round in flight lands (every rank evaluates)
+        self.settle()
         return self.periodic.synced()
+
+    def settle(self) -> None:
+        self.periodic.flush()  # --overlap: the round in flight lands (every rank calls this)
 
     def record(self) -> dict:
         return {"sync_interval": self.periodic.interval, "syncs": self.periodic.syncs}

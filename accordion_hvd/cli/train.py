@@ -277,6 +277,7 @@ def end_epoch(run: Run, epoch: int, loss: torch.Tensor, bar) -> float:
     # the controller ignores epoch_end() and warns, on every rank, as it must for a user who
     # calls it by mistake; the CLI chose the windows itself, so it has nothing to say.
     if run.args.interval == 0:
+        run.front.settle()  # (DiLoCo --overlap: the compressor's step in flight, the round, lands first)
         run.compression.epoch_end()
         if run.batch is not None:
             run.batch.epoch_end()

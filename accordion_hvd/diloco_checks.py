@@ -1,0 +1,67 @@
+"""What ``acc.DiLoCo`` (diloco.py) checks before it trusts its arguments: their values, the
+model's sharding against ``mesh``, and that every rank starts from the same parameters. Each
+refusal names the argument, the same on every rank."""
+
+from __future__ import annotations
+
+import hashlib
+import numbers
+
+import numpy as np
+import torch
+from torch.distributed.tensor import DTensor
+
+from .comm.mesh import check_mesh
+from .policies import SyncInterval
+
+
+def check_arguments(sync_every, outer_lr, outer_momentum, overlap) -> None:
+    if not (sync_every == "auto" or isinstance(sync_every, SyncInterval)) and (
+            isinstance(sync_every, bool) or not isinstance(sync_every, numbers.Integral) or sync_every < 1):
+        raise ValueError(f"sync_every must be a positive integer (inner steps per round), \"auto\" or an "
+                         f"acc.SyncInterval, got {sync_every!r}")
+    if isinstance(outer_lr, bool) or not isinstance(outer_lr, numbers.Real) or not outer_lr > 0:
+        raise ValueError(f"outer_lr must be a positive number, got {outer_lr!r}")
+    if isinstance(outer_momentum, bool) or not isinstance(outer_momentum, numbers.Real) \
+            or not 0 <= outer_momentum < 1:
+        raise ValueError(f"outer_momentum must be a number in [0, 1), got {outer_momentum!r}")
+    if not isinstance(overlap, bool):
+        raise TypeError(f"overlap must be True or False, got {overlap!r}")
+
+
+def check_sharding(params: list[tuple], mesh):
+    """``mesh`` checked against the model: a plain model takes none; a model FSDP2 sharded
+    takes the ("replicate", "shard") mesh it was sharded over the ``shard`` dimension of.
+    Returns the mesh."""
+    meshes = {id(p.device_mesh): p.device_mesh for _, p in params if isinstance(p, DTensor)}
+    if mesh is None:
+        if meshes:
+            raise ValueError("mesh: the model's parameters are sharded (FSDP2): pass mesh=, the (\"replicate\", "
+                             "\"shard\") DeviceMesh whose shard dimension the model was sharded over")
+        return None
+    check_mesh(mesh)
+    shard = mesh["shard"]
+    if any(m.ndim != 1 or m.mesh.tolist() != shard.mesh.tolist() for m in meshes.values()):
+        raise ValueError("mesh: the model must be sharded over mesh[\"shard\"] alone (fully_shard(module, "
+                         "mesh=mesh[\"shard\"])): sharded over the whole mesh, FSDP would average across the nodes "
+                         "every step, where DiLoCo synchronises them every sync_every steps")
+    return mesh
+
+
+def agree_start(params: list[tuple], shards: list[torch.Tensor], mesh, control) -> None:
+    """Every rank starts from the same parameters (under HSDP: every rank of a column from
+    the same shard), or every rank refuses: a digest of them in this column's row of a
+    table, reduced by max and by min on the control plane (a row's two equal only if every
+    rank of the column has the same digest)."""
+    digest = hashlib.sha256()
+    for (name, _), local in zip(params, shards):
+        digest.update(name.encode())
+        digest.update(local.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+    columns, column = (1, 0) if mesh is None else (mesh.size(1), mesh.get_local_rank("shard"))
+    high, low = np.full((columns, 32), -1.0), np.full((columns, 32), 256.0)  # bytes are 0-255: neutral
+    high[column] = low[column] = np.frombuffer(digest.digest(), dtype=np.uint8)
+    high = control.allreduce(high.reshape(-1), "acc.diloco.start.max", op="max")
+    low = control.allreduce(low.reshape(-1), "acc.diloco.start.min", op="min")
+    if not np.array_equal(high, low):
+        raise ValueError("DiLoCo: the model's parameters differ across ranks at the start; start every rank from "
+                         "the same model (seed it alike, or broadcast rank 0's parameters first)")
