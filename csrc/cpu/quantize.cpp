@@ -22,20 +22,13 @@
 #include <limits>
 
 #include "cpu/kernels.h"
+#include "cpu/quantize_chunk.h"
 #include "ops.h"
 
 namespace accordion {
 namespace {
 
 constexpr int64_t kGrain = 16;  // chunks per parallel task (512 entries each by default)
-
-// Round half to even of |x| < 2^22 in float arithmetic: adding 1.5 * 2^23 rounds x to an
-// integer by the addition's own nearest-even rounding, and subtracting it is exact. Unlike
-// nearbyint (a libm call), the loop around it vectorizes. Here |g / s| <= qmax.
-inline float round_half_even(float x) {
-  constexpr float kMagic = 12582912.0f;  // 1.5 * 2^23 (IEEE arithmetic: built without -ffast-math)
-  return (x + kMagic) - kMagic;
-}
 
 template <typename G, typename Q>
 void quantize_chunks(const G* grad, float* e, int64_t n, int64_t chunk, float qmax, bool add, float* scales, Q* q) {
@@ -52,12 +45,8 @@ void quantize_chunks(const G* grad, float* e, int64_t n, int64_t chunk, float qm
         nan |= std::isnan(a);
         amax = a > amax ? a : amax;
       }
-      const float s = nan ? std::numeric_limits<float>::quiet_NaN() : amax / qmax;
-      const float safe = s > 0.f ? s : 1.f;  // as torch.where(s > 0, s, 1): a NaN scale divides by 1
-      for (int64_t i = lo; i < hi; ++i) {
-        const float x = std::min(std::max(round_half_even(e[i] / safe), -qmax), qmax);
-        q[i] = static_cast<Q>(x);
-      }
+      const float s = cpu::chunk_scale(amax, nan, qmax);
+      cpu::round_chunk(e + lo, hi - lo, s, qmax, q + lo);
       scales[c] = add ? s : std::numeric_limits<float>::quiet_NaN();  // a non-finite gradient: NaN scales
     }
   });

@@ -5,8 +5,8 @@
 // quantize_chunks_ef: pass 1, parallel over chunks: e += grad and the chunk's energy (its g
 // is in cache for the tree). Then on one thread: the chunks ordered by energy (stable, largest
 // first), the running sum in that order (float64, in quantize_chunks.h's order) for k_next, the first
-// k indices sorted ascending. Pass 2, parallel over the k chosen chunks: scale and round, as
-// quantize.cpp does (s = max|g| / qmax, half to even, clamped). Chunks not chosen are not
+// k indices sorted ascending. Pass 2, parallel over the k chosen chunks: scale and round, with
+// quantize.cpp's arithmetic (cpu/quantize_chunk.h). Chunks not chosen are not
 // read again: on a step that sends few chunks of a large embedding, that is most of it.
 //
 // quantize_chunks_average: one pass over the output, parallel over chunks: each chunk the sum of
@@ -27,17 +27,13 @@
 #include <vector>
 
 #include "cpu/kernels.h"
+#include "cpu/quantize_chunk.h"
 #include "quantize_chunks.h"
 
 namespace accordion {
 namespace {
 
 constexpr int64_t kGrain = 16;  // chunks per parallel task
-
-inline float round_half_even(float x) {  // as in quantize.cpp: |x| <= qmax < 2^22
-  constexpr float kMagic = 12582912.0f;
-  return (x + kMagic) - kMagic;
-}
 
 // The energy of one chunk's g[0, len): quantize_chunks.h's tree over p >= len entries.
 inline double tree_energy(const float* g, int64_t len, int64_t p, double* buf) {
@@ -95,18 +91,9 @@ void quantize_chosen(const float* e, int64_t n, int64_t chunk, int64_t k, const 
   at::parallel_for(0, k, kGrain, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       const int64_t lo = static_cast<int64_t>(indices[i]) * chunk, len = std::min(n, lo + chunk) - lo;
-      const float* g = e + lo;
-      float amax = 0.f;
-      bool nan = false;
-      for (int64_t j = 0; j < len; ++j) {
-        const float a = std::abs(g[j]);
-        nan |= std::isnan(a);
-        amax = a > amax ? a : amax;
-      }
-      const float s = nan ? std::numeric_limits<float>::quiet_NaN() : amax / qmax;
-      const float safe = s > 0.f ? s : 1.f;
+      const float s = cpu::chunk_scale(e + lo, len, qmax);
       Q* out = q + i * chunk;
-      for (int64_t j = 0; j < len; ++j) out[j] = static_cast<Q>(std::min(std::max(round_half_even(g[j] / safe), -qmax), qmax));
+      cpu::round_chunk(e + lo, len, s, qmax, out);
       for (int64_t j = len; j < chunk; ++j) out[j] = 0;  // the last chunk's zero padding
       scales[i] = add ? s : std::numeric_limits<float>::quiet_NaN();  // a non-finite gradient: NaN scales
     }
