@@ -34,6 +34,10 @@ summed on the device (no host sync), and the wall times of its inner steps and r
 reduced once per window on the control plane, so every rank chooses the same interval. A round at interval 1
 is the per-step path: the plain average of the ranks' models (an outer step of lr 1, no
 momentum: the outer momentum, a memory of long rounds' pseudo-gradients, is left as it is).
+With ``reset_momentum=True`` that memory is dropped (zeroed) whenever a critical window lowers
+the interval: after a learning-rate decay it holds long rounds' pseudo-gradients taken at the
+old rate, and the first outer steps after the floor would apply them to a model that has
+moved on (evidence-v3's ``diloco-auto``, without it, lost 5-6 points of perplexity there).
 
 **Overlap** (``overlap=True``, Streaming DiLoCo's overlapping of communication, Douillard et
 al. 2025, here one whole round late): a round of more than one inner step is launched and
@@ -100,16 +104,18 @@ class DiLoCo:
             model was sharded over (module doc); None for a plain model.
         overlap: launch each round of more than one inner step without waiting for it; it
             lands at the next round's start (module doc).
+        reset_momentum: with an interval policy, zero the outer momentum when a critical
+            window lowers the interval (module doc). Off by default: not measured yet.
         timeout: seconds a collective may take; default $ACCORDION_COLLECTIVE_TIMEOUT, else 300.
     """
 
     def __init__(self, model: torch.nn.Module, inner_optimizer: torch.optim.Optimizer,
                  compressor: Compressor | None = None, *, sync_every: int | str | SyncInterval = "auto", outer_lr: float = 0.7,
                  outer_momentum: float = 0.9, nesterov: bool = True, mesh=None, overlap: bool = False,
-                 timeout: float | None = None) -> None:
+                 reset_momentum: bool = False, timeout: float | None = None) -> None:
         from torch.nn.parallel import DistributedDataParallel
 
-        check_arguments(sync_every, outer_lr, outer_momentum, overlap)
+        check_arguments(sync_every, outer_lr, outer_momentum, overlap, reset_momentum)
         self.policy = (SyncInterval() if sync_every == "auto" else sync_every
                        if isinstance(sync_every, SyncInterval) else None)
         if isinstance(model, DistributedDataParallel):
@@ -130,14 +136,15 @@ class DiLoCo:
             raise TypeError(f"compressor must be an acc.AccordionCompressor, got {type(self.compressor).__name__}")
         self.outer_lr, self.outer_momentum = float(outer_lr), float(outer_momentum)
         self.nesterov = bool(nesterov) and self.outer_momentum > 0
-        self.overlap = overlap
+        self.overlap, self.reset_momentum = overlap, reset_momentum
         self.interval = self.policy.interval if self.policy is not None else int(sync_every)  # inner steps per round now
         self.inner = inner_optimizer
         # compared across ranks with the compressor's settings, at the first round
         self.compressor.engine.front_end = {
             "diloco_sync_every": repr(self.policy) if self.policy is not None else self.interval,
             "diloco_outer_lr": self.outer_lr, "diloco_outer_momentum": self.outer_momentum,
-            "diloco_nesterov": self.nesterov, "diloco_overlap": self.overlap}
+            "diloco_nesterov": self.nesterov, "diloco_overlap": self.overlap,
+            "diloco_reset_momentum": self.reset_momentum}
         self.size = self._bind(model, inner_optimizer, collective_timeout(timeout))  # ranks of the control plane
         self.control = self.compressor.engine.control
         self.round = BufferedStep(self.compressor.engine, "acc.diloco")  # one round: one step of it
@@ -199,6 +206,8 @@ class DiLoCo:
             if self.interval != before:
                 log.info("DiLoCo: from inner step %d, a round every %d inner step%s (was %d)", self.inner_steps,
                          self.interval, "" if self.interval == 1 else "s", before)
+            if self.reset_momentum and self.interval < before:  # a critical window: the memory is stale
+                self.outer.state.clear()
         if self.window is not None:
             self.window.step_ended()
         return due

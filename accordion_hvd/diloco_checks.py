@@ -15,7 +15,7 @@ from .comm.mesh import check_mesh
 from .policies import SyncInterval
 
 
-def check_arguments(sync_every, outer_lr, outer_momentum, overlap) -> None:
+def check_arguments(sync_every, outer_lr, outer_momentum, overlap, reset_momentum=False) -> None:
     if not (sync_every == "auto" or isinstance(sync_every, SyncInterval)) and (
             isinstance(sync_every, bool) or not isinstance(sync_every, numbers.Integral) or sync_every < 1):
         raise ValueError(f"sync_every must be a positive integer (inner steps per round), \"auto\" or an "
@@ -27,6 +27,11 @@ def check_arguments(sync_every, outer_lr, outer_momentum, overlap) -> None:
         raise ValueError(f"outer_momentum must be a number in [0, 1), got {outer_momentum!r}")
     if not isinstance(overlap, bool):
         raise TypeError(f"overlap must be True or False, got {overlap!r}")
+    if not isinstance(reset_momentum, bool):
+        raise TypeError(f"reset_momentum must be True or False, got {reset_momentum!r}")
+    if reset_momentum and not (sync_every == "auto" or isinstance(sync_every, SyncInterval)):
+        raise ValueError(f"reset_momentum needs an interval policy (sync_every=\"auto\" or an acc.SyncInterval): "
+                         f"at a fixed sync_every={sync_every!r} the interval never falls")
 
 
 def check_sharding(params: list[tuple], mesh):

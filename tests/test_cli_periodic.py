@@ -67,7 +67,12 @@ def test_diloco_overlapped_trains_counts_its_rounds_and_resumes_bit_for_bit(tmp_
     out = cli(*args, "--checkpoint", str(whole), "--keep-checkpoints", "--logdir", str(tmp_path / "log"))
     assert "DiLoCo (sync_every=8, our compression, overlapped)" in out and "final test accuracy" in out, out
     assert float(out.split("final test accuracy: ")[1].split()[0]) > 0.3, out  # 44 steps; chance is 0.1
-    assert int(rows(tmp_path / "log")[-1]["syncs"]) == 2 * STEPS // 8
+    last = rows(tmp_path / "log")[-1]
+    assert int(last["syncs"]) == 2 * STEPS // 8
+    assert 0 < int(last["bytes_sent"]) < 2 * int(last["floats_dense"])  # fewer bytes than 16-bit dense every step
+    first, second = STEPS // 8, 2 * STEPS // 8 - STEPS // 8  # the rounds of each epoch, in its log line
+    assert f"epoch 1/2  {first} rounds ({first} in all), now every 8 inner steps" in out, out
+    assert f"epoch 2/2  {second} rounds ({first + second} in all)" in out, out
     out = cli(*args, "--resume", str(half), "--checkpoint", str(resumed))
     assert "resumed from" in out, out
     for rank in range(2):
@@ -91,6 +96,7 @@ def test_the_periodic_peers_train_and_count_their_rounds(tmp_path, method):
     assert syncs == expected, (syncs, expected)
     floats = int(out.split("training cnn (")[1].split(" parameters")[0].replace(",", ""))
     assert int(steps[-1]["floats_sent"]) == syncs * floats and int(steps[-1]["floats_dense"]) == len(steps) * floats
+    assert int(steps[-1]["bytes_sent"]) == 4 * syncs * floats  # float32 on the wire
 
 
 @pytest.mark.torchrun
@@ -146,6 +152,9 @@ def test_diloco_across_the_nodes_of_fsdp_trains_and_resumes_bit_for_bit(tmp_path
      "--overlap is for --sync diloco, not --sync torch-localsgd"),
     (["--launcher", "ddp", "--sync", "diloco", "--codec", "none", "--sync-every", "4", "--overlap"],
      "--overlap is our DiLoCo's"),
+    (["--launcher", "ddp", "--sync", "diloco", "--sync-every", "8", "--reset-momentum"],
+     "--reset-momentum is for --sync-every auto"),
+    (["--launcher", "ddp", "--reset-momentum"], "--reset-momentum is for --sync diloco"),
 ])
 def test_periodic_flags_are_refused_where_they_do_not_apply(argv, message, capsys):
     with pytest.raises(SystemExit):

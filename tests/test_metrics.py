@@ -177,6 +177,23 @@ def test_regimes_readable_with_many_layers_and_steps(tmp_path):
     assert image.shape[0] >= 0.26 * 20 * plots.DPI  # a row of pixels per layer label at least
 
 
+def test_a_diloco_run_shows_its_interval_under_the_levels(tmp_path):
+    """steps.csv's sync_interval (the periodic front ends' record): a panel under the levels, on
+    the same steps, each step's interval; a run without the column keeps one panel."""
+    intervals = [1] * 128 + [4] * 64 + [16] * 64 + [64] * 128 + [1] * 64
+    rows = [{"step": s, "level/a": "dense" if s < 100 else "normal", "sync_interval": str(k)}
+            for s, k in enumerate(intervals)]
+    fig = plots._regimes_figure(rows, ["a"], "diloco")
+    assert len(fig.axes) == 2
+    (line,) = fig.axes[1].get_lines()
+    assert line.get_xdata().tolist() == list(range(len(intervals))) and line.get_ydata().tolist() == intervals
+    assert [t.get_text() for t in fig.axes[1].get_yticklabels()] == ["1", "4", "16", "64"]
+    fig.savefig(tmp_path / "diloco.png")
+    check_png(tmp_path / "diloco.png")
+    assert len(plots._regimes_figure([{k: v for k, v in r.items() if k != "sync_interval"} for r in rows], ["a"],
+                                     "per step").axes) == 1
+
+
 def test_compare_runs(tmp_path):
     runs = {"static low": write_run(tmp_path / "low", tensorboard=False, scale=1),
             "static high": write_run(tmp_path / "high", tensorboard=False, scale=1000)}

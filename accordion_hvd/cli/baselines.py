@@ -31,6 +31,7 @@ class Uncompressed(HorovodCompressor):
         self.step_skipped = False
         self._floats = 0
         self._dense = 0  # what a dense step each time would have sent (the periodic front ends send less)
+        self._bytes = 0  # on the wire: 2 a float in fp16 and bf16, else the tensor's own (float32: 4)
 
     def __repr__(self) -> str:
         return f"uncompressed ({self.kind})"
@@ -39,11 +40,13 @@ class Uncompressed(HorovodCompressor):
     def name(self) -> str:
         return self.kind
 
-    def count(self, floats: int, dense: int | None = None) -> None:
+    def count(self, floats: int, dense: int | None = None, element_bytes: int = 4) -> None:
         """Floats a front end without a per-gradient call (FSDP, the periodic ones) sent this
-        step; ``dense``: what a dense step would have sent (default: as many)."""
+        step; ``dense``: what a dense step would have sent (default: as many); ``element_bytes``:
+        a float's size before this kind's conversion (the CLI's models: float32)."""
         self._floats += floats
         self._dense += floats if dense is None else dense
+        self._bytes += floats * (2 if self.kind in ("fp16", "bf16") else element_bytes)
 
     @property
     def _horovod(self):
@@ -52,7 +55,7 @@ class Uncompressed(HorovodCompressor):
         return hvd.Compression.fp16 if self.kind == "fp16" else hvd.Compression.none
 
     def compress(self, tensor: torch.Tensor):  # Horovod's DistributedOptimizer calls these two
-        self.count(tensor.numel())
+        self.count(tensor.numel(), element_bytes=tensor.element_size())
         return self._horovod.compress(tensor)
 
     def decompress(self, tensor: torch.Tensor, ctx):
@@ -65,18 +68,19 @@ class Uncompressed(HorovodCompressor):
         inner = default_hooks.fp16_compress_hook if self.kind == "fp16" else default_hooks.allreduce_hook
 
         def hook(state, bucket):
-            self.count(bucket.buffer().numel())
+            self.count(bucket.buffer().numel(), element_bytes=bucket.buffer().element_size())
             return inner(state, bucket)
         return hook
 
     def stats(self) -> dict:
-        return {"floats_sent": self._floats, "floats_dense": self._dense, "layers": {}}
+        return {"floats_sent": self._floats, "floats_dense": self._dense, "bytes_sent": self._bytes, "layers": {}}
 
     def epoch_end(self) -> None:
         pass
 
     def state_dict(self) -> dict:
-        return {"format": _STATE_FORMAT, "kind": self.kind, "floats": self._floats, "dense": self._dense}
+        return {"format": _STATE_FORMAT, "kind": self.kind, "floats": self._floats, "dense": self._dense,
+                "bytes": self._bytes}
 
     def load_state_dict(self, state: dict, error_feedback: bool = True) -> None:  # none to keep
         if not isinstance(state, dict) or state.get("format") != _STATE_FORMAT or state.get("kind") != self.kind:
@@ -84,3 +88,4 @@ class Uncompressed(HorovodCompressor):
             raise ValueError(f"the checkpoint's compression is {found!r}, this run's is uncompressed {self.kind!r}")
         self._floats = int(state["floats"])
         self._dense = int(state.get("dense", self._floats))  # (checkpoints from before it: as many)
+        self._bytes = int(state.get("bytes", self._floats * (2 if self.kind in ("fp16", "bf16") else 4)))

@@ -16,9 +16,10 @@ def make_front_end(args, device_type: str, ours: bool = False):
     if args.sync != "every-step":  # under torchrun (options.py refuses other launchers)
         if args.sync == "diloco" and args.launcher == "fsdp":
             return HSDPDiLoCoFrontEnd(device_type, args.nodes, args.reduce_dtype, args.sync_every, args.outer_lr,
-                                      args.outer_momentum, args.overlap)
+                                      args.outer_momentum, args.overlap, args.reset_momentum)
         if args.sync == "diloco":
-            return DiLoCoFrontEnd(device_type, args.sync_every, args.outer_lr, args.outer_momentum, args.overlap)
+            return DiLoCoFrontEnd(device_type, args.sync_every, args.outer_lr, args.outer_momentum, args.overlap,
+                                  args.reset_momentum)
         return TorchLocalSGDFrontEnd(device_type, args.sync_every, args.localsgd_warmup)
     if args.launcher == "fsdp":
         return FSDPFrontEnd(device_type, args.nodes, args.reduce_dtype)

@@ -76,14 +76,15 @@ def _interval(text: str):
 
 def _check_sync(p, args) -> None:
     """--sync and its flags: refused where they do not apply, defaults resolved."""
-    periodic = ("sync_every", "outer_lr", "outer_momentum", "overlap", "localsgd_warmup")
-    defaults = {"sync_every": None, "outer_lr": 0.7, "outer_momentum": 0.9, "overlap": False, "localsgd_warmup": 100}
-    own = {"diloco": ("sync_every", "outer_lr", "outer_momentum", "overlap"),
+    periodic = ("sync_every", "outer_lr", "outer_momentum", "overlap", "reset_momentum", "localsgd_warmup")
+    defaults = {"sync_every": None, "outer_lr": 0.7, "outer_momentum": 0.9, "overlap": False, "reset_momentum": False,
+                "localsgd_warmup": 100}
+    own = {"diloco": ("sync_every", "outer_lr", "outer_momentum", "overlap", "reset_momentum"),
            "torch-localsgd": ("sync_every", "localsgd_warmup")}
     given = [n for n in periodic if getattr(args, n) != defaults[n] and n not in own.get(args.sync, ())]
     if given:
         whose = {"sync_every": "diloco or torch-localsgd", "outer_lr": "diloco", "outer_momentum": "diloco",
-                 "overlap": "diloco", "localsgd_warmup": "torch-localsgd"}
+                 "overlap": "diloco", "reset_momentum": "diloco", "localsgd_warmup": "torch-localsgd"}
         p.error(f"--{given[0].replace('_', '-')} is for --sync {whose[given[0]]}"
                 f"{'' if args.sync == 'every-step' else f', not --sync {args.sync}'}")
     if args.sync == "every-step":
@@ -110,6 +111,9 @@ def _check_sync(p, args) -> None:
     if args.codec == "none" and args.overlap:
         p.error("--overlap is our DiLoCo's (acc.DiLoCo(overlap=True)), with our compression: not with --codec none "
                 "(DiLoCo as published)")
+    if args.reset_momentum and args.sync_every != "auto":
+        p.error(f"--reset-momentum is for --sync-every auto (the interval falls only there), got --sync-every "
+                f"{args.sync_every}")
     if args.codec == "none" and args.sync_every == "auto":
         p.error("--sync-every auto is our interval policy, with our compression: with --codec none (DiLoCo as "
                 "published) give --sync-every N")
@@ -167,6 +171,9 @@ def parse_args(argv=None, description: str | None = None) -> argparse.Namespace:
     p.add_argument("--overlap", action="store_true",
                    help="--sync diloco (ours): overlap each round of more than one inner step with the next round's "
                         "inner steps; it lands one round late (acc.DiLoCo(overlap=True), Streaming DiLoCo's overlap)")
+    p.add_argument("--reset-momentum", action="store_true",
+                   help="--sync diloco --sync-every auto: zero the outer momentum when a critical window lowers the "
+                        "interval (acc.DiLoCo(reset_momentum=True); not measured yet)")
     p.add_argument("--localsgd-warmup", type=int, default=100,
                    help="--sync torch-localsgd: steps averaged every step before local SGD starts")
     p.add_argument("--codec", choices=CODECS, default="default",

@@ -3,8 +3,8 @@ copy of the model and the copies meet every so many steps, not every step.
 
 - ``--sync diloco`` with our compression (``--codec default`` or one of ours):
   ``acc.DiLoCo(model, opt, compressor, sync_every=--sync-every, outer_lr=--outer-lr,
-  outer_momentum=--outer-momentum, overlap=--overlap)`` (accordion_hvd/diloco.py),
-  ``--sync-every auto`` its interval policy.
+  outer_momentum=--outer-momentum, overlap=--overlap, reset_momentum=--reset-momentum)``
+  (accordion_hvd/diloco.py), ``--sync-every auto`` its interval policy.
 - ``--launcher fsdp --sync diloco`` (ours): each node's ranks shard the model with FSDP2 over
   the mesh's ``shard`` dimension (in step every inner step, inside the node) and the rounds
   cross the nodes (``acc.DiLoCo(..., mesh=mesh)``); its state goes into the
@@ -47,16 +47,18 @@ class DiLoCoFrontEnd(DDPFrontEnd):
     label = "torchrun, DiLoCo"
 
     def __init__(self, device_type: str, sync_every, outer_lr: float, outer_momentum: float,
-                 overlap: bool = False) -> None:
+                 overlap: bool = False, reset_momentum: bool = False) -> None:
         super().__init__(device_type)
-        self.sync_every, self.outer_lr, self.outer_momentum, self.overlap = sync_every, outer_lr, outer_momentum, overlap
+        self.sync_every, self.outer_lr, self.outer_momentum = sync_every, outer_lr, outer_momentum
+        self.overlap, self.reset_momentum = overlap, reset_momentum
         self.periodic = None  # acc.DiLoCo or PlainDiLoCo, once wrapped
 
     def wrap(self, model: torch.nn.Module, opt: torch.optim.Optimizer, compression, device: torch.device):
         broadcast_model(model, self.dist)  # every rank starts from rank 0's model, as DDP would
         if isinstance(compression, Compressor):
             self.periodic = DiLoCo(model, opt, compression, sync_every=self.sync_every, outer_lr=self.outer_lr,
-                                   outer_momentum=self.outer_momentum, overlap=self.overlap)
+                                   outer_momentum=self.outer_momentum, overlap=self.overlap,
+                                   reset_momentum=self.reset_momentum)
             self.label = (f"torchrun, DiLoCo (sync_every={self.sync_every}, our compression"
                           f"{', overlapped' if self.overlap else ''})")
         else:
@@ -94,9 +96,10 @@ class HSDPDiLoCoFrontEnd(FSDPFrontEnd):
     label = "fsdp, DiLoCo"
 
     def __init__(self, device_type: str, nodes: int | None, reduce_dtype: str | None, sync_every, outer_lr: float,
-                 outer_momentum: float, overlap: bool = False) -> None:
+                 outer_momentum: float, overlap: bool = False, reset_momentum: bool = False) -> None:
         super().__init__(device_type, nodes, reduce_dtype)
-        self.sync_every, self.outer_lr, self.outer_momentum, self.overlap = sync_every, outer_lr, outer_momentum, overlap
+        self.sync_every, self.outer_lr, self.outer_momentum = sync_every, outer_lr, outer_momentum
+        self.overlap, self.reset_momentum = overlap, reset_momentum
         self.periodic = None  # acc.DiLoCo, once wrapped
 
     def wrap(self, model: torch.nn.Module, opt: torch.optim.Optimizer, compression, device: torch.device):
@@ -105,7 +108,8 @@ class HSDPDiLoCoFrontEnd(FSDPFrontEnd):
                       f"{', overlapped' if self.overlap else ''})")
         model, opt, mesh = self.shard(model, opt, compression, within_nodes=True)  # (may add ", reduce in bfloat16")
         self.periodic = DiLoCo(model, opt, compression, sync_every=self.sync_every, outer_lr=self.outer_lr,
-                               outer_momentum=self.outer_momentum, mesh=mesh, overlap=self.overlap)
+                               outer_momentum=self.outer_momentum, mesh=mesh, overlap=self.overlap,
+                               reset_momentum=self.reset_momentum)
         self.hook = DiLoCoCheckpoint(self.periodic, opt, f"{self.nodes}x{self.size // self.nodes}", self.rank)
         return model, opt
 

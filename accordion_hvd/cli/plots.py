@@ -4,7 +4,8 @@
     python -m accordion_hvd.cli.plots --compare low=runs/low high=runs/high accordion=runs/acc --out figs
 
 One run: test accuracy against cumulative floats sent and against wall-clock time, and a
-timeline of every layer's compression level. Several runs (the results section: static
+timeline of every layer's compression level (under it, for a DiLoCo run, how many inner steps
+each round took: the interval its policy chose). Several runs (the results section: static
 low, static high and Accordion side by side): one line per run on the accuracy plots.
 
 Figures are drawn on ``matplotlib.figure.Figure`` objects, which render with Agg without
@@ -37,6 +38,7 @@ MISSING_COLOUR = "#FFFFFF"
 # Timeline columns at most: fewer than the axes' pixels, so that drawing drops no column.
 MAX_COLUMNS = 600
 DPI = 120
+INTERVAL_COLUMN = "sync_interval"
 
 
 def _read_csv(path: Path) -> list[dict]:
@@ -131,19 +133,49 @@ def _regime_matrix(rows: list[dict], layers: list[str], max_columns: int):
     return categories, codes
 
 
+def _intervals(rows: list[dict]) -> np.ndarray | None:
+    """DiLoCo's inner steps per round at each logged step (steps.csv's ``sync_interval``, the
+    periodic front ends' record), or None for a run without it."""
+    if not rows or rows[0].get(INTERVAL_COLUMN) in (None, ""):
+        return None
+    return np.array([int(r[INTERVAL_COLUMN]) for r in rows])
+
+
+def _interval_panel(ax, steps: list[int], intervals: np.ndarray) -> None:
+    """How often the ranks met, under the levels (same steps): a step line on a log2 axis."""
+    ax.step(steps, intervals, where="post", color="#333333", linewidth=1.2)
+    ax.set_yscale("log", base=2)
+    rungs = sorted(set(intervals.tolist()))
+    ax.set_yticks(rungs, [str(r) for r in rungs], fontsize=8)
+    ax.minorticks_off()
+    ax.set_ylim(min(rungs) / 1.5, max(rungs) * 1.5)
+    ax.set_ylabel("inner steps\nper round")
+    ax.set_xlabel("training step")
+
+
 def _regimes_figure(rows: list[dict], layers: list[str], title: str, max_columns: int = MAX_COLUMNS) -> Figure:
+    """The level of every layer at every logged step (one row per layer); for a DiLoCo run
+    (steps.csv has ``sync_interval``) the interval in a panel under it, on the same steps."""
     categories, codes = _regime_matrix(rows, layers, max_columns)
     others = iter(OTHER_COLOURS * (1 + len(categories) // len(OTHER_COLOURS)))
     colours = [LEVEL_COLOURS.get(c) or (MISSING_COLOUR if c == "" else next(others)) for c in categories]
     steps = [int(r["step"]) for r in rows]
     n = len(layers)
-    fig = Figure(figsize=(11, max(2.6, 0.26 * n + 1.6)), dpi=DPI, layout="constrained")
-    ax = fig.add_subplot()
+    intervals = _intervals(rows)
+    height = max(2.6, 0.26 * n + 1.6)
+    if intervals is None:
+        fig = Figure(figsize=(11, height), dpi=DPI, layout="constrained")
+        ax = fig.add_subplot()
+    else:
+        fig = Figure(figsize=(11, height + 1.4), dpi=DPI, layout="constrained")
+        ax, below = fig.subplots(2, 1, sharex=True, height_ratios=[height, 1.4])
+        _interval_panel(below, steps, intervals)
     # Columns are taken as evenly spaced from the first logged step to the last.
     ax.imshow(codes, cmap=ListedColormap(colours), vmin=-0.5, vmax=len(categories) - 0.5,
               interpolation="nearest", aspect="auto", extent=(steps[0], steps[-1] + 1, n - 0.5, -0.5))
     ax.set_yticks(range(n), layers, fontsize=8 if n <= 12 else 6)
-    ax.set_xlabel("training step")
+    if intervals is None:
+        ax.set_xlabel("training step")
     ax.set_ylabel("layer")
     block = len(rows) / codes.shape[1]
     ax.set_title(title + (f" (one column = {block:.1f} logged steps, most frequent level)" if block > 1 else ""))

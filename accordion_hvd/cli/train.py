@@ -71,6 +71,7 @@ class Run:
     last_score: float = math.nan  # the last one
     scored: tuple[int, int] = (0, 0)  # (steps, skipped steps) at the last evaluation
     stop: str | None = None      # why the run stops early (diverged, --time-cap), once it must
+    syncs: int = 0               # a periodic front end's rounds by the last epoch's end
 
 
 def run_cli(argv=None) -> None:
@@ -179,6 +180,7 @@ def set_up(args, front) -> Run:
     run = Run(args, front, device, task, model, net, opt, compression, batch, base_lr)
     if args.resume is not None:
         run.epoch, run.step = load_checkpoint(args.resume, front, model, opt, compression, batch, device)
+        run.syncs = front.record().get("syncs", 0)
         log.info("resumed from %s at epoch %d, step %d", args.resume, run.epoch, run.step)
     log.info("training %s (%s parameters) on %s, %s on %s (%s), compression %s, %d train / %d test samples",
              args.model, f"{sum(p.numel() for p in model.parameters()):,}", args.dataset, _count(front.size, "rank"),
@@ -287,6 +289,12 @@ def end_epoch(run: Run, epoch: int, loss: torch.Tensor, bar) -> float:
     bar.set_postfix(loss=f"{loss.item():.3f}", **{metric[:3]: f"{score:.4f}"})
     log.info("epoch %d/%d  loss %.4f  %s %s %.4f", epoch + 1, run.args.epochs, loss.item(),
              "test" if run.task.valid is None else "validation", metric, score)
+    periodic = run.front.record()  # --sync diloco / torch-localsgd: the rounds this epoch
+    if "syncs" in periodic:
+        log.info("epoch %d/%d  %d rounds (%d in all)%s", epoch + 1, run.args.epochs, periodic["syncs"] - run.syncs,
+                 periodic["syncs"], f", now every {periodic['sync_interval']} inner steps"
+                 if "sync_interval" in periodic else "")
+        run.syncs = periodic["syncs"]
     if run.args.checkpoint is not None:
         path = run.args.checkpoint
         kept = [path.with_name(f"{path.name}.epoch{epoch + 1}")] if run.args.keep_checkpoints else []
@@ -321,16 +329,16 @@ def _metrics_logger(args, model):
 
 
 def _log_step(run: Run, epoch: int, loss: torch.Tensor, *, lr: float, **extra) -> dict:
-    """One steps.csv row: cumulative floats, this step's seconds in compression and in
-    communication (waiting on our collectives), every layer's level (for the next step),
-    the learning rate (and, in batch mode, the micro-batches) this step used."""
+    """One steps.csv row: cumulative floats and bytes on the wire, this step's seconds in
+    compression and in communication (waiting on our collectives), every layer's level (for
+    the next step), the learning rate (and, in batch mode, the micro-batches) this step used."""
     stats, now, before = run.compression.stats(), dict(run.compression.seconds), run.seconds_before
     run.metrics.log_step(run.step, epoch=epoch + 1, loss=loss.item(), lr=lr, floats_sent=stats["floats_sent"],
                          floats_dense=stats["floats_dense"],
                          levels={n: layer["level"] for n, layer in stats["layers"].items()},
                          compress_s=now["compress"] - before.get("compress", 0.0),
                          comm_s=now["comm"] - before.get("comm", 0.0), wall_s=time.perf_counter() - run.started,
-                         **extra, **run.front.record())
+                         bytes_sent=stats["bytes_sent"], **extra, **run.front.record())
     return now
 
 

@@ -19,7 +19,8 @@ for bit as the run that saved it.
 MODE "auto": sync_every=acc.SyncInterval((1, 2, 4), eta, overhead=None: no clock) step by step against a plain-torch
 DiLoCo with the same interval rule written out here (gradient norms reduced per window, the
 ladder climbed while calm, the first rung after a learning-rate decay, a round at interval 1
-a plain average): the same intervals and parameters after every step, on every rank; the
+a plain average), without and with reset_momentum (the outer momentum zeroed when the decay's
+window lowers the interval): the same intervals and parameters after every step, on every rank; the
 synced() model is the last round's, the same on every rank, and the local one comes back.
 MODE "bad-input": each bad argument refused with a ValueError/TypeError naming it, on every rank.
 """
@@ -111,8 +112,9 @@ def reference_rounds(outer_lr=0.7, momentum=0.9, nesterov=True):
     return after
 
 
-def reference_auto(steps, decay_at):
-    """Plain DiLoCo with the interval rule of policies/interval.py: (interval, parameters) after each step."""
+def reference_auto(steps, decay_at, reset=False):
+    """Plain DiLoCo with the interval rule of policies/interval.py: (interval, parameters) after
+    each step; ``reset``: the outer momentum zeroed when a window lowers the interval."""
     model = make_model()
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     start = [p.detach().clone() for p in model.parameters()]
@@ -145,7 +147,10 @@ def reference_auto(steps, decay_at):
             sum_(window)
             norm = math.sqrt(window[0].item() / size)
             critical = window[1].item() > 0 or prev is None or prev == 0 or abs(prev - norm) / prev >= CALM
-            interval = LADDER[0] if critical else LADDER[min(LADDER.index(interval) + 1, len(LADDER) - 1)]
+            before, interval = interval, LADDER[0] if critical else LADDER[min(LADDER.index(interval) + 1, len(LADDER) - 1)]
+            if reset and interval < before:
+                for s in start:
+                    outer.state[s]["momentum_buffer"].zero_()
             prev, sum_sq, seen, decreased = norm, 0.0, 0, False
         out.append((interval, flat(model).clone()))
     return out
@@ -248,38 +253,42 @@ elif mode == "resume":
     say(f"rank {rank}: OK resume")
 elif mode == "auto":
     STEPS, DECAY = 40, 26
-    expected = reference_auto(STEPS, DECAY)
-    intervals = [interval for interval, _ in expected]
-    # the rule exercised: 1 at the start, up the ladder while calm, 1 again after the decay
-    # (each the interval after that step's decision; windows of 4 steps, the decay in the 7th)
-    check(intervals[:7] == [1] * 7 and intervals[7:11] == [2] * 4 and intervals[11:27] == [4] * 16
-          and intervals[27:31] == [1] * 4 and intervals[31] == 2, f"the reference's intervals {intervals}")
-    model = make_model()
-    opt = torch.optim.SGD(model.parameters(), lr=LR)
-    codec = acc.TopK(1.0, min_compression_rate=0.5)
-    diloco = acc.DiLoCo(model, opt, acc.AccordionCompressor(codec, policy="static"),
-                        sync_every=acc.SyncInterval(LADDER, eta=CALM, overhead=None))
-    checked_synced = False
-    timed, time_round = [], diloco.window.round_took  # (a spy: which steps are timed as rounds)
-    diloco.window.round_took = lambda seconds: (timed.append(diloco.syncs), time_round(seconds))
-    for i, (interval, params) in enumerate(expected):
-        if i == DECAY:
-            opt.param_groups[0]["lr"] = LR / 10
-        inner_step(model, opt, i % len(DATA))
-        synced = diloco.step()
-        check(diloco.interval == interval, f"step {i + 1}: interval {diloco.interval}, the reference's {interval}")
-        check(torch.allclose(flat(model), params, rtol=1e-5, atol=1e-6),
-              f"step {i + 1}: max |ours - reference| {(flat(model) - params).abs().max():.3g}")
-        if not synced and not checked_synced:  # between rounds: the ranks' models differ, the synced one does not
-            local = flat(model).clone()
-            with diloco.synced():
-                check(same_everywhere(flat(model)) and torch.equal(flat(model), torch.cat(
-                    [s.reshape(-1) for s in diloco.start])), "synced() is not the last round's model")
-            check(torch.equal(flat(model), local), "synced() did not give the local model back")
-            checked_synced = True
-    check(checked_synced, "no step without a round")
-    # the link term's input: every round timed once, after it ran; no step without one
-    check(timed == list(range(1, diloco.syncs + 1)), f"rounds timed after rounds {timed}, {diloco.syncs} rounds")
+    finals = []
+    for reset in (False, True):  # reset_momentum: the momentum zeroed when the decay's window lowers the interval
+        expected = reference_auto(STEPS, DECAY, reset)
+        intervals = [interval for interval, _ in expected]
+        # the rule exercised: 1 at the start, up the ladder while calm, 1 again after the decay
+        # (each the interval after that step's decision; windows of 4 steps, the decay in the 7th)
+        check(intervals[:7] == [1] * 7 and intervals[7:11] == [2] * 4 and intervals[11:27] == [4] * 16
+              and intervals[27:31] == [1] * 4 and intervals[31] == 2, f"the reference's intervals {intervals}")
+        model = make_model()
+        opt = torch.optim.SGD(model.parameters(), lr=LR)
+        codec = acc.TopK(1.0, min_compression_rate=0.5)
+        diloco = acc.DiLoCo(model, opt, acc.AccordionCompressor(codec, policy="static"),
+                            sync_every=acc.SyncInterval(LADDER, eta=CALM, overhead=None), reset_momentum=reset)
+        checked_synced = False
+        timed, time_round = [], diloco.window.round_took  # (a spy: which steps are timed as rounds)
+        diloco.window.round_took = lambda seconds: (timed.append(diloco.syncs), time_round(seconds))
+        for i, (interval, params) in enumerate(expected):
+            if i == DECAY:
+                opt.param_groups[0]["lr"] = LR / 10
+            inner_step(model, opt, i % len(DATA))
+            synced = diloco.step()
+            check(diloco.interval == interval, f"step {i + 1}: interval {diloco.interval}, the reference's {interval}")
+            check(torch.allclose(flat(model), params, rtol=1e-5, atol=1e-6),
+                  f"reset {reset}, step {i + 1}: max |ours - reference| {(flat(model) - params).abs().max():.3g}")
+            if not synced and not checked_synced:  # between rounds: the ranks' models differ, the synced one does not
+                local = flat(model).clone()
+                with diloco.synced():
+                    check(same_everywhere(flat(model)) and torch.equal(flat(model), torch.cat(
+                        [s.reshape(-1) for s in diloco.start])), "synced() is not the last round's model")
+                check(torch.equal(flat(model), local), "synced() did not give the local model back")
+                checked_synced = True
+        check(checked_synced, "no step without a round")
+        # the link term's input: every round timed once, after it ran; no step without one
+        check(timed == list(range(1, diloco.syncs + 1)), f"rounds timed after rounds {timed}, {diloco.syncs} rounds")
+        finals.append(flat(model))
+    check(not torch.allclose(finals[0], finals[1]), "reset_momentum changed nothing after the decay")
     say(f"rank {rank}: OK auto, intervals {intervals}, {diloco.syncs} rounds")
 elif mode == "bad-input":
     model = make_model()
@@ -290,6 +299,7 @@ elif mode == "bad-input":
         (dict(outer_lr=0.0), ValueError, "outer_lr must be a positive number"),
         (dict(outer_momentum=1.0), ValueError, "outer_momentum must be a number in [0, 1)"),
         (dict(overlap="yes"), TypeError, "overlap must be True or False"),
+        (dict(sync_every=4, reset_momentum=True), ValueError, "reset_momentum needs an interval policy"),
     ]
     for kwargs, kind, text in cases:
         try:
