@@ -164,14 +164,22 @@ def frozen_setting(setting: str) -> dict | None:
 def one_run(cluster: Cluster, setting: str, method: str, seed: int, timeout: float) -> dict:
     task, rate = SETTINGS[setting]
     launcher, method_args = method_args_of(method, task)
-    where = run_dir(setting, method, seed)
     extra = []
     if method not in BASELINES and method not in PILOTS:  # a pilot runs the standard schedule, no target
         frozen = frozen_setting(setting)
         extra = ["--target", f"{frozen['target_perplexity']:.6f}", "--time-cap", f"{frozen['cap_s']:.1f}"]
+    return run_cli(cluster, launcher, [*TASKS[task], *COMMON, *method_args, *extra, "--seed", str(seed)],
+                   run_dir(setting, method, seed),
+                   {"protocol": PROTOCOL, "setting": setting, "method": method, "seed": seed}, timeout)
+
+
+def run_cli(cluster: Cluster, launcher: str, cli_args: list[str], where: Path, record: dict, timeout: float) -> dict:
+    """Run the training CLI with ``cli_args`` on the cluster's 2 nodes (``launcher``: horovod
+    or torchrun); its records into ``where`` (steps.csv, eval.csv, log.txt, run.json: ``record``
+    and the run's exit, seconds, command, commit, machine and cluster)."""
+    rate = cluster.rate
     with tempfile.TemporaryDirectory() as tmp:
-        args = ["-m", "accordion_hvd.train", *TASKS[task], *COMMON, *method_args, *extra, "--seed", str(seed),
-                "--logdir", tmp]
+        args = ["-m", "accordion_hvd.train", *cli_args, "--logdir", tmp]
         started, at_commit = time.monotonic(), commit()
         if launcher == "horovod":
             result = cluster.horovodrun(args, timeout=timeout)
@@ -189,8 +197,7 @@ def one_run(cluster: Cluster, setting: str, method: str, seed: int, timeout: flo
             if (Path(tmp) / name).exists():
                 shutil.copy(Path(tmp) / name, where / name)
     (where / "log.txt").write_text(output[-20000:])
-    record = {"protocol": PROTOCOL, "setting": setting, "method": method, "seed": seed, "exit": exit_code,
-              "seconds": round(seconds, 1), "command": f"{launched}{' '.join(args[:-1])} DIR",
+    record = {**record, "exit": exit_code, "seconds": round(seconds, 1), "command": f"{launched}{' '.join(args[:-1])} DIR",
               "commit": at_commit, "machine": machine(),
               "cluster": f"2 emulated nodes, {rate} links, 1 rank per node, 1 thread per rank"}
     (where / "run.json").write_text(json.dumps(record, indent=1) + "\n")

@@ -206,6 +206,11 @@ def main() -> None:
              f"the runs. `.venv/bin/python benchmarks/evidence_v3_report.py`; raw runs and the step-time sittings in "
              f"[{v3.PROTOCOL}/]({v3.PROTOCOL}/). *computed*: the method's 100 Mbit/s runs, each step at the "
              f"sitting's median step at this rate, plus their own evaluations (the protocol's rule).", "",
+             "*Floats sent*: a value sent whole counts one float whatever its width (the 16-bit baselines' and "
+             "our 16-bit dense layers' too); a compressed payload counts its bytes over 4. Bytes are not in these "
+             "records: the CLI at the runner's commit (a6af0df) wrote floats only (its steps.csv has `bytes_sent` "
+             "since). On the wire the 16-bit baselines send 2 bytes a float, DiLoCo as published and PyTorch's local "
+             "SGD 4 (float32); ours mixes both kinds, so its bytes lie between 2 and 4 times its floats.", "",
              "The slow rate's check (the step-time sitting, 10 Mbit/s):", "", *five_x_check(), ""]
     judged = {}
     for setting in v3.SETTINGS:

@@ -1,0 +1,112 @@
+"""Exploratory runs of ``acc.DiLoCo`` variants beside evidence-v3's, never scored.
+
+    .venv/bin/python benchmarks/explore_diloco.py --setting lstm-100mbit --variants auto,auto-reset
+    .venv/bin/python benchmarks/explore_diloco.py --report    # benchmarks/results/explore-diloco.md
+
+A variant is one of evidence-v3's methods with extra CLI flags (``VARIANTS``), run as the
+protocol runs its pilots: on the pilot seed (3, never scored), the standard schedule (no
+target, no cap), the same task, emulated cluster and records (benchmarks/evidence_v3.py),
+from this checkout. What these runs are for: to choose what a later protocol scores. A
+variant chosen on them is never scored by them. Records in
+``benchmarks/results/explore-diloco/SETTING/VARIANT/seed3/``; a run whose ``run.json``
+exists is not run again. Needs root (the emulated links) and nothing else running.
+``--report`` tabulates them beside evidence-v3's own pilot of ``diloco-auto`` (the same seed,
+at the runner's commit): the time to the setting's v3 target and the validation perplexity at
+each epoch's end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "benchmarks"))
+sys.path.insert(0, str(REPO / "benchmarks" / "cluster"))
+from cluster import Cluster  # noqa: E402
+from evidence_v3 import COMMON, METHODS, OUT as V3, PILOT_SEED, SETTINGS, TASKS, run_cli  # noqa: E402
+
+OUT = REPO / "benchmarks" / "results" / "explore-diloco"
+VARIANTS = {  # name -> (evidence-v3's method, extra CLI flags)
+    "auto": ("diloco-auto", []),  # as v3 froze it, at this checkout (the kernels' last-bit sums differ from a6af0df)
+    "auto-reset": ("diloco-auto", ["--reset-momentum"]),
+    "auto-overlap": ("diloco-auto", ["--overlap"]),
+    # the compressor's windows of 16 rounds, not 100: the link gate's dense 16-bit trial (one
+    # window) ends after 16 rounds (at 10 Mbit/s the first 128 inner steps, every one a round and
+    # most of them dense 16-bit, took about half of v3's diloco-auto's time to target)
+    "auto-window16": ("diloco-auto", ["--interval", "16"]),
+}
+
+
+def report() -> Path:
+    """benchmarks/results/explore-diloco.md: each setting's runs, v3's pilot first."""
+    lines = ["# Exploratory DiLoCo variants (never scored)", "",
+             "`.venv/bin/python benchmarks/explore_diloco.py --report`; the runs and what they are for: "
+             "[benchmarks/explore_diloco.py](../explore_diloco.py). One seed (3, the pilot seed) each: a "
+             "difference here is a reason to score a variant in a later protocol, not a result.", ""]
+    settings = sorted(d.name for d in OUT.iterdir() if d.is_dir()) if OUT.exists() else []
+    for setting in settings:
+        frozen = json.loads((V3 / setting / "setting.json").read_text()) if (V3 / setting / "setting.json").exists() else None
+        target = frozen["target_perplexity"] if frozen else None
+        runs = [("v3's pilot-diloco-auto (a6af0df)", V3 / setting / "pilot-diloco-auto" / f"seed{PILOT_SEED}")]
+        runs += [(variant, OUT / setting / variant / f"seed{PILOT_SEED}") for variant in VARIANTS]
+        lines += [f"## {setting}", "", f"Target (v3's): validation perplexity {target:.2f}" if target else "No v3 target.", "",
+                  "| run | commit | time to target (s) | validation perplexity at each epoch's end | best |",
+                  "|---|---|---|---|---|"]
+        for name, where in runs:
+            if not (where / "eval.csv").exists():
+                continue
+            with open(where / "eval.csv", newline="") as f:
+                evals = list(csv.DictReader(f))
+            record = json.loads((where / "run.json").read_text())
+            ppl = [float(e["perplexity"]) for e in evals]
+            reached = next((float(e["wall_s"]) for e in evals if target and float(e["perplexity"]) <= target), None)
+            # eval.csv's epoch is the epochs done: an epoch's end is the first row of its number
+            ends = [float(e["perplexity"]) for e, before in zip(evals, [None] + evals[:-1])
+                    if int(e["epoch"]) >= 1 and (before is None or before["epoch"] != e["epoch"])]
+            lines.append(f"| {name} | {record.get('commit', '?')} | {f'{reached:.0f}' if reached else 'not reached'} | "
+                         f"{', '.join(f'{x:.2f}' for x in ends)} | {min(ppl):.2f} |")
+        lines.append("")
+    path = OUT.parent / "explore-diloco.md"
+    path.write_text("\n".join(lines))
+    return path
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--setting", choices=sorted(SETTINGS))
+    p.add_argument("--variants", help="comma-separated, of: " + ", ".join(VARIANTS))
+    p.add_argument("--timeout", type=float, default=7200, help="seconds per run")
+    p.add_argument("--report", action="store_true", help="write benchmarks/results/explore-diloco.md and stop")
+    args = p.parse_args()
+    if args.report:
+        print(f"wrote {report()}")
+        return
+    if not args.setting or not args.variants:
+        p.error("give --setting and --variants (or --report)")
+    variants = [v.strip() for v in args.variants.split(",") if v.strip()]
+    unknown = sorted(set(variants) - set(VARIANTS))
+    if unknown:
+        p.error(f"--variants: {unknown} unknown; the variants are {list(VARIANTS)}")
+    task, rate = SETTINGS[args.setting]
+    todo = [v for v in variants if not (OUT / args.setting / v / f"seed{PILOT_SEED}" / "run.json").exists()]
+    print(f"{args.setting}: {len(todo)} runs now", flush=True)
+    if not todo:
+        return
+    with Cluster(2, rate=rate, prefix="accx-") as cluster:
+        for variant in todo:
+            method, flags = VARIANTS[variant]
+            launcher, method_args = METHODS[method]
+            record = run_cli(cluster, launcher, [*TASKS[task], *COMMON, *method_args, *flags, "--seed", str(PILOT_SEED)],
+                             OUT / args.setting / variant / f"seed{PILOT_SEED}",
+                             {"explore": "diloco, never scored", "setting": args.setting, "variant": variant,
+                              "method": method, "flags": flags, "seed": PILOT_SEED}, args.timeout)
+            print(f"{args.setting} {variant} seed {PILOT_SEED}: exit {record['exit']}, {record['seconds']:.0f} s",
+                  flush=True)
+
+
+if __name__ == "__main__":
+    main()
