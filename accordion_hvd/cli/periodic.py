@@ -18,9 +18,10 @@ copy of the model and the copies meet every so many steps, not every step.
   ``PostLocalSGDOptimizer`` with ``PeriodicModelAverager(period=--sync-every)``.
 
 Evaluation sees one model, the same on every rank: DiLoCo's of the last round (``synced()``:
-what DiLoCo's outer loop holds; with --overlap the round in flight lands first); local SGD's average of the ranks' models, made for the
-evaluation and undone after it (PyTorch's averager keeps no such copy). Records: the current
-interval and the rounds so far in steps.csv (``sync_interval``, ``syncs``).
+what DiLoCo's outer loop holds; with --overlap the round in flight lands first); local SGD's
+average of the ranks' models, made for the evaluation and undone after it (PyTorch's averager
+keeps no such copy). Records: the current interval and the rounds so far in steps.csv
+(``sync_interval``, ``syncs``).
 """
 
 from __future__ import annotations
