@@ -51,7 +51,7 @@ def report() -> Path:
     for setting in settings:
         frozen = json.loads((V3 / setting / "setting.json").read_text()) if (V3 / setting / "setting.json").exists() else None
         target = frozen["target_perplexity"] if frozen else None
-        runs = [("v3's pilot-diloco-auto (a6af0df)", V3 / setting / "pilot-diloco-auto" / f"seed{PILOT_SEED}")]
+        runs = [("v3's pilot-diloco-auto", V3 / setting / "pilot-diloco-auto" / f"seed{PILOT_SEED}")]
         runs += [(variant, OUT / setting / variant / f"seed{PILOT_SEED}") for variant in VARIANTS]
         lines += [f"## {setting}", "", f"Target (v3's): validation perplexity {target:.2f}" if target else "No v3 target.", "",
                   "| run | commit | time to target (s) | validation perplexity at each epoch's end | best |",
