@@ -25,6 +25,19 @@ def rows(logdir):
         return list(csv.DictReader(f))
 
 
+def final_checkpoints(whole, resumed) -> list[tuple]:
+    """(rank, the run that never stopped's last checkpoint, the resumed run's) of each rank,
+    their models checked equal."""
+    pairs = []
+    for rank in range(2):
+        a = torch.load(f"{whole}.rank{rank}", weights_only=False)
+        b = torch.load(f"{resumed}.rank{rank}", weights_only=False)
+        for name in a["model"]:
+            assert torch.equal(a["model"][name], b["model"][name]), f"rank {rank}: {name} differs"
+        pairs.append((rank, a, b))
+    return pairs
+
+
 @pytest.mark.torchrun
 def test_diloco_auto_trains_records_its_intervals_and_resumes_bit_for_bit(tmp_path):
     """Our DiLoCo with the auto interval: it learns, steps.csv holds each step's interval and the
@@ -47,11 +60,7 @@ def test_diloco_auto_trains_records_its_intervals_and_resumes_bit_for_bit(tmp_pa
     assert int(steps[-1]["floats_sent"]) < int(steps[-1]["floats_dense"]) == len(steps) * floats  # dense every step
     out = cli(*args, "--resume", str(half), "--checkpoint", str(resumed))
     assert "resumed from" in out, out
-    for rank in range(2):
-        a = torch.load(f"{whole}.rank{rank}", weights_only=False)
-        b = torch.load(f"{resumed}.rank{rank}", weights_only=False)
-        for name in a["model"]:
-            assert torch.equal(a["model"][name], b["model"][name]), f"rank {rank}: {name} differs"
+    for rank, a, b in final_checkpoints(whole, resumed):
         for x, y in zip(a["sync"]["start"], b["sync"]["start"]):
             assert torch.equal(x, y), f"rank {rank}: the start-of-round parameters differ"
         assert a["sync"]["interval"] == b["sync"]["interval"] and a["sync"]["syncs"] == b["sync"]["syncs"]
@@ -75,11 +84,7 @@ def test_diloco_overlapped_trains_counts_its_rounds_and_resumes_bit_for_bit(tmp_
     assert f"epoch 2/2  {second} rounds ({first + second} in all)" in out, out
     out = cli(*args, "--resume", str(half), "--checkpoint", str(resumed))
     assert "resumed from" in out, out
-    for rank in range(2):
-        a = torch.load(f"{whole}.rank{rank}", weights_only=False)
-        b = torch.load(f"{resumed}.rank{rank}", weights_only=False)
-        for name in a["model"]:
-            assert torch.equal(a["model"][name], b["model"][name]), f"rank {rank}: {name} differs"
+    final_checkpoints(whole, resumed)
 
 
 @pytest.mark.torchrun

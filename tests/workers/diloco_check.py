@@ -33,33 +33,11 @@ import torch
 import torch.distributed as dist
 
 import accordion_hvd as acc
-from worker_util import checker, leave_torch_distributed, say
+from worker_util import checker, leave_torch_distributed, say, world_of
 
 mode = sys.argv[1]
 launcher = sys.argv[2] if len(sys.argv) > 2 else "torchrun"
-if launcher == "horovod":
-    import horovod.torch as hvd
-
-    hvd.init()
-    rank, size = hvd.rank(), hvd.size()
-
-    def sum_(tensor):  # in place, over every rank
-        tensor.copy_(hvd.allreduce(tensor, op=hvd.Sum))
-
-    def gather(tensor):
-        return list(hvd.allgather(tensor.unsqueeze(0)))
-else:
-    dist.init_process_group("gloo")
-    rank, size = dist.get_rank(), dist.get_world_size()
-    REFERENCE = dist.new_group(list(range(size)), backend="gloo")  # the reference's sums: a group of its own
-
-    def sum_(tensor):
-        dist.all_reduce(tensor, group=REFERENCE)
-
-    def gather(tensor):
-        gathered = [torch.empty_like(tensor) for _ in range(size)]
-        dist.all_gather(gathered, tensor, group=REFERENCE)
-        return gathered
+rank, size, sum_, gather = world_of(launcher)
 check = checker(rank)
 H, ROUNDS, LR = 3, 4, 0.05
 LADDER, CALM = (1, 2, 4), 10.0  # eta 10: no window's norm moves that much, so only the start and the decay are critical

@@ -19,6 +19,39 @@ def checker(rank: int):
     return check
 
 
+def world_of(launcher: str):
+    """(rank, size, sum_, gather) of the job: under "horovod" Horovod initialized and its
+    collectives; else torch.distributed (Gloo) initialized and a group of every rank of its
+    own, so that a reference's sums never pair with the code under test's. ``sum_(tensor)``
+    sums it over the ranks in place; ``gather(tensor)`` is the list of every rank's."""
+    if launcher == "horovod":
+        import horovod.torch as hvd
+
+        hvd.init()
+
+        def sum_(tensor):
+            tensor.copy_(hvd.allreduce(tensor, op=hvd.Sum))
+
+        def gather(tensor):
+            return list(hvd.allgather(tensor.unsqueeze(0)))
+        return hvd.rank(), hvd.size(), sum_, gather
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    rank, size = dist.get_rank(), dist.get_world_size()
+    group = dist.new_group(list(range(size)), backend="gloo")
+
+    def sum_(tensor):
+        dist.all_reduce(tensor, group=group)
+
+    def gather(tensor):
+        gathered = [torch.empty_like(tensor) for _ in range(size)]
+        dist.all_gather(gathered, tensor, group=group)
+        return gathered
+    return rank, size, sum_, gather
+
+
 def leave_torch_distributed(dist) -> None:
     """End a torchrun worker whose checks all passed: a barrier, every process group destroyed,
     then exit at once. Skipping the interpreter's teardown is deliberate: with Gloo, torch's
