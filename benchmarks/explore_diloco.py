@@ -38,6 +38,7 @@ VARIANTS = {  # name -> (evidence-v3's method, extra CLI flags)
     # window) ends after 16 rounds (at 10 Mbit/s the first 128 inner steps, every one a round and
     # most of them dense 16-bit, took about half of v3's diloco-auto's time to target)
     "auto-window16": ("diloco-auto", ["--interval", "16"]),
+    "auto-window16-reset": ("diloco-auto", ["--interval", "16", "--reset-momentum"]),  # both of the above
 }
 
 
