@@ -39,7 +39,19 @@ VARIANTS = {  # name -> (evidence-v3's method, extra CLI flags)
     # most of them dense 16-bit, took about half of v3's diloco-auto's time to target)
     "auto-window16": ("diloco-auto", ["--interval", "16"]),
     "auto-window16-reset": ("diloco-auto", ["--interval", "16", "--reset-momentum"]),  # both of the above
+    # the inner learning rate of one rank's batch: the CLI scales --lr by the world size, right
+    # for synchronous training (the gradient of every rank's batch averaged) but each inner step
+    # of DiLoCo takes one rank's batch alone ("LR/2": the task's --lr halved, so scaled by 2 ranks
+    # it is the task's one-rank rate)
+    "auto-lr1": ("diloco-auto", ["--lr", "LR/2"]),
+    "auto-reset-lr1": ("diloco-auto", ["--reset-momentum", "--lr", "LR/2"]),
 }
+
+
+def flags_for(task: str, flags: list[str]) -> list[str]:
+    """A variant's flags for ``task``: "LR/2" is the task's --lr halved."""
+    lr = float(TASKS[task][TASKS[task].index("--lr") + 1])
+    return [f"{lr / 2:g}" if flag == "LR/2" else flag for flag in flags]
 
 
 def report() -> Path:
@@ -101,7 +113,8 @@ def main() -> None:
         for variant in todo:
             method, flags = VARIANTS[variant]
             launcher, method_args = METHODS[method]
-            record = run_cli(cluster, launcher, [*TASKS[task], *COMMON, *method_args, *flags, "--seed", str(PILOT_SEED)],
+            record = run_cli(cluster, launcher, [*TASKS[task], *COMMON, *method_args, *flags_for(task, flags),
+                                                 "--seed", str(PILOT_SEED)],
                              OUT / args.setting / variant / f"seed{PILOT_SEED}",
                              {"explore": "diloco, never scored", "setting": args.setting, "variant": variant,
                               "method": method, "flags": flags, "seed": PILOT_SEED}, args.timeout)
