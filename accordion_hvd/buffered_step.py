@@ -15,8 +15,9 @@ from, where its result goes); the step itself is this object's, numbered:
    Once the policy has settled every layer at 16-bit dense for good, a front end may send a
    flat buffer whole instead: ``send_whole(key, buffer, half, target)`` with the engine's
    ``add_whole`` (engine/whole.py).
-3. ``finish(before_end)`` once every buffer is in: wait for the averages, finish every
-   layer, run ``before_end(device)`` (HSDP agrees on faults there), end the engine's step.
+3. ``finish(agree_over)`` once every buffer is in: wait for the averages, finish every
+   layer, agree on a fault over ``agree_over`` (HSDP's node: each column finds the faults in
+   its own data only), end the engine's step.
    Returns ``(target, result)`` per layer and the targets of the whole buffers; the front end
    writes them where its framework reads them. After ``end_step``: a skipped step's results
    are zero by then.
@@ -24,10 +25,11 @@ from, where its result goes); the step itself is this object's, numbered:
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
+from .comm.channel import Channel
 from .engine import Route, StepEngine
 
 
@@ -96,8 +98,12 @@ class BufferedStep:
         self._whole.append((key, buffer, handle, target))
 
     # --- 3. finish ---------------------------------------------------------------------------
-    def finish(self, before_end: Callable[[torch.device], None] | None = None) -> tuple[list, list]:
-        """Every buffer is in: ``([(target, result) per layer], [target per whole buffer])``."""
+    def finish(self, agree_over: Channel | None = None) -> tuple[list, list]:
+        """Every buffer is in: ``([(target, result) per layer], [target per whole buffer])``.
+        ``agree_over``: a channel over which a fault any of its ranks found skips the step on
+        all of them. HSDP's node: each column finds the faults in its own data, and a node
+        holds one rank of each column, so one reduction inside the node gives every rank the
+        verdict without crossing the slow link. The flag stays on the device (no host read)."""
         if self._pending:
             self.send("last")
         layers, sent, whole = self._layers, self._sent, self._whole
@@ -111,9 +117,12 @@ class BufferedStep:
         for name, route, where, target in layers:
             average = None if where is None else averages[where[0]][where[1]][where[2]]
             results.append((target, average if name is None else self.engine.finish(route, name, average)))
-        if before_end is not None:
+        if agree_over is not None:
             named = [result for (name, *_), (_, result) in zip(layers, results) if name is not None]
             device = (named[0].device if named else whole[0][1].device if whole else torch.device("cpu"))
-            before_end(device)
+            bad = self.engine.step_fault()
+            flag = torch.zeros((), device=device) if bad is None else bad.to(device=device, dtype=torch.float32)
+            handle = agree_over.allreduce_mean_async([flag], name=f"{self.prefix}.fault")
+            self.engine.saw_fault(agree_over.wait(handle)[0] > 0)
         self.engine.end_step()
         return results, wholes

@@ -8,6 +8,7 @@
         loss_fn(model(x), y).backward()
         opt.step()                           # an inner step: local, no communication
         diloco.step()                        # when a round is due: one round (below)
+    diloco.flush()                           # (with overlap=True: the round in flight lands; every rank)
     with diloco.synced():                    # evaluate the model of the last round, alike on every rank
         evaluate(model)
 
@@ -77,9 +78,10 @@ from torch.distributed.tensor import DTensor
 from .comm.channel import collective_timeout
 from .buffered_step import BufferedStep
 from .comm.control import new_control_plane
-from .comm.mesh import column_channel
+from .comm.mesh import column_channel, node_channel
 from .comm.process_group import new_channel
 from .compressor import Compressor
+from . import diloco_state
 from .diloco_checks import agree_start, check_arguments, check_sharding
 from .diloco_window import WindowStatistic
 from .policies import SyncInterval
@@ -145,6 +147,7 @@ class DiLoCo:
             "diloco_outer_lr": self.outer_lr, "diloco_outer_momentum": self.outer_momentum,
             "diloco_nesterov": self.nesterov, "diloco_overlap": self.overlap,
             "diloco_reset_momentum": self.reset_momentum}
+        self.node_faults = None  # HSDP: this node's ranks, to agree on a skipped round (buffered_step.py)
         self.size = self._bind(model, inner_optimizer, collective_timeout(timeout))  # ranks of the control plane
         self.control = self.compressor.engine.control
         self.round = BufferedStep(self.compressor.engine, "acc.diloco")  # one round: one step of it
@@ -173,6 +176,7 @@ class DiLoCo:
                 channel = new_channel(ranks, timeout, dist.get_backend(), lanes=("q", "dense"))
             else:  # HSDP: the data plane is this rank's column
                 channel = column_channel(self.mesh, timeout, lanes=("q", "dense"))
+                self.node_faults = node_channel(self.mesh, timeout)
             self.compressor.bind(model, channel=channel, control=new_control_plane(ranks, timeout),
                                  optimizer=optimizer, speaks=dist.get_rank() == 0)
             return len(ranks)
@@ -207,14 +211,19 @@ class DiLoCo:
                 log.info("DiLoCo: from inner step %d, a round every %d inner step%s (was %d)", self.inner_steps,
                          self.interval, "" if self.interval == 1 else "s", before)
             if self.reset_momentum and self.interval < before:  # a critical window: the memory is stale
+                self.flush()  # (overlap: the window's last round lands first, or it would refill the memory)
                 self.outer.state.clear()
         if self.window is not None:
             self.window.step_ended()
         return due
 
     def synced(self):
-        """The model of the last round (the same on every rank) in place of this rank's local
-        one while the block runs (to evaluate it); the local parameters come back after."""
+        """The model of the last round that landed (the same on every rank) in place of this
+        rank's local one while the block runs (to evaluate it); the local parameters come back
+        after. With ``overlap``, call ``flush()`` on every rank first for the latest round's
+        (this makes no collective, so one rank alone may evaluate). Parameters only: buffers
+        (BatchNorm's running statistics) stay each rank's own, as with PyTorch's
+        ``PeriodicModelAverager``."""
         return swapped_in(self.local, self.start)
 
     @torch.no_grad()
@@ -243,24 +252,26 @@ class DiLoCo:
         if self.launched is not None:
             self._land()
 
-    def _drop_in_flight(self) -> None:
-        """Wait for the round in flight, if any, and drop its result (its collectives done on
-        every rank, the engine's step closed): what it would have changed is being replaced."""
+    def drop_in_flight(self) -> None:
+        """Wait for the round in flight, if any (``overlap``), and drop its result (its
+        collectives done on every rank, the engine's step closed), on every rank at the same
+        step: before replacing the model (``load_state_dict``, ``restart``)."""
         if self.launched is not None:
-            self.round.finish()
+            self.round.finish(self.node_faults)
             self.launched = None
 
     def _land(self) -> None:
         """Wait for the round launched last; take its outer step (none if some rank's
         pseudo-gradient was not finite) and set the local parameters: to its result, plus
         (overlap) the progress each made since the launch."""
-        results, _ = self.round.finish()
+        results, _ = self.round.finish(self.node_faults)
         launched, self.launched = self.launched, None
         if self.compressor.step_skipped:  # some rank's pseudo-gradient was not finite: the same on every rank
             self.skipped += 1
             log.warning("DiLoCo: round %d skipped on every rank (a pseudo-gradient was not finite); every rank "
                         "returns to the round's start", self.syncs)
             launched = None  # (the progress since may be as non-finite)
+            self._drop_nonfinite_inner_state()
         else:
             for start, average in results:
                 start.grad = average.view_as(start)
@@ -275,44 +286,35 @@ class DiLoCo:
             for local, start, then in zip(self.local, self.start, launched):
                 local.copy_(start + (local.float() - then.float()))
 
-    # --- state --------------------------------------------------------------------------------
+    def _drop_nonfinite_inner_state(self) -> None:
+        """After a skipped round: this rank's inner optimizer state of each parameter whose
+        state is not finite starts again (SGD's momentum, AdamW's moments and step). Else the
+        non-finite gradient that poisoned the round, kept in a momentum, would poison every
+        round after it. This rank's own state, so its own decision (no collective)."""
+        bad = [p for p, state in self.inner.state.items()
+               if any(torch.is_tensor(v) and v.is_floating_point() and not bool(torch.isfinite(local_tensor(v)).all())
+                      for v in state.values())]
+        for p in bad:
+            del self.inner.state[p]
+        if bad:
+            log.warning("DiLoCo: the inner optimizer's state of %d parameter%s was not finite on this rank after the "
+                        "skipped round; it starts again", len(bad), "" if len(bad) == 1 else "s")
+
+    # --- state (diloco_state.py) ---------------------------------------------------------------
     def state_dict(self) -> dict:
         """What resumes the outer loop bit for bit on the same world: the start-of-round
-        parameters, the outer optimizer's momentum, the counters and the compressor's state
-        (its error feedback: this rank's). Between inner steps, on every rank: a round in
-        flight (``overlap``) lands first."""
-        self.flush()
-        return {"world": self.size, "inner_steps": self.inner_steps, "syncs": self.syncs,
-                "skipped": self.skipped, "start": [t.clone() for t in self.start], "interval": self.interval,
-                "since_sync": self.since_sync, "outer": self.outer.state_dict(),
-                "compressor": self.compressor.state_dict(),
-                **({} if self.policy is None else {"policy": self.policy.state_dict(),
-                                                   "window": self.window.state_dict()})}
+        parameters, the outer optimizer's momentum, the counters, the interval policy and the
+        compressor's state (its error feedback: this rank's). Between inner steps, on every
+        rank: a round in flight (``overlap``) lands first."""
+        return diloco_state.state_dict(self)
 
     def load_state_dict(self, state: dict) -> None:
         """Restore a ``state_dict()``. From a job with another number of ranks the outer state
         restarts (momentum zero, the round starts from the model as loaded) with a warning.
-        A round in flight is waited for and dropped (every rank loads at the same step)."""
-        self._drop_in_flight()
-        self.compressor.load_state_dict(state["compressor"])
-        self.inner_steps, self.syncs, self.skipped = state["inner_steps"], state["syncs"], state["skipped"]
-        if (self.policy is None) != ("policy" not in state):
-            raise ValueError("DiLoCo.load_state_dict: the state was saved with sync_every "
-                             f"{'auto' if 'policy' in state else state['interval']}, this DiLoCo has "
-                             f"{'auto' if self.policy is not None else self.interval}; resume with the same")
-        self.interval, self.since_sync = state["interval"], state["since_sync"]
-        if self.policy is not None:
-            self.policy.load_state_dict(state["policy"])
-            self.window.load_state_dict(state["window"])
-        if state["world"] != self.size:
-            log.warning("DiLoCo: the state was saved by %d ranks, this job has %d: the outer optimizer restarts "
-                        "(momentum zero) from the model's parameters", state["world"], self.size)
-            return self.restart()
-        with torch.no_grad():
-            for start, saved in zip(self.start, state["start"]):
-                start.copy_(saved)
-        self.outer.load_state_dict(state["outer"])
-
+        A round in flight is waited for and dropped (every rank loads at the same step). The
+        settings are this object's: a fixed ``sync_every``, ``outer_lr`` and
+        ``outer_momentum`` other than the saved ones take over (with a warning)."""
+        diloco_state.load_state_dict(self, state)
 
     @torch.no_grad()
     def restart(self) -> None:
@@ -320,11 +322,11 @@ class DiLoCo:
         parameters the model's, the outer momentum zero): after loading a model whose DiLoCo
         state does not fit this job (another world or mesh). A round in flight is waited for
         and dropped: the model as it is now is the start."""
-        self._drop_in_flight()
+        self.drop_in_flight()
         for start, local in zip(self.start, self.local):
             start.copy_(local.detach().float())
         self.outer = torch.optim.SGD(self.start, lr=self.outer_lr, momentum=self.outer_momentum, nesterov=self.nesterov)
-        self.since_sync = 0
+        self.since_sync = self.inner_steps % self.interval  # rounds stay on multiples of the interval (windows end on one)
 
 
 @contextlib.contextmanager

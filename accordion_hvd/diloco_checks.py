@@ -45,6 +45,10 @@ def check_sharding(params: list[tuple], mesh):
                              "\"shard\") DeviceMesh whose shard dimension the model was sharded over")
         return None
     check_mesh(mesh)
+    plain = [name for name, p in params if not isinstance(p, DTensor)]
+    if plain:  # FSDP would not keep them alike inside a node, and a round averages a column only
+        raise ValueError(f"mesh: every trainable parameter must be sharded over mesh[\"shard\"] (fully_shard the "
+                         f"root module too); not sharded: {', '.join(plain[:3])}{' ...' if len(plain) > 3 else ''}")
     shard = mesh["shard"]
     if any(m.ndim != 1 or m.mesh.tolist() != shard.mesh.tolist() for m in meshes.values()):
         raise ValueError("mesh: the model must be sharded over mesh[\"shard\"] alone (fully_shard(module, "

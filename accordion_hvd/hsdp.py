@@ -68,8 +68,8 @@ import torch
 from . import ops
 from .comm.channel import collective_timeout
 from .comm.control import ProcessGroupControlPlane
-from .comm.mesh import check_mesh, column_channel
-from .comm.process_group import ProcessGroupChannel, new_channel, timeout_delta
+from .comm.mesh import check_mesh, column_channel, node_channel
+from .comm.process_group import ProcessGroupChannel, timeout_delta
 from .engine import settings
 from .buffered_step import BufferedStep
 from .compressor import Compressor
@@ -123,14 +123,10 @@ def compress_hsdp(model, compressor: Compressor, mesh, *, optimizer=None,
     _agree(control_group, model, compressor, mesh, timeout)
     # the data, PowerSGD's Q rounds and the uncompressed layers' round: lanes that pair apart
     channel = column_channel(mesh, timeout, lanes=("q", "dense"))
-    backend = dist.get_backend(mesh.get_group("replicate"))
-    node_faults = None
-    for row in mesh.mesh.tolist():  # one shard group per node: the step's fault flag, inside the node
-        node_faults = new_channel(row, timeout, backend) or node_faults
+    node_faults = node_channel(mesh, timeout)  # the step's fault flag, inside the node
     compressor.bind(model, channel=channel, control=control, optimizer=optimizer,
                     speaks=dist.get_rank() == 0)  # each shard group's data plane has a rank 0: one speaks
-    hook = HSDPHook(compressor, channel, node_faults if mesh.size(1) > 1 else None, mesh,
-                    buffers=sum(1 for _, known in groups if known.layout))
+    hook = HSDPHook(compressor, channel, node_faults, mesh, buffers=sum(1 for _, known in groups if known.layout))
     for module, known in groups:
         module.set_reduce_scatter_unused_params(True, recurse=False)  # a fixed buffer layout every step
         module.set_all_reduce_hook(hook.for_module(known))
@@ -286,7 +282,7 @@ class HSDPHook:
         node, whose ranks have just met in FSDP's reduce-scatter of this very module: little
         waiting). Every rank then finds every rank's fault in its own averages (a NaN from any
         node reaches every rank of each shard group), and the end of the step needs no
-        agreement inside the node (``_agree_faults``). On the settled route only: the
+        agreement inside the node (``BufferedStep.finish(agree_over=)``). On the settled route only: the
         per-layer route's layers take routes that carry no such poison."""
         bad = self.engine.local_fault()
         flag = torch.zeros((), device=half.device) if bad is None else bad.to(torch.float32)
@@ -299,7 +295,7 @@ class HSDPHook:
         last buffer carried them), then write the results (module doc)."""
         agree = self.node_faults is not None and not self._verdict_sent
         self._queued, self._verdict_sent, self._calls, self._whole = False, False, 0, False
-        results, wholes = self.step.finish(self._agree_faults if agree else None)
+        results, wholes = self.step.finish(self.node_faults if agree else None)
         # after end_step: a skipped step zeroed its results
         for (view, name, target), result in results:
             if target is not None:
@@ -321,17 +317,6 @@ class HSDPHook:
             raise RuntimeError(f"compress_hsdp: FSDP made no gradient for {name} after its reduce-scatter")
         local = grad.to_local()
         local.copy_(result[:local.shape[0]])
-
-    def _agree_faults(self, device: torch.device) -> None:
-        """Whether any rank's step is to be skipped, on every rank. Each shard group finds the
-        faults in its own data (the engine's step flag, from the exchanged data: the same on
-        every rank of the group), and every node holds one rank of each shard group: so one
-        reduction inside the node, over its shard group, gives every rank the answer, without
-        a collective across the slow link. The flag stays on the device (no host read)."""
-        bad = self.engine.step_fault()
-        flag = (torch.zeros((), device=device) if bad is None else bad.to(device=device, dtype=torch.float32))
-        handle = self.node_faults.allreduce_mean_async([flag], name="acc.hsdp.fault")
-        self.engine.saw_fault(self.node_faults.wait(handle)[0] > 0)
 
     # --- torch.distributed.checkpoint --------------------------------------------------------
     def state_dict(self) -> dict:

@@ -28,14 +28,14 @@ CONCRETE_CODECS = ("accordion_hvd.codecs.powersgd", "accordion_hvd.codecs.powers
                    "accordion_hvd.codecs.PowerSGD", "accordion_hvd.codecs.TopK", "accordion_hvd.codecs.Quantize")
 # What runs a step without knowing the codec: the front ends, the controller, the probe, and
 # the exchanges' shared parts (each codec's own exchange module pairs itself with its codec).
-ENGINE = ("accordion_hvd.engine", "accordion_hvd.compressor", "accordion_hvd.buffered_step", "accordion_hvd.diloco", "accordion_hvd.diloco_window", "accordion_hvd.diloco_checks", "accordion_hvd.horovod", "accordion_hvd.ddp", "accordion_hvd.hsdp", "accordion_hvd.batch_size",
+ENGINE = ("accordion_hvd.engine", "accordion_hvd.compressor", "accordion_hvd.buffered_step", "accordion_hvd.diloco", "accordion_hvd.diloco_window", "accordion_hvd.diloco_checks", "accordion_hvd.diloco_state", "accordion_hvd.horovod", "accordion_hvd.ddp", "accordion_hvd.hsdp", "accordion_hvd.batch_size",
           "accordion_hvd.elastic", "accordion_hvd.controller", "accordion_hvd.network_probe",
           "accordion_hvd.step_faults", "accordion_hvd.checkpoint", "accordion_hvd.exchange.registry",
           "accordion_hvd.exchange.buckets")
 CLI = ("accordion_hvd.train", "accordion_hvd.cli")  # train.py: the `python -m accordion_hvd.train` entry point
 FRONT_ENDS = ("accordion_hvd.horovod", "accordion_hvd.ddp", "accordion_hvd.hsdp", "accordion_hvd.elastic",
-              "accordion_hvd.diloco", "accordion_hvd.diloco_window", "accordion_hvd.diloco_checks")
-ADAPTERS = ("accordion_hvd.engine", "accordion_hvd.compressor", "accordion_hvd.buffered_step", "accordion_hvd.diloco", "accordion_hvd.diloco_window", "accordion_hvd.diloco_checks", "accordion_hvd.horovod", "accordion_hvd.ddp", "accordion_hvd.hsdp", "accordion_hvd.batch_size",
+              "accordion_hvd.diloco", "accordion_hvd.diloco_window", "accordion_hvd.diloco_checks", "accordion_hvd.diloco_state")
+ADAPTERS = ("accordion_hvd.engine", "accordion_hvd.compressor", "accordion_hvd.buffered_step", "accordion_hvd.diloco", "accordion_hvd.diloco_window", "accordion_hvd.diloco_checks", "accordion_hvd.diloco_state", "accordion_hvd.horovod", "accordion_hvd.ddp", "accordion_hvd.hsdp", "accordion_hvd.batch_size",
             "accordion_hvd.elastic", "accordion_hvd.controller", "accordion_hvd.exchange")
 
 

@@ -88,6 +88,16 @@ def test_diloco_overlapped_trains_counts_its_rounds_and_resumes_bit_for_bit(tmp_
 
 
 @pytest.mark.torchrun
+def test_a_diverged_diloco_run_is_said_and_stops(tmp_path):
+    """A learning rate that makes every inner step's model non-finite: every round is skipped
+    (its pseudo-gradient is not finite), so the model evaluated stays finite; the run is said
+    to have diverged at the first evaluation (every round since it skipped), not trained on."""
+    out = cli(*COMMON, "--sync", "diloco", "--sync-every", "4", "--epochs", "3", "--lr", "1e30")
+    assert "diverged" in out and "every step since the last evaluation skipped" in out, out
+    assert "(2 ranks, 3 epochs" not in out, out  # stopped before its 3 epochs
+
+
+@pytest.mark.torchrun
 @pytest.mark.parametrize("method", ["published", "localsgd"])
 def test_the_periodic_peers_train_and_count_their_rounds(tmp_path, method):
     flags = (["--sync", "diloco", "--codec", "none", "--sync-every", "8"] if method == "published" else

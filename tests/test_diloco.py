@@ -20,7 +20,8 @@ def test_rounds_match_plain_diloco_through_a_lossless_codec(np):
 
 
 @pytest.mark.torchrun
-@pytest.mark.parametrize("mode", ["quantize", "local-sgd", "nonfinite", "resume", "bad-input", "auto"])
+@pytest.mark.parametrize("mode", ["quantize", "local-sgd", "nonfinite", "nonfinite-momentum", "resume", "bad-input",
+                                  "auto"])
 def test_diloco(mode):
     out = run_ddp_worker("diloco_check.py", mode, np=2)
     assert out.count(f": OK {mode}") == 2, out
@@ -36,7 +37,7 @@ def test_diloco_under_horovodrun(mode, np):
 
 
 @pytest.mark.torchrun
-@pytest.mark.parametrize("mode", ["lossless", "overlap", "bad-input"])
+@pytest.mark.parametrize("mode", ["lossless", "overlap", "nonfinite", "bad-input"])
 def test_diloco_across_the_nodes_of_hsdp(mode):
     """DiLoCo over FSDP2's HSDP (4 ranks, 2 nodes of 2): the shards in step inside a node every
     inner step, a round across the nodes, against a plain-torch DiLoCo of the whole model
@@ -46,7 +47,8 @@ def test_diloco_across_the_nodes_of_hsdp(mode):
 
 
 @pytest.mark.torchrun
-@pytest.mark.parametrize("mode,np", [("lossless", 2), ("lossless", 3), ("auto", 2), ("nonfinite", 2), ("resume", 2)])
+@pytest.mark.parametrize("mode,np", [("lossless", 2), ("lossless", 3), ("auto", 2), ("auto-reset", 2), ("nonfinite", 2),
+                                     ("resume", 2)])
 def test_overlapped_rounds_match_plain_overlapped_diloco(mode, np):
     """``overlap=True``: each round lands one round late, step by step against a plain-torch
     overlapped DiLoCo (tests/workers/diloco_overlap_check.py)."""

@@ -69,7 +69,7 @@ class Run:
     bar_counts_steps: bool = False  # the progress bar counts optimizer steps, else micro-batches
     best: float | None = None    # the best validation score so far
     last_score: float = math.nan  # the last one
-    scored: tuple[int, int] = (0, 0)  # (steps, skipped steps) at the last evaluation
+    scored: tuple[int, int] = (0, 0)  # (the compressor's steps, skipped steps) at the last evaluation
     stop: str | None = None      # why the run stops early (diverged, --time-cap), once it must
     syncs: int = 0               # a periodic front end's rounds by the last epoch's end
 
@@ -237,10 +237,12 @@ def score_now(run: Run, epoch: int) -> float:
     elapsed = float(run.front.sum(torch.tensor([wall if run.front.rank == 0 else 0.0], dtype=torch.float64),
                                   name="eval.clock")[0])
     # Our compressor skips a step with a non-finite gradient (the same verdict on every rank),
-    # so a diverged run keeps finite parameters: it shows as every step skipped.
-    skipped = run.compression.stats().get("skipped_steps", 0)
-    all_skipped = run.step > run.scored[0] and skipped - run.scored[1] >= run.step - run.scored[0]
-    run.scored = (run.step, skipped)
+    # so a diverged run keeps finite parameters: it shows as every step skipped. Its steps are
+    # the compressor's own (DiLoCo's: its rounds, fewer than the optimizer's steps).
+    stats = run.compression.stats()
+    steps, skipped = stats.get("steps", run.step), stats.get("skipped_steps", 0)
+    all_skipped = steps > run.scored[0] and skipped - run.scored[1] >= steps - run.scored[0]
+    run.scored = (steps, skipped)
     if run.metrics is not None:
         recorded = score if math.isfinite(score) or metric != "perplexity" else math.inf  # NaN: diverged, as inf
         run.metrics.log_eval(run.step, epoch=epoch, wall_s=wall, floats_sent=run.compression.stats()["floats_sent"],

@@ -2,7 +2,8 @@
 (hsdp.py: every step; diloco.py: every round): ranks on a grid of ``replicate`` (nodes) x
 ``shard`` (the ranks of a node, each holding one shard of the model). The ranks holding the
 same shard on every node, a *column*, average that shard; the data plane of a rank is its
-column."""
+column. The ranks of one node, a *row*, agree on whether a step (or round) is skipped: each
+column finds the faults in its own data only."""
 
 from __future__ import annotations
 
@@ -33,3 +34,16 @@ def column_channel(mesh, timeout: float, lanes: tuple[str, ...] = ("q", "dense")
     for column in mesh.mesh.transpose(0, 1).tolist():  # one replicate group per shard index
         channel = new_channel(column, timeout, backend, lanes=lanes) or channel
     return channel
+
+
+def node_channel(mesh, timeout: float) -> ProcessGroupChannel | None:
+    """This rank's row (its node's shard group), on new process groups, for the agreement on a
+    skipped step inside the node; None with one rank a node (a column is then the whole job).
+    Every rank makes every row's group, in the same order (``new_group`` is collective)."""
+    import torch.distributed as dist
+
+    backend = dist.get_backend(mesh.get_group("replicate"))
+    channel = None
+    for row in mesh.mesh.tolist():  # one shard group per node
+        channel = new_channel(row, timeout, backend) or channel
+    return channel if mesh.size(1) > 1 else None

@@ -20,9 +20,10 @@ inner step, which averages the ranks' models plainly, no outer momentum: the per
 accordion_hvd/diloco.py). With ``overhead`` set it is where the link allows: the smallest rung
 at which a round, spread over the rung's inner steps, costs at most ``overhead`` of an inner
 step, both measured on this job over the last window (``IntervalReport.round_s`` and
-``step_s``); where a round takes as long as ten inner steps and ``overhead`` is 0.1, it is 16
-with the default ladder (1, 4, 16, 64). Before the first measurement the floor is the first
-rung.
+``step_s``), or the top rung where none is that cheap: where a round takes as long as ten
+inner steps, with the default ladder (1, 4, 16, 64) it is 16 at ``overhead=1`` and 64 at 0.1
+(no rung spreads it to a tenth of a step). Before the first measurement the floor is the
+first rung.
 
 Why the link term is off by default (``overhead=None``): it is not what evidence-v3 measured.
 Until the fix that came with this paragraph, ``acc.DiLoCo`` timed the inner steps *without* a
@@ -77,8 +78,8 @@ class SyncInterval:
             the last (the window).
         eta: the threshold on the relative change of the window's gradient norm (paper: 0.5).
         overhead: with a number, the floor rung is the smallest at which a round costs at
-            most this fraction of an inner step (module doc: not measured for time to
-            quality yet); None (the default): always the first rung.
+            most this fraction of an inner step, else the top rung (module doc: not measured
+            for time to quality yet); None (the default): always the first rung.
     """
 
     name = "accordion-interval"

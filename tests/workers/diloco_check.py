@@ -14,6 +14,9 @@ MODE "local-sgd": outer_lr=1, outer_momentum=0 is model averaging: after each ro
 rank holds the mean of the ranks' local parameters.
 MODE "nonfinite": a NaN in rank 1's parameters before round 2: the round is skipped on every
 rank, every rank back at the round's start, and the next round goes on.
+MODE "nonfinite-momentum": a NaN in rank 1's gradient inside round 2, under SGD with momentum
+(the NaN kept in its momentum buffer): round 2 is skipped on every rank, rank 1's inner state
+starts again, and the rounds after it go on (not skipped, finite, moving).
 MODE "resume": a state_dict taken after 2 rounds, loaded into a fresh DiLoCo, continues bit
 for bit as the run that saved it.
 MODE "auto": sync_every=acc.SyncInterval((1, 2, 4), eta, overhead=None: no clock) step by step against a plain-torch
@@ -200,6 +203,28 @@ elif mode == "nonfinite":
     for a in got:
         check(same_everywhere(a), "the ranks' parameters differ")
     say(f"rank {rank}: OK nonfinite")
+elif mode == "nonfinite-momentum":
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
+    diloco = acc.DiLoCo(model, opt, acc.AccordionCompressor(acc.Quantize(8, min_numel=64), policy="static"),
+                        sync_every=H)
+    after = []
+    for i in range(H * ROUNDS):
+        x, y = DATA[i]
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        if i + 1 == 2 * H - 1 and rank == 1:
+            model[0].weight.grad[0, 0] = float("nan")
+        opt.step()
+        if diloco.step():
+            after.append(flat(model).clone())
+    check(diloco.skipped == 1, f"{diloco.skipped} rounds skipped, expected 1 (round 2 alone)")
+    check(torch.equal(after[1], after[0]), "the skipped round moved the parameters")
+    for r in range(2, ROUNDS):
+        check(torch.isfinite(after[r]).all() and not torch.equal(after[r], after[r - 1]), f"round {r + 1} did not go on")
+    for a in after:
+        check(same_everywhere(a), "the ranks' parameters differ")
+    say(f"rank {rank}: OK nonfinite-momentum")
 elif mode == "resume":
     def run(rounds, state=None, sync_every=H):
         model = make_model()

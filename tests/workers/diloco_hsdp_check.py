@@ -15,8 +15,12 @@ rank; nodes differ between rounds (nothing crosses them) and agree at each round
 MODE "overlap": the same with ``overlap=True`` (each round lands at the next, each rank's model
 its result plus the progress since the launch; the reference likewise); after ``flush()`` the
 nodes agree.
-MODE "bad-input": a model sharded over the whole mesh, a sharded model without mesh= and a
-mesh of the wrong shape are each refused with a ValueError naming ``mesh``, on every rank.
+MODE "nonfinite": a NaN in one rank's shard of one parameter inside round 2, so that one column
+alone finds it in its data: the ranks of each node agree, round 2 is skipped on every rank
+(the whole model back at the round's start), and round 3 goes on.
+MODE "bad-input": a model sharded over the whole mesh, a sharded model without mesh=, a mesh
+of the wrong shape and a model with parameters left unsharded are each refused with a
+ValueError naming ``mesh``, on every rank.
 """
 
 import sys
@@ -139,6 +143,30 @@ if mode in ("lossless", "overlap"):
         check(node_agrees(whole(model)), "the ranks disagree after flush()")
     say(f"rank {rank}: OK {mode}")
 
+elif mode == "nonfinite":
+    model = sharded(make_model(), mesh["shard"])
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    compressor = acc.AccordionCompressor(acc.Quantize(8, min_numel=64), policy="static")
+    diloco = acc.DiLoCo(model, opt, compressor, sync_every=H, mesh=mesh)
+    after = []
+    for i in range(H * ROUNDS):
+        x, y = DATA[i]
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+        if i + 1 == 2 * H and rank == 1:  # one shard of one node: column 1 alone sees it
+            with torch.no_grad():
+                model[0].weight.to_local()[0, 0] = float("nan")
+        if diloco.step():
+            after.append(whole(model))
+    check(diloco.skipped == 1, f"rank {rank}: {diloco.skipped} rounds skipped, expected 1 (round 2, on every rank)")
+    check(all(torch.equal(a, b) for a, b in zip(after[1], after[0])), "the skipped round moved the parameters")
+    check(all(torch.isfinite(a).all() for a in after[2]) and not all(torch.equal(a, b) for a, b in zip(after[2], after[1])),
+          "round 3 did not go on")
+    for got in after:
+        check(node_agrees(got), "the ranks disagree after a round")
+    say(f"rank {rank}: OK {mode}")
+
 elif mode == "bad-input":
     def refused(make, what):
         try:
@@ -154,6 +182,9 @@ elif mode == "bad-input":
     refused(diloco_of(sharded(make_model(), mesh), mesh=mesh), "sharded over the whole mesh")
     refused(diloco_of(sharded(make_model(), mesh["shard"])), "sharded, without mesh=")
     refused(diloco_of(sharded(make_model(), mesh["shard"]), mesh=mesh["shard"]), "a 1-D mesh")
+    partly = make_model()
+    fully_shard(partly[0], mesh=mesh["shard"])  # the second layer left plain
+    refused(diloco_of(partly, mesh=mesh), "a model partly sharded")
     say(f"rank {rank}: OK bad-input")
 
 leave_torch_distributed(dist)

@@ -9,6 +9,9 @@ hold the same model.
 MODE "auto": acc.SyncInterval((1, 2, 4)): the rounds at interval 1 (the start, after a decay)
 synchronous and plain averages, the others overlapped: the reference's parameters after
 every step, the ranks equal after each round at interval 1.
+MODE "auto-reset": the same with reset_momentum=True: where the decay's window lowers the
+interval, the round in flight lands first, then the outer momentum is zeroed (else that round,
+landing later, would refill it with a pseudo-gradient of the old learning rate).
 MODE "nonfinite": a NaN on rank 1 in the round in flight: it is skipped when it lands, every
 rank back at the start-of-round parameters (the progress since dropped), the next one goes on.
 MODE "resume": a state_dict taken with a round in flight (it lands first), loaded into a fresh
@@ -59,9 +62,10 @@ def lossless():
     return acc.AccordionCompressor(acc.TopK(1.0, min_compression_rate=0.5), policy="static")
 
 
-def reference(steps, interval_at, decay_at=None, auto=False):
+def reference(steps, interval_at, decay_at=None, auto=False, reset=False):
     """Overlapped DiLoCo: the parameters after each inner step and whether a round started.
-    ``interval_at(i)``: the interval in force at inner step i."""
+    ``interval_at(i)``: the interval in force at inner step i; ``reset``: where it falls, the
+    round in flight lands and the outer momentum is zeroed."""
     model = make_model()
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     params = list(model.parameters())
@@ -100,14 +104,19 @@ def reference(steps, interval_at, decay_at=None, auto=False):
                 else:
                     pending = land(average, plain, None)
                 since = 0
+            if reset and i + 1 < steps and interval_at(i + 1) < interval:
+                if pending is not None:
+                    pending = land(*pending)
+                outer.state.clear()  # (SGD starts a cleared buffer as the next gradient: as zeroed)
         out.append(flat(model).clone())
     return out
 
 
-def ours(steps, sync_every, decay_at=None, poison=None, compressor=None):
+def ours(steps, sync_every, decay_at=None, poison=None, compressor=None, reset=False):
     model = make_model()
     opt = torch.optim.SGD(model.parameters(), lr=LR)
-    diloco = acc.DiLoCo(model, opt, compressor or lossless(), sync_every=sync_every, overlap=True)
+    diloco = acc.DiLoCo(model, opt, compressor or lossless(), sync_every=sync_every, overlap=True,
+                        reset_momentum=reset)
     out, intervals = [], []
     for i in range(steps):
         if i == decay_at:
@@ -137,18 +146,19 @@ if mode == "lossless":
     diloco.flush()
     check(diloco.launched is None and same_everywhere(flat(model)), "flush() did not land the round")
     say(f"rank {rank}: OK lossless, {diloco.syncs} rounds")
-elif mode == "auto":
-    STEPS, DECAY = 40, 26
-    got, intervals, diloco, _ = ours(STEPS, acc.SyncInterval(LADDER, eta=CALM, overhead=None), decay_at=DECAY)
+elif mode in ("auto", "auto-reset"):
+    STEPS, DECAY, RESET = 40, 26, mode == "auto-reset"
+    got, intervals, diloco, _ = ours(STEPS, acc.SyncInterval(LADDER, eta=CALM, overhead=None), decay_at=DECAY,
+                                     reset=RESET)
     # in force at each step: 1 at the start, up the ladder while calm, 1 again after the decay
     check(intervals[:8] == [1] * 8 and intervals[8:12] == [2] * 4 and intervals[12:28] == [4] * 16
           and intervals[28:32] == [1] * 4 and intervals[32] == 2, f"intervals {intervals}")
-    expected = reference(STEPS, lambda i: intervals[i], decay_at=DECAY, auto=True)
+    expected = reference(STEPS, lambda i: intervals[i], decay_at=DECAY, auto=True, reset=RESET)
     for i, (a, b) in enumerate(zip(got, expected)):
         check(close(a, b), f"step {i + 1}: max |ours - reference| {(a - b).abs().max():.3g}")
         if intervals[i] == 1:  # a synchronous round at this step: one model everywhere
             check(same_everywhere(a), f"step {i + 1}: the ranks differ after a round at interval 1")
-    say(f"rank {rank}: OK auto, {diloco.syncs} rounds")
+    say(f"rank {rank}: OK {mode}, {diloco.syncs} rounds")
 elif mode == "nonfinite":
     compressor = acc.AccordionCompressor(acc.Quantize(8, min_numel=64), policy="static")
     got, _, diloco, model = ours(4 * H, H, poison=2 * H - 1, compressor=compressor)
