@@ -45,6 +45,11 @@ VARIANTS = {  # name -> (evidence-v3's method, extra CLI flags)
     # it is the task's one-rank rate)
     "auto-lr1": ("diloco-auto", ["--lr", "LR/2"]),
     "auto-reset-lr1": ("diloco-auto", ["--reset-momentum", "--lr", "LR/2"]),
+    # the ladder's top rung 16, not 64 (so also windows of 16 inner steps): rounds at most 16
+    # inner steps apart, where the transformer's runs fell behind 16-bit dense by 1.5-2 points
+    # before the decay with rounds of 64
+    "auto-reset-lr1-top16": ("diloco-auto", ["--reset-momentum", "--lr", "LR/2", "--sync-ladder", "1,4,16"]),
+    "auto-reset-top16": ("diloco-auto", ["--reset-momentum", "--sync-ladder", "1,4,16"]),
 }
 
 

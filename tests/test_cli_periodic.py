@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from accordion_hvd.cli.options import parse_args
+from accordion_hvd.policies import SyncInterval
 from launch import run_ddp_module, torchrun
 
 COMMON = ["--launcher", "ddp", "--no-progress", "--lr-milestones", "2"]
@@ -170,8 +171,19 @@ def test_diloco_across_the_nodes_of_fsdp_trains_and_resumes_bit_for_bit(tmp_path
     (["--launcher", "ddp", "--sync", "diloco", "--sync-every", "8", "--reset-momentum"],
      "--reset-momentum is for --sync-every auto"),
     (["--launcher", "ddp", "--reset-momentum"], "--reset-momentum is for --sync diloco"),
+    (["--launcher", "ddp", "--sync", "diloco", "--sync-every", "8", "--sync-ladder", "1,4"],
+     "--sync-ladder is the ladder of --sync-every auto"),
+    (["--launcher", "ddp", "--sync", "diloco", "--sync-ladder", "1,3,4"], "--sync-ladder: ladder must be"),
+    (["--launcher", "ddp", "--sync", "diloco", "--sync-ladder", "one"], "comma-separated numbers"),
+    (["--launcher", "ddp", "--sync-ladder", "1,4"], "--sync-ladder is for --sync diloco"),
 ])
 def test_periodic_flags_are_refused_where_they_do_not_apply(argv, message, capsys):
     with pytest.raises(SystemExit):
         parse_args(argv)
     assert message in capsys.readouterr().err
+
+
+def test_the_ladder_flag_makes_the_interval_policy():
+    args = parse_args(["--launcher", "ddp", "--sync", "diloco", "--sync-ladder", "1,4,16", "--reset-momentum"])
+    assert isinstance(args.sync_every, SyncInterval) and args.sync_every.ladder == (1, 4, 16)
+    assert parse_args(["--launcher", "ddp", "--sync", "diloco"]).sync_every == "auto"

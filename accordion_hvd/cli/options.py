@@ -10,7 +10,7 @@ import torch
 
 from ..codecs import PowerSGD, Quantize, TopK
 from ..horovod.compressor import AccordionCompressor
-from ..policies import Accordion, GraVAC, LinkGate, NetworkAware
+from ..policies import Accordion, GraVAC, LinkGate, NetworkAware, SyncInterval
 from .baselines import Uncompressed
 from .frontends import LAUNCHERS
 from .periodic import SYNCS
@@ -62,6 +62,13 @@ def low_rate_policy(args, name):
     return LinkGate(accordion) if name == "link-gate" else accordion
 
 
+def _ladder(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(rung) for rung in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be comma-separated numbers of steps such as 1,4,16, got {text!r}") from None
+
+
 def _interval(text: str):
     if text == "auto":
         return text
@@ -76,15 +83,17 @@ def _interval(text: str):
 
 def _check_sync(p, args) -> None:
     """--sync and its flags: refused where they do not apply, defaults resolved."""
-    periodic = ("sync_every", "outer_lr", "outer_momentum", "overlap", "reset_momentum", "localsgd_warmup")
+    periodic = ("sync_every", "outer_lr", "outer_momentum", "overlap", "reset_momentum", "sync_ladder",
+                "localsgd_warmup")
     defaults = {"sync_every": None, "outer_lr": 0.7, "outer_momentum": 0.9, "overlap": False, "reset_momentum": False,
-                "localsgd_warmup": 100}
-    own = {"diloco": ("sync_every", "outer_lr", "outer_momentum", "overlap", "reset_momentum"),
+                "sync_ladder": None, "localsgd_warmup": 100}
+    own = {"diloco": ("sync_every", "outer_lr", "outer_momentum", "overlap", "reset_momentum", "sync_ladder"),
            "torch-localsgd": ("sync_every", "localsgd_warmup")}
     given = [n for n in periodic if getattr(args, n) != defaults[n] and n not in own.get(args.sync, ())]
     if given:
         whose = {"sync_every": "diloco or torch-localsgd", "outer_lr": "diloco", "outer_momentum": "diloco",
-                 "overlap": "diloco", "reset_momentum": "diloco", "localsgd_warmup": "torch-localsgd"}
+                 "overlap": "diloco", "reset_momentum": "diloco", "sync_ladder": "diloco",
+                 "localsgd_warmup": "torch-localsgd"}
         p.error(f"--{given[0].replace('_', '-')} is for --sync {whose[given[0]]}"
                 f"{'' if args.sync == 'every-step' else f', not --sync {args.sync}'}")
     if args.sync == "every-step":
@@ -117,6 +126,13 @@ def _check_sync(p, args) -> None:
     if args.codec == "none" and args.sync_every == "auto":
         p.error("--sync-every auto is our interval policy, with our compression: with --codec none (DiLoCo as "
                 "published) give --sync-every N")
+    if args.sync_ladder is not None:
+        if args.sync_every != "auto":
+            p.error(f"--sync-ladder is the ladder of --sync-every auto, got --sync-every {args.sync_every}")
+        try:
+            args.sync_every = SyncInterval(ladder=args.sync_ladder)
+        except ValueError as exc:
+            p.error(f"--sync-ladder: {exc}")
     if not args.outer_lr > 0 or not 0 <= args.outer_momentum < 1:
         p.error(f"--outer-lr must be positive and --outer-momentum in [0, 1), got {args.outer_lr} and "
                 f"{args.outer_momentum}")
@@ -174,6 +190,9 @@ def parse_args(argv=None, description: str | None = None) -> argparse.Namespace:
     p.add_argument("--reset-momentum", action="store_true",
                    help="--sync diloco --sync-every auto: zero the outer momentum when a critical window lowers the "
                         "interval (acc.DiLoCo(reset_momentum=True); not measured yet)")
+    p.add_argument("--sync-ladder", type=_ladder, default=None,
+                   help="--sync diloco --sync-every auto: the intervals it chooses from, comma-separated, each "
+                        "dividing the last (default: 1,4,16,64; acc.SyncInterval(ladder=...))")
     p.add_argument("--localsgd-warmup", type=int, default=100,
                    help="--sync torch-localsgd: steps averaged every step before local SGD starts")
     p.add_argument("--codec", choices=CODECS, default="default",
