@@ -50,6 +50,11 @@ VARIANTS = {  # name -> (evidence-v3's method, extra CLI flags)
     # before the decay with rounds of 64
     "auto-reset-lr1-top16": ("diloco-auto", ["--reset-momentum", "--lr", "LR/2", "--sync-ladder", "1,4,16"]),
     "auto-reset-top16": ("diloco-auto", ["--reset-momentum", "--sync-ladder", "1,4,16"]),
+    # plain averaging at every interval (outer lr 1, no momentum: local SGD with our codecs and
+    # interval): the paper's outer Nesterov (0.7, 0.9) was tuned for rounds of 500 steps, and
+    # v3's H pilot of diloco-paper got worse as H fell (transformer 37.28 at 256, 42.33 at 64,
+    # 81.59 at 16); the auto ladder spends most rounds at 4 to 64
+    "auto-plain": ("diloco-auto", ["--outer-lr", "1", "--outer-momentum", "0"]),
 }
 
 
