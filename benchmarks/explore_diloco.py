@@ -55,6 +55,9 @@ VARIANTS = {  # name -> (evidence-v3's method, extra CLI flags)
     # v3's H pilot of diloco-paper got worse as H fell (transformer 37.28 at 256, 42.33 at 64,
     # 81.59 at 16); the auto ladder spends most rounds at 4 to 64
     "auto-plain": ("diloco-auto", ["--outer-lr", "1", "--outer-momentum", "0"]),
+    "auto-plain-lr1-top16": ("diloco-auto", ["--outer-lr", "1", "--outer-momentum", "0", "--lr", "LR/2",
+                                             "--sync-ladder", "1,4,16"]),
+    "auto-window16-plain": ("diloco-auto", ["--interval", "16", "--outer-lr", "1", "--outer-momentum", "0"]),
 }
 
 
