@@ -15,7 +15,7 @@ from .comm.mesh import check_mesh
 from .policies import SyncInterval
 
 
-def check_arguments(sync_every, outer_lr, outer_momentum, overlap, reset_momentum=False) -> None:
+def check_arguments(sync_every, outer_lr, outer_momentum, overlap, reset_momentum=False, plain_below=None) -> None:
     if not (sync_every == "auto" or isinstance(sync_every, SyncInterval)) and (
             isinstance(sync_every, bool) or not isinstance(sync_every, numbers.Integral) or sync_every < 1):
         raise ValueError(f"sync_every must be a positive integer (inner steps per round), \"auto\" or an "
@@ -29,6 +29,9 @@ def check_arguments(sync_every, outer_lr, outer_momentum, overlap, reset_momentu
         raise TypeError(f"overlap must be True or False, got {overlap!r}")
     if not isinstance(reset_momentum, bool):
         raise TypeError(f"reset_momentum must be True or False, got {reset_momentum!r}")
+    if plain_below is not None and (isinstance(plain_below, bool) or not isinstance(plain_below, numbers.Integral)
+                                    or plain_below < 1):
+        raise ValueError(f"plain_below must be a positive integer (inner steps), got {plain_below!r}")
     if reset_momentum and not (sync_every == "auto" or isinstance(sync_every, SyncInterval)):
         raise ValueError(f"reset_momentum needs an interval policy (sync_every=\"auto\" or an acc.SyncInterval): "
                          f"at a fixed sync_every={sync_every!r} the interval never falls")

@@ -58,6 +58,17 @@ VARIANTS = {  # name -> (evidence-v3's method, extra CLI flags)
     "auto-plain-lr1-top16": ("diloco-auto", ["--outer-lr", "1", "--outer-momentum", "0", "--lr", "LR/2",
                                              "--sync-ladder", "1,4,16"]),
     "auto-window16-plain": ("diloco-auto", ["--interval", "16", "--outer-lr", "1", "--outer-momentum", "0"]),
+    # the outer momentum for the top rung's rounds (64 inner steps) only, shorter rounds plain
+    # averages (acc.DiLoCo(plain_below=64)): in a round of a few inner steps the pseudo-gradient
+    # is close to the last one, so Nesterov's 0.7 / (1 - 0.9) moves the model ~7x as far as the
+    # inner steps did; the transformer lost most to it in its first epoch (auto-plain 56.6 vs
+    # auto 69.8 at step 168, rounds of 4 and 16), the LSTM gained from it over epochs 1-3
+    "auto-reset-plain64": ("diloco-auto", ["--reset-momentum", "--plain-below", "64"]),
+    # plain averaging with rounds of at most 4 or 16 inner steps (the ladder's top rung): is the
+    # interval the transformer's remaining lever once the outer step is plain? (PyTorch's local
+    # SGD, rounds of 4, ended the LSTM level with 16-bit dense, 31.98 vs 31.84, in v3)
+    "auto-plain-top4": ("diloco-auto", ["--outer-lr", "1", "--outer-momentum", "0", "--sync-ladder", "1,4"]),
+    "auto-plain-top16": ("diloco-auto", ["--outer-lr", "1", "--outer-momentum", "0", "--sync-ladder", "1,4,16"]),
 }
 
 

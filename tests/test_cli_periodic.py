@@ -176,6 +176,10 @@ def test_diloco_across_the_nodes_of_fsdp_trains_and_resumes_bit_for_bit(tmp_path
     (["--launcher", "ddp", "--sync", "diloco", "--sync-ladder", "1,3,4"], "--sync-ladder: ladder must be"),
     (["--launcher", "ddp", "--sync", "diloco", "--sync-ladder", "one"], "comma-separated numbers"),
     (["--launcher", "ddp", "--sync-ladder", "1,4"], "--sync-ladder is for --sync diloco"),
+    (["--launcher", "ddp", "--plain-below", "64"], "--plain-below is for --sync diloco"),
+    (["--launcher", "ddp", "--sync", "diloco", "--codec", "none", "--sync-every", "4", "--plain-below", "8"],
+     "--plain-below is our DiLoCo's"),
+    (["--launcher", "ddp", "--sync", "diloco", "--plain-below", "0"], "--plain-below must be a positive number"),
 ])
 def test_periodic_flags_are_refused_where_they_do_not_apply(argv, message, capsys):
     with pytest.raises(SystemExit):
@@ -187,3 +191,12 @@ def test_the_ladder_flag_makes_the_interval_policy():
     args = parse_args(["--launcher", "ddp", "--sync", "diloco", "--sync-ladder", "1,4,16", "--reset-momentum"])
     assert isinstance(args.sync_every, SyncInterval) and args.sync_every.ladder == (1, 4, 16)
     assert parse_args(["--launcher", "ddp", "--sync", "diloco"]).sync_every == "auto"
+
+
+def test_the_diloco_flags_become_acc_diloco_keyword_arguments():
+    from accordion_hvd.cli.options import diloco_options
+
+    args = parse_args(["--launcher", "ddp", "--sync", "diloco", "--reset-momentum", "--plain-below", "64",
+                       "--outer-lr", "1", "--outer-momentum", "0.5"])
+    assert diloco_options(args) == {"sync_every": "auto", "outer_lr": 1.0, "outer_momentum": 0.5, "overlap": False,
+                                    "reset_momentum": True, "plain_below": 64}

@@ -5,6 +5,7 @@ SGD). Apart from both, so that neither module imports the other's."""
 from __future__ import annotations
 
 from .frontends import DDPFrontEnd, FSDPFrontEnd, HorovodFrontEnd
+from .options import diloco_options
 from .periodic import DiLoCoFrontEnd, HSDPDiLoCoFrontEnd, TorchLocalSGDFrontEnd
 
 
@@ -15,11 +16,9 @@ def make_front_end(args, device_type: str, ours: bool = False):
     ``quiet_horovod_cycle``)."""
     if args.sync != "every-step":  # under torchrun (options.py refuses other launchers)
         if args.sync == "diloco" and args.launcher == "fsdp":
-            return HSDPDiLoCoFrontEnd(device_type, args.nodes, args.reduce_dtype, args.sync_every, args.outer_lr,
-                                      args.outer_momentum, args.overlap, args.reset_momentum)
+            return HSDPDiLoCoFrontEnd(device_type, args.nodes, args.reduce_dtype, diloco_options(args))
         if args.sync == "diloco":
-            return DiLoCoFrontEnd(device_type, args.sync_every, args.outer_lr, args.outer_momentum, args.overlap,
-                                  args.reset_momentum)
+            return DiLoCoFrontEnd(device_type, diloco_options(args))
         return TorchLocalSGDFrontEnd(device_type, args.sync_every, args.localsgd_warmup)
     if args.launcher == "fsdp":
         return FSDPFrontEnd(device_type, args.nodes, args.reduce_dtype)

@@ -84,15 +84,16 @@ def _interval(text: str):
 def _check_sync(p, args) -> None:
     """--sync and its flags: refused where they do not apply, defaults resolved."""
     periodic = ("sync_every", "outer_lr", "outer_momentum", "overlap", "reset_momentum", "sync_ladder",
-                "localsgd_warmup")
+                "plain_below", "localsgd_warmup")
     defaults = {"sync_every": None, "outer_lr": 0.7, "outer_momentum": 0.9, "overlap": False, "reset_momentum": False,
-                "sync_ladder": None, "localsgd_warmup": 100}
-    own = {"diloco": ("sync_every", "outer_lr", "outer_momentum", "overlap", "reset_momentum", "sync_ladder"),
+                "sync_ladder": None, "plain_below": None, "localsgd_warmup": 100}
+    own = {"diloco": ("sync_every", "outer_lr", "outer_momentum", "overlap", "reset_momentum", "sync_ladder",
+                      "plain_below"),
            "torch-localsgd": ("sync_every", "localsgd_warmup")}
     given = [n for n in periodic if getattr(args, n) != defaults[n] and n not in own.get(args.sync, ())]
     if given:
         whose = {"sync_every": "diloco or torch-localsgd", "outer_lr": "diloco", "outer_momentum": "diloco",
-                 "overlap": "diloco", "reset_momentum": "diloco", "sync_ladder": "diloco",
+                 "overlap": "diloco", "reset_momentum": "diloco", "sync_ladder": "diloco", "plain_below": "diloco",
                  "localsgd_warmup": "torch-localsgd"}
         p.error(f"--{given[0].replace('_', '-')} is for --sync {whose[given[0]]}"
                 f"{'' if args.sync == 'every-step' else f', not --sync {args.sync}'}")
@@ -117,9 +118,12 @@ def _check_sync(p, args) -> None:
     if args.launcher == "fsdp" and args.codec == "none":
         p.error("--launcher fsdp --sync diloco runs our DiLoCo across the nodes: --codec default or one of ours "
                 f"({', '.join(OURS)}); DiLoCo as published (--codec none) runs under --launcher ddp")
-    if args.codec == "none" and args.overlap:
-        p.error("--overlap is our DiLoCo's (acc.DiLoCo(overlap=True)), with our compression: not with --codec none "
-                "(DiLoCo as published)")
+    for flag, name in (("overlap", "overlap=True"), ("plain_below", "plain_below=N")):
+        if args.codec == "none" and getattr(args, flag) not in (False, None):
+            p.error(f"--{flag.replace('_', '-')} is our DiLoCo's (acc.DiLoCo({name})), with our compression: not with "
+                    "--codec none (DiLoCo as published)")
+    if args.plain_below is not None and args.plain_below < 1:
+        p.error(f"--plain-below must be a positive number of inner steps, got {args.plain_below}")
     if args.reset_momentum and args.sync_every != "auto":
         p.error(f"--reset-momentum is for --sync-every auto (the interval falls only there), got --sync-every "
                 f"{args.sync_every}")
@@ -153,6 +157,12 @@ class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
         shown = ("off" if default is False else
                  "none" if default is None or (isinstance(default, (str, list)) and not default) else "%(default)s")
         return f"{text} (default: {shown})"
+
+
+def diloco_options(args) -> dict:
+    """``acc.DiLoCo``'s keyword arguments from the checked flags of ``--sync diloco``."""
+    return {"sync_every": args.sync_every, "outer_lr": args.outer_lr, "outer_momentum": args.outer_momentum,
+            "overlap": args.overlap, "reset_momentum": args.reset_momentum, "plain_below": args.plain_below}
 
 
 def parse_args(argv=None, description: str | None = None) -> argparse.Namespace:
@@ -190,6 +200,10 @@ def parse_args(argv=None, description: str | None = None) -> argparse.Namespace:
     p.add_argument("--reset-momentum", action="store_true",
                    help="--sync diloco --sync-every auto: zero the outer momentum when a critical window lowers the "
                         "interval (acc.DiLoCo(reset_momentum=True); not measured yet)")
+    p.add_argument("--plain-below", type=int, default=None,
+                   help="--sync diloco (ours): rounds of fewer inner steps than this are plain averages, the outer "
+                        "momentum kept for longer ones (acc.DiLoCo(plain_below=N); default 2 with --sync-every auto, "
+                        "1 otherwise)")
     p.add_argument("--sync-ladder", type=_ladder, default=None,
                    help="--sync diloco --sync-every auto: the intervals it chooses from, comma-separated, each "
                         "dividing the last (default: 1,4,16,64; acc.SyncInterval(ladder=...))")

@@ -2,9 +2,9 @@
 copy of the model and the copies meet every so many steps, not every step.
 
 - ``--sync diloco`` with our compression (``--codec default`` or one of ours):
-  ``acc.DiLoCo(model, opt, compressor, sync_every=--sync-every, outer_lr=--outer-lr,
-  outer_momentum=--outer-momentum, overlap=--overlap, reset_momentum=--reset-momentum)``
-  (accordion_hvd/diloco.py), ``--sync-every auto`` its interval policy.
+  ``acc.DiLoCo(model, opt, compressor, **options)``, the options from the flags
+  (options.py ``diloco_options``: ``sync_every=--sync-every``, ``outer_lr=--outer-lr``, ...;
+  accordion_hvd/diloco.py), ``--sync-every auto`` its interval policy.
 - ``--launcher fsdp --sync diloco`` (ours): each node's ranks shard the model with FSDP2 over
   the mesh's ``shard`` dimension (in step every inner step, inside the node) and the rounds
   cross the nodes (``acc.DiLoCo(..., mesh=mesh)``); its state goes into the
@@ -47,25 +47,22 @@ class DiLoCoFrontEnd(DDPFrontEnd):
     name = sync = "diloco"
     label = "torchrun, DiLoCo"
 
-    def __init__(self, device_type: str, sync_every, outer_lr: float, outer_momentum: float,
-                 overlap: bool = False, reset_momentum: bool = False) -> None:
+    def __init__(self, device_type: str, options: dict) -> None:
         super().__init__(device_type)
-        self.sync_every, self.outer_lr, self.outer_momentum = sync_every, outer_lr, outer_momentum
-        self.overlap, self.reset_momentum = overlap, reset_momentum
+        self.options = options  # acc.DiLoCo's keyword arguments (options.py diloco_options)
         self.periodic = None  # acc.DiLoCo or PlainDiLoCo, once wrapped
 
     def wrap(self, model: torch.nn.Module, opt: torch.optim.Optimizer, compression, device: torch.device):
         broadcast_model(model, self.dist)  # every rank starts from rank 0's model, as DDP would
+        every = self.options["sync_every"]
         if isinstance(compression, Compressor):
-            self.periodic = DiLoCo(model, opt, compression, sync_every=self.sync_every, outer_lr=self.outer_lr,
-                                   outer_momentum=self.outer_momentum, overlap=self.overlap,
-                                   reset_momentum=self.reset_momentum)
-            self.label = (f"torchrun, DiLoCo (sync_every={self.sync_every}, our compression"
-                          f"{', overlapped' if self.overlap else ''})")
+            self.periodic = DiLoCo(model, opt, compression, **self.options)
+            self.label = (f"torchrun, DiLoCo (sync_every={every}, our compression"
+                          f"{', overlapped' if self.options.get('overlap') else ''})")
         else:
-            self.periodic = PlainDiLoCo(model, self.dist, compression, self.sync_every, self.outer_lr,
-                                        self.outer_momentum)
-            self.label = f"torchrun, DiLoCo as published (sync_every={self.sync_every}, float32 average)"
+            self.periodic = PlainDiLoCo(model, self.dist, compression, every, self.options["outer_lr"],
+                                        self.options["outer_momentum"])
+            self.label = f"torchrun, DiLoCo as published (sync_every={every}, float32 average)"
         return model, opt
 
     def step(self, opt, compression) -> None:
@@ -96,21 +93,17 @@ class HSDPDiLoCoFrontEnd(FSDPFrontEnd):
     sync = "diloco"
     label = "fsdp, DiLoCo"
 
-    def __init__(self, device_type: str, nodes: int | None, reduce_dtype: str | None, sync_every, outer_lr: float,
-                 outer_momentum: float, overlap: bool = False, reset_momentum: bool = False) -> None:
+    def __init__(self, device_type: str, nodes: int | None, reduce_dtype: str | None, options: dict) -> None:
         super().__init__(device_type, nodes, reduce_dtype)
-        self.sync_every, self.outer_lr, self.outer_momentum = sync_every, outer_lr, outer_momentum
-        self.overlap, self.reset_momentum = overlap, reset_momentum
+        self.options = options  # acc.DiLoCo's keyword arguments (options.py diloco_options)
         self.periodic = None  # acc.DiLoCo, once wrapped
 
     def wrap(self, model: torch.nn.Module, opt: torch.optim.Optimizer, compression, device: torch.device):
         broadcast_model(model, self.dist)  # every rank starts from rank 0's model, as FSDP would
-        self.label = (f"fsdp over {self.nodes} nodes, DiLoCo across them (sync_every={self.sync_every}, our compression"
-                      f"{', overlapped' if self.overlap else ''})")
+        self.label = (f"fsdp over {self.nodes} nodes, DiLoCo across them (sync_every={self.options['sync_every']}, "
+                      f"our compression{', overlapped' if self.options.get('overlap') else ''})")
         model, opt, mesh = self.shard(model, opt, compression, within_nodes=True)  # (may add ", reduce in bfloat16")
-        self.periodic = DiLoCo(model, opt, compression, sync_every=self.sync_every, outer_lr=self.outer_lr,
-                               outer_momentum=self.outer_momentum, mesh=mesh, overlap=self.overlap,
-                               reset_momentum=self.reset_momentum)
+        self.periodic = DiLoCo(model, opt, compression, mesh=mesh, **self.options)
         self.hook = DiLoCoCheckpoint(self.periodic, opt, f"{self.nodes}x{self.size // self.nodes}", self.rank)
         return model, opt
 

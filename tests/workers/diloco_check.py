@@ -23,7 +23,7 @@ MODE "auto": sync_every=acc.SyncInterval((1, 2, 4), eta, overhead=None: no clock
 DiLoCo with the same interval rule written out here (gradient norms reduced per window, the
 ladder climbed while calm, the first rung after a learning-rate decay, a round at interval 1
 a plain average), without and with reset_momentum (the outer momentum zeroed when the decay's
-window lowers the interval): the same intervals and parameters after every step, on every rank; the
+window lowers the interval), and with plain_below=4 (rounds at 1 and 2 plain averages): the same intervals and parameters after every step, on every rank; the
 synced() model is the last round's, the same on every rank, and the local one comes back.
 MODE "bad-input": each bad argument refused with a ValueError/TypeError naming it, on every rank.
 """
@@ -93,9 +93,10 @@ def reference_rounds(outer_lr=0.7, momentum=0.9, nesterov=True):
     return after
 
 
-def reference_auto(steps, decay_at, reset=False):
+def reference_auto(steps, decay_at, reset=False, plain_below=2):
     """Plain DiLoCo with the interval rule of policies/interval.py: (interval, parameters) after
-    each step; ``reset``: the outer momentum zeroed when a window lowers the interval."""
+    each step; ``reset``: the outer momentum zeroed when a window lowers the interval; rounds of
+    fewer than ``plain_below`` inner steps plain averages."""
     model = make_model()
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     start = [p.detach().clone() for p in model.parameters()]
@@ -115,7 +116,7 @@ def reference_auto(steps, decay_at, reset=False):
                     delta = s - p
                     sum_(delta)
                     s.grad = delta / size
-                if interval == 1:
+                if interval < plain_below:
                     for s in start:
                         s -= s.grad
                 else:
@@ -131,7 +132,8 @@ def reference_auto(steps, decay_at, reset=False):
             before, interval = interval, LADDER[0] if critical else LADDER[min(LADDER.index(interval) + 1, len(LADDER) - 1)]
             if reset and interval < before:
                 for s in start:
-                    outer.state[s]["momentum_buffer"].zero_()
+                    if outer.state[s]:  # (no outer step yet: no momentum)
+                        outer.state[s]["momentum_buffer"].zero_()
             prev, sum_sq, seen, decreased = norm, 0.0, 0, False
         out.append((interval, flat(model).clone()))
     return out
@@ -257,8 +259,10 @@ elif mode == "resume":
 elif mode == "auto":
     STEPS, DECAY = 40, 26
     finals = []
-    for reset in (False, True):  # reset_momentum: the momentum zeroed when the decay's window lowers the interval
-        expected = reference_auto(STEPS, DECAY, reset)
+    # reset_momentum: the momentum zeroed when the decay's window lowers the interval; plain_below 4:
+    # the rounds at intervals 1 and 2 plain averages, the outer momentum for those of 4 only
+    for reset, plain_below in ((False, None), (True, None), (False, 4)):
+        expected = reference_auto(STEPS, DECAY, reset, plain_below or 2)
         intervals = [interval for interval, _ in expected]
         # the rule exercised: 1 at the start, up the ladder while calm, 1 again after the decay
         # (each the interval after that step's decision; windows of 4 steps, the decay in the 7th)
@@ -268,7 +272,8 @@ elif mode == "auto":
         opt = torch.optim.SGD(model.parameters(), lr=LR)
         codec = acc.TopK(1.0, min_compression_rate=0.5)
         diloco = acc.DiLoCo(model, opt, acc.AccordionCompressor(codec, policy="static"),
-                            sync_every=acc.SyncInterval(LADDER, eta=CALM, overhead=None), reset_momentum=reset)
+                            sync_every=acc.SyncInterval(LADDER, eta=CALM, overhead=None), reset_momentum=reset,
+                            plain_below=plain_below)
         checked_synced = False
         timed, time_round = [], diloco.window.round_took  # (a spy: which steps are timed as rounds)
         diloco.window.round_took = lambda seconds: (timed.append(diloco.syncs), time_round(seconds))
@@ -292,6 +297,7 @@ elif mode == "auto":
         check(timed == list(range(1, diloco.syncs + 1)), f"rounds timed after rounds {timed}, {diloco.syncs} rounds")
         finals.append(flat(model))
     check(not torch.allclose(finals[0], finals[1]), "reset_momentum changed nothing after the decay")
+    check(not torch.allclose(finals[0], finals[2]), "plain_below=4 changed nothing")
     say(f"rank {rank}: OK auto, intervals {intervals}, {diloco.syncs} rounds")
 elif mode == "bad-input":
     model = make_model()
@@ -303,6 +309,8 @@ elif mode == "bad-input":
         (dict(outer_momentum=1.0), ValueError, "outer_momentum must be a number in [0, 1)"),
         (dict(overlap="yes"), TypeError, "overlap must be True or False"),
         (dict(sync_every=4, reset_momentum=True), ValueError, "reset_momentum needs an interval policy"),
+        (dict(plain_below=0), ValueError, "plain_below must be a positive integer"),
+        (dict(plain_below=2.5), ValueError, "plain_below must be a positive integer"),
     ]
     for kwargs, kind, text in cases:
         try:
