@@ -35,16 +35,26 @@ summed on the device (no host sync), and the wall times of its inner steps and r
 reduced once per window on the control plane, so every rank chooses the same interval. A round at interval 1
 is the per-step path: the plain average of the ranks' models (an outer step of lr 1, no
 momentum: the outer momentum, a memory of long rounds' pseudo-gradients, is left as it is).
-``plain_below=N`` makes every round of fewer than N inner steps such a plain average: the
-outer momentum then serves long rounds only. Why one might: in a round of a few inner steps the
-pseudo-gradient is close to the last round's, so Nesterov's momentum of 0.9 at lr 0.7 moves
-the model about 7 times as far as the inner steps did (0.7 / (1 - 0.9)), a step the paper's
-rounds of 500 inner steps never see (evidence-v3's pilot of DiLoCo as published on the
-transformer: 37.3 perplexity at H = 256, 42.3 at 64, 81.6 at 16).
-With ``reset_momentum=True`` that memory is dropped (zeroed) whenever a critical window lowers
-the interval: after a learning-rate decay it holds long rounds' pseudo-gradients taken at the
-old rate, and the first outer steps after the floor would apply them to a model that has
-moved on (evidence-v3's ``diloco-auto``, without it, lost 5-6 points of perplexity there).
+
+Two defaults under an interval policy, each from exploratory runs on the pilot seed (never
+scored; benchmarks/results/explore-diloco.md) and scored by protocol evidence-v4:
+
+- ``plain_below=64``: every round of fewer than 64 inner steps is such a plain average, the
+  outer optimizer's step is for the long rounds. In a round of a few inner steps the
+  pseudo-gradient is close to the last round's, so Nesterov's momentum of 0.9 at lr 0.7 moves
+  the model about 7 times as far as the inner steps did (0.7 / (1 - 0.9)), a step the paper's
+  rounds of 500 inner steps never see (evidence-v3's pilot of DiLoCo as published on the
+  transformer: 37.3 perplexity at H = 256, 42.3 at 64, 81.6 at 16). With it the transformer
+  ended 6 epochs at 29.4, not 31.3; the LSTM unchanged (30.4 and 30.3).
+- ``reset_momentum=True``: the outer momentum is dropped (zeroed) whenever a critical window
+  lowers the interval: after a learning-rate decay it holds long rounds' pseudo-gradients taken
+  at the old rate, and the first outer steps after the floor would apply them to a model that
+  has moved on (evidence-v3's ``diloco-auto``, without it, lost 5-6 points of perplexity there).
+
+The default compressor's windows are 16 rounds (``acc.AccordionCompressor(interval=16)``), not
+the per-step default's 100: a round is up to 64 inner steps, and the link gate's first window
+sends dense 16-bit (at 10 Mbit/s the LSTM's start took 520 s to the target with windows of 100,
+371 s with 16).
 
 **Overlap** (``overlap=True``, Streaming DiLoCo's overlapping of communication, Douillard et
 al. 2025, here one whole round late): a round of more than one inner step is launched and
@@ -94,6 +104,9 @@ from .policies import SyncInterval
 
 log = logging.getLogger("accordion_hvd.diloco")
 
+PLAIN_BELOW = 64   # under an interval policy: shorter rounds are plain averages (module doc)
+ROUND_WINDOW = 16  # the default compressor's windows, in rounds (module doc)
+
 
 class DiLoCo:
     """Args:
@@ -102,7 +115,7 @@ class DiLoCo:
         inner_optimizer: the optimizer the user steps every inner step, over exactly the
             model's trainable parameters.
         compressor: an ``acc.AccordionCompressor`` (or ``Compressor``) not bound to another
-            model; default: ``acc.AccordionCompressor()``'s configuration.
+            model; default: ``acc.AccordionCompressor(interval=16)`` (module doc).
         sync_every: inner steps per round: a positive integer, "auto" (``acc.SyncInterval()``,
             module doc) or an ``acc.SyncInterval`` with its own ladder.
         outer_lr: the outer optimizer's learning rate (positive).
@@ -113,20 +126,22 @@ class DiLoCo:
         overlap: launch each round of more than one inner step without waiting for it; it
             lands at the next round's start (module doc).
         reset_momentum: with an interval policy, zero the outer momentum when a critical
-            window lowers the interval (module doc). Off by default: not measured yet.
+            window lowers the interval (module doc); default: True with an interval policy,
+            False at a fixed ``sync_every`` (where True is refused: the interval never falls).
         plain_below: rounds of fewer inner steps than this are plain averages, not outer
-            steps (module doc); default 2 with an interval policy (a round of one inner step
-            is the per-step path), 1 at a fixed ``sync_every`` (every round an outer step).
+            steps (module doc); default 64 with an interval policy, 1 at a fixed
+            ``sync_every`` (every round the outer optimizer's step, as published).
         timeout: seconds a collective may take; default $ACCORDION_COLLECTIVE_TIMEOUT, else 300.
     """
 
     def __init__(self, model: torch.nn.Module, inner_optimizer: torch.optim.Optimizer,
                  compressor: Compressor | None = None, *, sync_every: int | str | SyncInterval = "auto", outer_lr: float = 0.7,
                  outer_momentum: float = 0.9, nesterov: bool = True, mesh=None, overlap: bool = False,
-                 reset_momentum: bool = False, plain_below: int | None = None, timeout: float | None = None) -> None:
+                 reset_momentum: bool | None = None, plain_below: int | None = None,
+                 timeout: float | None = None) -> None:
         from torch.nn.parallel import DistributedDataParallel
 
-        check_arguments(sync_every, outer_lr, outer_momentum, overlap, reset_momentum, plain_below)
+        check_arguments(sync_every, outer_lr, outer_momentum, overlap, reset_momentum, plain_below, nesterov)
         self.policy = (SyncInterval() if sync_every == "auto" else sync_every
                        if isinstance(sync_every, SyncInterval) else None)
         if isinstance(model, DistributedDataParallel):
@@ -142,14 +157,15 @@ class DiLoCo:
         if optimized != {id(p) for _, p in self.params}:
             raise ValueError("inner_optimizer must optimize exactly the model's trainable parameters "
                              f"({len(self.params)}); it has {len(optimized)}, not all of the model's")
-        self.compressor = Compressor() if compressor is None else compressor
+        self.compressor = Compressor(interval=ROUND_WINDOW) if compressor is None else compressor
         if not isinstance(self.compressor, Compressor):
             raise TypeError(f"compressor must be an acc.AccordionCompressor, got {type(self.compressor).__name__}")
         self.outer_lr, self.outer_momentum = float(outer_lr), float(outer_momentum)
-        self.nesterov = bool(nesterov) and self.outer_momentum > 0
-        self.overlap, self.reset_momentum = overlap, reset_momentum
+        self.nesterov = nesterov and self.outer_momentum > 0
+        self.overlap = overlap
+        self.reset_momentum = self.policy is not None if reset_momentum is None else reset_momentum
         self.interval = self.policy.interval if self.policy is not None else int(sync_every)  # inner steps per round now
-        self.plain_below = int(plain_below) if plain_below is not None else 2 if self.policy is not None else 1
+        self.plain_below = int(plain_below) if plain_below is not None else PLAIN_BELOW if self.policy is not None else 1
         self.inner = inner_optimizer
         # compared across ranks with the compressor's settings, at the first round
         self.compressor.engine.front_end = {

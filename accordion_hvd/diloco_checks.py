@@ -15,7 +15,8 @@ from .comm.mesh import check_mesh
 from .policies import SyncInterval
 
 
-def check_arguments(sync_every, outer_lr, outer_momentum, overlap, reset_momentum=False, plain_below=None) -> None:
+def check_arguments(sync_every, outer_lr, outer_momentum, overlap, reset_momentum=None, plain_below=None,
+                    nesterov=True) -> None:
     if not (sync_every == "auto" or isinstance(sync_every, SyncInterval)) and (
             isinstance(sync_every, bool) or not isinstance(sync_every, numbers.Integral) or sync_every < 1):
         raise ValueError(f"sync_every must be a positive integer (inner steps per round), \"auto\" or an "
@@ -25,10 +26,12 @@ def check_arguments(sync_every, outer_lr, outer_momentum, overlap, reset_momentu
     if isinstance(outer_momentum, bool) or not isinstance(outer_momentum, numbers.Real) \
             or not 0 <= outer_momentum < 1:
         raise ValueError(f"outer_momentum must be a number in [0, 1), got {outer_momentum!r}")
+    if not isinstance(nesterov, bool):
+        raise TypeError(f"nesterov must be True or False, got {nesterov!r}")
     if not isinstance(overlap, bool):
         raise TypeError(f"overlap must be True or False, got {overlap!r}")
-    if not isinstance(reset_momentum, bool):
-        raise TypeError(f"reset_momentum must be True or False, got {reset_momentum!r}")
+    if reset_momentum is not None and not isinstance(reset_momentum, bool):
+        raise TypeError(f"reset_momentum must be True, False or None (the default), got {reset_momentum!r}")
     if plain_below is not None and (isinstance(plain_below, bool) or not isinstance(plain_below, numbers.Integral)
                                     or plain_below < 1):
         raise ValueError(f"plain_below must be a positive integer (inner steps), got {plain_below!r}")

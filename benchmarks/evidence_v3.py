@@ -111,13 +111,14 @@ def runs_at(setting: str, method: str) -> bool:
     return rate == "100mbit" or method in MEASURED_EVERYWHERE or (rate == "1gbit" and method in BASELINES)
 
 
-def final_and_wall(where: Path) -> tuple[float, float] | None:
-    """A finished run's final validation perplexity and wall time (its last evaluation)."""
+def final_and_wall(where: Path, protocol: str = PROTOCOL) -> tuple[float, float] | None:
+    """A finished run's final validation perplexity and wall time (its last evaluation); a run
+    of another protocol than ``protocol`` is refused."""
     if not (where / "run.json").exists():
         return None
     record = json.loads((where / "run.json").read_text())
-    if record.get("protocol") != PROTOCOL:
-        raise SystemExit(f"{where}: a run of protocol {record.get('protocol')!r}, not {PROTOCOL!r}")
+    if record.get("protocol") != protocol:
+        raise SystemExit(f"{where}: a run of protocol {record.get('protocol')!r}, not {protocol!r}")
     if record["exit"] != 0 or not (where / "eval.csv").exists():
         return None
     rows = (where / "eval.csv").read_text().splitlines()

@@ -28,9 +28,9 @@ OURS, PEERS, RECOMMENDED = "diloco-auto", ("diloco-paper", "torch-localsgd", "de
 FLOOR_BARS = {"10mbit": 1.5, "100mbit": 1.25}  # diloco-auto's time over the floor (lstm and transformer)
 
 
-def read_run(where: Path) -> dict | None:
+def read_run(where: Path, protocol: str = v3.PROTOCOL) -> dict | None:
     """A finished run: its evaluations, measured walls and the measures the tables show."""
-    if v3.final_and_wall(where) is None:
+    if v3.final_and_wall(where, protocol) is None:
         return None
     evals, step_walls = cells.records(where)
     log = (where / "log.txt").read_text()
@@ -41,7 +41,8 @@ def read_run(where: Path) -> dict | None:
     return {"evals": evals, "step_walls": step_walls, "walls": [float(e["wall_s"]) for e in evals],
             "standard": float(standard[0]["perplexity"]) if standard else math.nan,
             "test": float(final[-1]) if final else math.nan, "floats": int(end[header.index("floats_sent")]),
-            "syncs": int(end[header.index("syncs")]) if "syncs" in header else None, "diverged": "diverged" in log}
+            "syncs": int(end[header.index("syncs")]) if "syncs" in header else None, "diverged": "diverged" in log,
+            "bytes": int(end[header.index("bytes_sent")]) if "bytes_sent" in header else None}
 
 
 def cell(setting: str, method: str, times: dict | None) -> tuple[str, dict[int, dict]]:

@@ -83,7 +83,9 @@ def report() -> Path:
     lines = ["# Exploratory DiLoCo variants (never scored)", "",
              "`.venv/bin/python benchmarks/explore_diloco.py --report`; the runs and what they are for: "
              "[benchmarks/explore_diloco.py](../explore_diloco.py). One seed (3, the pilot seed) each: a "
-             "difference here is a reason to score a variant in a later protocol, not a result.", ""]
+             "difference here is a reason to score a variant in a later protocol, not a result. *Machine*: the "
+             "CPU the run had; times from different CPUs are not comparable (the AMD EPYC VM took about 1.5x the "
+             "Intel Xeon's time per run here), perplexities are.", ""]
     settings = sorted(d.name for d in OUT.iterdir() if d.is_dir()) if OUT.exists() else []
     for setting in settings:
         frozen = json.loads((V3 / setting / "setting.json").read_text()) if (V3 / setting / "setting.json").exists() else None
@@ -91,8 +93,8 @@ def report() -> Path:
         runs = [("v3's pilot-diloco-auto", V3 / setting / "pilot-diloco-auto" / f"seed{PILOT_SEED}")]
         runs += [(variant, OUT / setting / variant / f"seed{PILOT_SEED}") for variant in VARIANTS]
         lines += [f"## {setting}", "", f"Target (v3's): validation perplexity {target:.2f}" if target else "No v3 target.", "",
-                  "| run | commit | time to target (s) | validation perplexity at each epoch's end | best |",
-                  "|---|---|---|---|---|"]
+                  "| run | commit | machine | time to target (s) | validation perplexity at each epoch's end | best |",
+                  "|---|---|---|---|---|---|"]
         for name, where in runs:
             if not (where / "eval.csv").exists():
                 continue
@@ -104,7 +106,8 @@ def report() -> Path:
             # eval.csv's epoch is the epochs done: an epoch's end is the first row of its number
             ends = [float(e["perplexity"]) for e, before in zip(evals, [None] + evals[:-1])
                     if int(e["epoch"]) >= 1 and (before is None or before["epoch"] != e["epoch"])]
-            lines.append(f"| {name} | {record.get('commit', '?')} | {f'{reached:.0f}' if reached else 'not reached'} | "
+            cpu = record.get("machine", "?").split(", ")[1] if ", " in record.get("machine", "") else "?"
+            lines.append(f"| {name} | {record.get('commit', '?')} | {cpu} | {f'{reached:.0f}' if reached else 'not reached'} | "
                          f"{', '.join(f'{x:.2f}' for x in ends)} | {min(ppl):.2f} |")
         lines.append("")
     path = OUT.parent / "explore-diloco.md"

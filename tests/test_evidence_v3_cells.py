@@ -18,7 +18,8 @@ import evidence_v3_cells as cells  # noqa: E402
 import evidence_v3_report as report  # noqa: E402
 
 
-def write_run(where: Path, *, step_s: float, eval_s: float, finals: list[float], setting: str, method: str) -> None:
+def write_run(where: Path, *, step_s: float, eval_s: float, finals: list[float], setting: str, method: str,
+              protocol: str = v3.PROTOCOL) -> None:
     """A run of len(finals) evaluations every 100 steps, each step step_s, each evaluation eval_s."""
     where.mkdir(parents=True)
     steps, evals, wall = [], [], 0.0
@@ -35,7 +36,7 @@ def write_run(where: Path, *, step_s: float, eval_s: float, finals: list[float],
             writer.writeheader()
             writer.writerows(rows)
     (where / "log.txt").write_text("final test perplexity: 30.0\n")
-    (where / "run.json").write_text(json.dumps({"protocol": v3.PROTOCOL, "setting": setting, "method": method,
+    (where / "run.json").write_text(json.dumps({"protocol": protocol, "setting": setting, "method": method,
                                                 "exit": 0, "machine": "test"}))
 
 

@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 
 from ..codecs import PowerSGD, Quantize, TopK
+from ..diloco import ROUND_WINDOW
 from ..horovod.compressor import AccordionCompressor
 from ..policies import Accordion, GraVAC, LinkGate, NetworkAware, SyncInterval
 from .baselines import Uncompressed
@@ -85,7 +86,7 @@ def _check_sync(p, args) -> None:
     """--sync and its flags: refused where they do not apply, defaults resolved."""
     periodic = ("sync_every", "outer_lr", "outer_momentum", "overlap", "reset_momentum", "sync_ladder",
                 "plain_below", "localsgd_warmup")
-    defaults = {"sync_every": None, "outer_lr": 0.7, "outer_momentum": 0.9, "overlap": False, "reset_momentum": False,
+    defaults = {"sync_every": None, "outer_lr": 0.7, "outer_momentum": 0.9, "overlap": False, "reset_momentum": None,
                 "sync_ladder": None, "plain_below": None, "localsgd_warmup": 100}
     own = {"diloco": ("sync_every", "outer_lr", "outer_momentum", "overlap", "reset_momentum", "sync_ladder",
                       "plain_below"),
@@ -122,6 +123,8 @@ def _check_sync(p, args) -> None:
         if args.codec == "none" and getattr(args, flag) not in (False, None):
             p.error(f"--{flag.replace('_', '-')} is our DiLoCo's (acc.DiLoCo({name})), with our compression: not with "
                     "--codec none (DiLoCo as published)")
+    if args.codec != "none" and args.interval == 0:  # the compressor steps once a round: acc.DiLoCo's windows
+        args.interval = ROUND_WINDOW
     if args.plain_below is not None and args.plain_below < 1:
         p.error(f"--plain-below must be a positive number of inner steps, got {args.plain_below}")
     if args.reset_momentum and args.sync_every != "auto":
@@ -197,12 +200,12 @@ def parse_args(argv=None, description: str | None = None) -> argparse.Namespace:
     p.add_argument("--overlap", action="store_true",
                    help="--sync diloco (ours): overlap each round of more than one inner step with the next round's "
                         "inner steps; it lands one round late (acc.DiLoCo(overlap=True), Streaming DiLoCo's overlap)")
-    p.add_argument("--reset-momentum", action="store_true",
+    p.add_argument("--reset-momentum", action=argparse.BooleanOptionalAction, default=None,
                    help="--sync diloco --sync-every auto: zero the outer momentum when a critical window lowers the "
-                        "interval (acc.DiLoCo(reset_momentum=True); not measured yet)")
+                        "interval (acc.DiLoCo(reset_momentum=...); default: on with --sync-every auto)")
     p.add_argument("--plain-below", type=int, default=None,
                    help="--sync diloco (ours): rounds of fewer inner steps than this are plain averages, the outer "
-                        "momentum kept for longer ones (acc.DiLoCo(plain_below=N); default 2 with --sync-every auto, "
+                        "momentum kept for longer ones (acc.DiLoCo(plain_below=N); default 64 with --sync-every auto, "
                         "1 otherwise)")
     p.add_argument("--sync-ladder", type=_ladder, default=None,
                    help="--sync diloco --sync-every auto: the intervals it chooses from, comma-separated, each "

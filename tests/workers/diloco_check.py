@@ -261,8 +261,8 @@ elif mode == "auto":
     finals = []
     # reset_momentum: the momentum zeroed when the decay's window lowers the interval; plain_below 4:
     # the rounds at intervals 1 and 2 plain averages, the outer momentum for those of 4 only
-    for reset, plain_below in ((False, None), (True, None), (False, 4)):
-        expected = reference_auto(STEPS, DECAY, reset, plain_below or 2)
+    for reset, plain_below in ((False, 2), (True, 2), (False, 4)):
+        expected = reference_auto(STEPS, DECAY, reset, plain_below)
         intervals = [interval for interval, _ in expected]
         # the rule exercised: 1 at the start, up the ladder while calm, 1 again after the decay
         # (each the interval after that step's decision; windows of 4 steps, the decay in the 7th)
@@ -298,6 +298,15 @@ elif mode == "auto":
         finals.append(flat(model))
     check(not torch.allclose(finals[0], finals[1]), "reset_momentum changed nothing after the decay")
     check(not torch.allclose(finals[0], finals[2]), "plain_below=4 changed nothing")
+    # the defaults (docs/api.md): under "auto" the momentum reset, rounds under 64 inner steps plain
+    # averages, the compressor's windows 16 rounds; at a fixed sync_every DiLoCo as published
+    model = make_model()
+    auto = acc.DiLoCo(model, torch.optim.SGD(model.parameters(), lr=LR))
+    check((auto.reset_momentum, auto.plain_below, auto.compressor.interval) == (True, 64, 16),
+          f"auto's defaults {auto.reset_momentum, auto.plain_below, auto.compressor.interval}")
+    model = make_model()
+    fixed = acc.DiLoCo(model, torch.optim.SGD(model.parameters(), lr=LR), sync_every=8)
+    check((fixed.reset_momentum, fixed.plain_below) == (False, 1), f"fixed {fixed.reset_momentum, fixed.plain_below}")
     say(f"rank {rank}: OK auto, intervals {intervals}, {diloco.syncs} rounds")
 elif mode == "bad-input":
     model = make_model()
@@ -308,6 +317,7 @@ elif mode == "bad-input":
         (dict(outer_lr=0.0), ValueError, "outer_lr must be a positive number"),
         (dict(outer_momentum=1.0), ValueError, "outer_momentum must be a number in [0, 1)"),
         (dict(overlap="yes"), TypeError, "overlap must be True or False"),
+        (dict(nesterov=1), TypeError, "nesterov must be True or False"),
         (dict(sync_every=4, reset_momentum=True), ValueError, "reset_momentum needs an interval policy"),
         (dict(plain_below=0), ValueError, "plain_below must be a positive integer"),
         (dict(plain_below=2.5), ValueError, "plain_below must be a positive integer"),

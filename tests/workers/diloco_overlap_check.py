@@ -116,7 +116,7 @@ def ours(steps, sync_every, decay_at=None, poison=None, compressor=None, reset=F
     model = make_model()
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     diloco = acc.DiLoCo(model, opt, compressor or lossless(), sync_every=sync_every, overlap=True,
-                        reset_momentum=reset)
+                        reset_momentum=reset, plain_below=2)  # (the reference's: plain at interval 1 only)
     out, intervals = [], []
     for i in range(steps):
         if i == decay_at:

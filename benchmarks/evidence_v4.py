@@ -1,0 +1,167 @@
+"""The runs of protocol evidence-v4 (benchmarks/protocols/evidence-v4.md), per machine, resumable.
+
+    .venv/bin/python benchmarks/evidence_v4.py --sitting lstm                    # this machine's step-time sitting
+    .venv/bin/python benchmarks/evidence_v4.py --setting lstm-100mbit --methods ddp-fp16
+    .venv/bin/python benchmarks/evidence_v4.py --setting lstm-10mbit --methods diloco-v4
+    .venv/bin/python benchmarks/evidence_v4.py --status                          # what is done on this machine
+
+evidence-v3's tasks, emulated cluster, CLI and records (benchmarks/evidence_v3.py ``run_cli``),
+with one difference in where things go: every run, sitting, target, cap and floor belongs to
+**the machine it was measured on** (its CPU model, benchmarks/machine.py), under
+``benchmarks/results/evidence-v4/MACHINE/``. The sessions that run these do not always get the
+same CPU, and a time measured on one is never compared with a time measured on another.
+
+On a machine: the sitting of a task first (the compute-only step and the baselines' steps at
+every rate), then the baseline's 3 seeds at 100 Mbit/s (they set the target: its mean final
+validation perplexity; and the cap: the smaller of twice its mean wall time, computed away from
+100 Mbit/s, and 4x the compute floor, frozen in ``SETTING/setting.json``), then the method,
+measured at every rate with ``--target`` and ``--time-cap``. Run it from a checkout nobody edits
+while it runs: each run records its commit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "benchmarks"))
+sys.path.insert(0, str(REPO / "benchmarks" / "cluster"))
+from cluster import Cluster  # noqa: E402
+import evidence_v3 as v3  # noqa: E402
+import evidence_v3_cells as cells  # noqa: E402
+from machine import cpu_model  # noqa: E402
+
+PROTOCOL = "evidence-v4"
+SEEDS, PILOT_SEED = (0, 1, 2), 3
+CAP_FACTOR, CAP_FLOORS = 2.0, 4.0
+TASKS = ("lstm", "transformer")
+RATES = ("10mbit", "100mbit", "1gbit")
+SETTINGS = {f"{task}-{rate}": (task, rate) for task in TASKS for rate in RATES}
+BASELINE = "ddp-fp16"
+METHODS = {
+    "ddp-fp16": v3.METHODS["ddp-fp16"],
+    "hvd-fp16": v3.METHODS["hvd-fp16"],  # only if the sitting shows its step faster (the protocol)
+    # acc.DiLoCo(model, opt) as the library's defaults are at the protocol's commit, with the
+    # compressor's windows of 16 rounds (the CLI's --interval; acc.DiLoCo's own default compressor)
+    "diloco-v4": ("ddp", ["--launcher", "ddp", "--codec", "default", "--interval", "16", "--sync", "diloco"]),
+}
+SITTING_METHODS = ("floor", "ddp-fp16", "hvd-fp16")
+
+
+def machine_slug(model: str | None = None) -> str:
+    """The CPU model as a folder name: "Intel(R) Xeon(R) Processor @ 2.80GHz" -> "intel-xeon-processor-2.80ghz"."""
+    text = (model or cpu_model()).lower().replace("(r)", "").replace("(tm)", "").replace("@", " ")
+    return "-".join("".join(c if c.isalnum() or c == "." else " " for c in text).split())
+
+
+OUT = REPO / "benchmarks" / "results" / PROTOCOL / machine_slug()
+
+
+def run_dir(setting: str, method: str, seed: int) -> Path:
+    return OUT / setting / method / f"seed{seed}"
+
+
+def sitting(task: str) -> Path:
+    return cells.sitting_file(OUT, task)
+
+
+def frozen_setting(setting: str) -> dict | None:
+    """Target, cap and floor of a setting on this machine, frozen once the baseline's 3 runs at
+    100 Mbit/s and the task's sitting are done (the protocol, "Target, cap, floor")."""
+    task, rate = SETTINGS[setting]
+    path = OUT / setting / "setting.json"
+    if path.exists():
+        return json.loads(path.read_text())
+    source = f"{task}-100mbit"
+    runs = [run_dir(source, BASELINE, s) for s in SEEDS]
+    finals = [v3.final_and_wall(where, PROTOCOL) for where in runs]
+    if any(f is None for f in finals) or not sitting(task).exists():
+        return None
+    times = cells.step_times(sitting(task))
+    records = [cells.records(where) for where in runs]
+    if rate == "100mbit":
+        wall = statistics.mean(w for _, w in finals)
+    else:
+        step_s = cells.step_time(times, rate, BASELINE)
+        wall = statistics.mean(cells.computed_walls(e, w, step_s)[-1] for e, w in records)
+    floor = cells.floor_seconds(records, times[(rate, "floor")])
+    frozen = {"protocol": PROTOCOL, "machine": cpu_model(), "baseline": BASELINE, "baseline_wall_s": wall,
+              "target_perplexity": statistics.mean(f for f, _ in finals), "floor_s": floor,
+              "cap_s": min(CAP_FACTOR * wall, CAP_FLOORS * floor),
+              "from": [str(where.relative_to(OUT)) for where in runs], "sitting": sitting(task).name}
+    if rate != "100mbit":
+        frozen["computed"] = f"the baseline's wall time computed from {source}'s runs and {sitting(task).name}"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(frozen, indent=1) + "\n")
+    return frozen
+
+
+def run_sitting(task: str, rounds: int) -> None:
+    """The task's step-time sitting on this machine (benchmarks/step_time.py, interleaved rounds)."""
+    out = sitting(task).with_suffix(".md")
+    subprocess.run([sys.executable, str(REPO / "benchmarks" / "step_time.py"), "--models",
+                    cells.SITTING_MODEL[task], "--nodes", "2", "--rates", ",".join(RATES), "--rounds", str(rounds),
+                    "--methods", ",".join(SITTING_METHODS), "--out", str(out)], check=True)
+
+
+def run_all(setting: str, methods: list[str], seeds: tuple[int, ...], timeout: float) -> None:
+    task, rate = SETTINGS[setting]
+    todo = [(m, s) for s in seeds for m in methods if not (run_dir(setting, m, s) / "run.json").exists()]
+    print(f"{setting} on {OUT.name}: {len(todo)} runs now", flush=True)
+    with Cluster(2, rate=rate, prefix="accv4-") as cluster:
+        for method, seed in todo:
+            launcher, method_args = METHODS[method]
+            extra = []
+            if method == "diloco-v4" and seed != PILOT_SEED:
+                frozen = frozen_setting(setting)
+                if frozen is None:
+                    raise SystemExit(f"{setting}: no target yet on this machine (the baseline's runs at 100 Mbit/s "
+                                     f"and the sitting of {task} come first)")
+                extra = ["--target", f"{frozen['target_perplexity']:.6f}", "--time-cap", f"{frozen['cap_s']:.1f}"]
+            record = v3.run_cli(cluster, launcher, [*v3.TASKS[task], *v3.COMMON, *method_args, *extra,
+                                                    "--seed", str(seed)], run_dir(setting, method, seed),
+                                {"protocol": PROTOCOL, "setting": setting, "method": method, "seed": seed}, timeout)
+            print(f"{setting} {method} seed {seed}: exit {record['exit']}, {record['seconds']:.0f} s", flush=True)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--setting", choices=sorted(SETTINGS))
+    p.add_argument("--methods", default="diloco-v4", help="comma-separated, of: " + ", ".join(METHODS))
+    p.add_argument("--seeds", default="0,1,2", help=f"comma-separated; {PILOT_SEED} is the pilot seed, never scored")
+    p.add_argument("--sitting", choices=TASKS, help="run this task's step-time sitting on this machine")
+    p.add_argument("--rounds", type=int, default=3, help="the sitting's interleaved rounds")
+    p.add_argument("--timeout", type=float, default=7200, help="seconds one run may take")
+    p.add_argument("--status", action="store_true")
+    args = p.parse_args()
+    if args.status:
+        for setting in SETTINGS:
+            done = {m: sum((run_dir(setting, m, s) / "run.json").exists() for s in SEEDS) for m in METHODS}
+            frozen = frozen_setting(setting)
+            print(f"{OUT.name} {setting}: " + (f"target {frozen['target_perplexity']:.2f}, floor {frozen['floor_s']:.0f} s"
+                                               if frozen else "no target yet") + "; " +
+                  ", ".join(f"{m} {n}/3" for m, n in done.items() if n))
+        return
+    if args.sitting:
+        return run_sitting(args.sitting, args.rounds)
+    if args.setting is None:
+        p.error("--setting, --sitting or --status")
+    methods = [m for m in args.methods.split(",") if m]
+    if set(methods) - set(METHODS):
+        p.error(f"--methods: {sorted(set(methods) - set(METHODS))} unknown; the methods are {list(METHODS)}")
+    task, rate = SETTINGS[args.setting]
+    if rate != "100mbit" and set(methods) & {"ddp-fp16", "hvd-fp16"}:
+        p.error("the baselines run at 100 Mbit/s; their times at the other rates are computed (the protocol)")
+    seeds = tuple(int(s) for s in args.seeds.split(","))
+    if any(s not in (*SEEDS, PILOT_SEED) for s in seeds):
+        p.error(f"--seeds: the protocol's seeds are {SEEDS} and the pilot seed {PILOT_SEED}")
+    run_all(args.setting, methods, seeds, args.timeout)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,118 @@
+"""The summary of protocol evidence-v4 (benchmarks/protocols/evidence-v4.md): per machine, per
+setting, the baseline and ``diloco-v4``'s time to the target against the compute floor, and the
+issue's bars judged on each machine apart.
+
+    .venv/bin/python benchmarks/evidence_v4_report.py    # benchmarks/results/evidence-v4.md
+
+Reads only committed files (``benchmarks/results/evidence-v4/MACHINE/...``). A cell whose runs
+are not all there is shown with what there is; a bar that reads it says "not decided".
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import evidence_v3_cells as cells  # noqa: E402
+import evidence_v4 as v4  # noqa: E402
+from evidence_v3_report import mean_sd, read_run, reached, seconds  # noqa: E402
+
+ROOT = v4.REPO / "benchmarks" / "results" / v4.PROTOCOL
+REPORT = ROOT.parent / f"{v4.PROTOCOL}.md"
+FLOOR_BARS = {"10mbit": 1.5, "100mbit": 1.25}
+
+
+def runs_of(out: Path, setting: str, method: str, times: dict | None) -> tuple[str, dict[int, dict]]:
+    """("measured" | "computed", {seed: run}) on one machine; the baseline away from 100 Mbit/s
+    computed from its 100 Mbit/s runs and the sitting's step at the setting's rate."""
+    task, rate = v4.SETTINGS[setting]
+    measured = method != v4.BASELINE or rate == "100mbit"
+    source = setting if measured else f"{task}-100mbit"
+    runs = {s: r for s in v4.SEEDS if (r := read_run(out / source / method / f"seed{s}", v4.PROTOCOL))}
+    if measured:
+        return "measured", runs
+    if times is None or (rate, method) not in times:
+        return "computed", {}
+    for r in runs.values():
+        r["walls"] = cells.computed_walls(r["evals"], r["step_walls"], cells.step_time(times, rate, method))
+    return "computed", runs
+
+
+def setting_lines(out: Path, setting: str) -> tuple[list[str], list[str]]:
+    """A setting's table on one machine, and its rows of the bars."""
+    task, rate = v4.SETTINGS[setting]
+    path = out / setting / "setting.json"
+    if not path.exists():
+        return [f"### {setting}", "", "No target yet on this machine (the baseline's runs or the sitting are missing).",
+                ""], []
+    frozen = json.loads(path.read_text())
+    target, floor, base_wall = frozen["target_perplexity"], frozen["floor_s"], frozen["baseline_wall_s"]
+    sitting = cells.sitting_file(out, task)
+    times = cells.step_times(sitting) if sitting.exists() else None
+    lines = [f"### {setting}", "",
+             f"Target: validation perplexity {target:.2f} ({v4.BASELINE}'s mean final at 100 Mbit/s, this machine); "
+             f"the baseline's mean wall time {base_wall:.0f} s{' (computed)' if 'computed' in frozen else ''}; "
+             f"**compute floor {floor:.0f} s**; cap {frozen['cap_s']:.0f} s.", "",
+             "| method | cell | seeds | time to target, mean s (x floor, x baseline) | sd s | validation after 6 epochs "
+             "| test | floats sent per rank | bytes sent per rank | rounds |", "|---|---|---|---|---|---|---|---|---|---|"]
+    bars = []
+    for method in (v4.BASELINE, "diloco-v4"):
+        kind, runs = runs_of(out, setting, method, times)
+        if not runs:
+            continue
+        mean, missed = reached(runs, target)
+        hits = [t for r in runs.values() if (t := cells.time_to(r["evals"], r["walls"], target)) is not None]
+        if mean is not None and math.isfinite(mean):
+            shown = f"{mean:.0f} ({mean / floor:.2f}x, {mean / base_wall:.2f}x)"
+        else:
+            shown = (f"not reached in {len(missed)} ({'; '.join(missed)})" if missed else "") + \
+                (f" ({len(runs)} of {len(v4.SEEDS)} seeds run)" if mean is None else "")
+        sent = [r for r in runs.values()]
+        bytes_ = [r.get("bytes") for r in sent if r.get("bytes") is not None]
+        syncs = [r["syncs"] for r in sent if r["syncs"] is not None]
+        lines.append(f"| {method} | {kind} | {len(runs)} | {shown} | {mean_sd(hits, '.0f') if len(hits) > 1 else '-'} | "
+                     f"{mean_sd([r['standard'] for r in sent])} | {mean_sd([r['test'] for r in sent])} | "
+                     f"{statistics.mean(r['floats'] for r in sent):.3g} | "
+                     f"{f'{statistics.mean(bytes_):.3g}' if bytes_ else '-'} | {mean_sd(syncs, '.0f') if syncs else '-'} |")
+        if method != "diloco-v4":
+            continue
+        verdict = None if mean is None else (math.isfinite(mean) and mean <= FLOOR_BARS.get(rate, 0) * floor)
+        if rate in FLOOR_BARS:
+            bars.append(f"| diloco-v4 within {FLOOR_BARS[rate]}x the compute floor | {setting} | "
+                        f"{seconds(mean)} = {mean / floor:.2f}x" if mean is not None and math.isfinite(mean) else
+                        f"| diloco-v4 within {FLOOR_BARS[rate]}x the compute floor | {setting} | {seconds(mean)}")
+            bars[-1] += f" | {'not decided' if verdict is None else ('**yes**' if verdict else 'no')} |"
+        else:
+            late = None if mean is None else (math.isfinite(mean) and mean <= base_wall)
+            bars.append(f"| diloco-v4 not later than the baseline | {setting} | {seconds(mean)} vs {base_wall:.0f} s | "
+                        f"{'not decided' if late is None else ('**yes**' if late else 'no')} |")
+    return lines + [""], bars
+
+
+def main() -> None:
+    lines = [f"# {v4.PROTOCOL}: DiLoCo's defaults after v3, per machine", "",
+             f"Protocol: [`benchmarks/protocols/{v4.PROTOCOL}.md`](../protocols/{v4.PROTOCOL}.md), committed before "
+             f"the runs. `.venv/bin/python benchmarks/evidence_v4_report.py`; raw runs and sittings in "
+             f"[{v4.PROTOCOL}/]({v4.PROTOCOL}/). Every figure of a machine's section was measured on that machine; "
+             "*computed*: the baseline's 100 Mbit/s runs, each step at the sitting's median step at the rate, plus "
+             "their own evaluations (v3's rule).", ""]
+    machines = sorted(d for d in ROOT.iterdir() if d.is_dir()) if ROOT.exists() else []
+    for out in machines:
+        lines += [f"## {out.name}", ""]
+        bars = []
+        for setting in v4.SETTINGS:
+            table, rows = setting_lines(out, setting)
+            lines += table
+            bars += rows
+        lines += [f"#### The bars on {out.name} (issue 63)", "", "| bar | setting | figure | met |", "|---|---|---|---|",
+                  *bars, ""]
+    REPORT.write_text("\n".join(lines))
+    print(f"wrote {REPORT}")
+
+
+if __name__ == "__main__":
+    main()

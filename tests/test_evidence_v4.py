@@ -1,0 +1,70 @@
+"""evidence-v4's per-machine targets, floors and caps (benchmarks/evidence_v4.py) and its report's
+bars (evidence_v4_report.py) on made-up runs: the cap is the smaller of twice the baseline's
+time at the rate and 4x the floor, every figure comes from one machine's folder, and a run of
+another protocol is refused."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+import evidence_v4 as v4  # noqa: E402
+import evidence_v4_report as report  # noqa: E402
+from test_evidence_v3_cells import write_run, write_sitting  # noqa: E402
+
+
+def test_a_machine_is_named_by_its_cpu_model():
+    assert v4.machine_slug("Intel(R) Xeon(R) Processor @ 2.80GHz") == "intel-xeon-processor-2.80ghz"
+    assert v4.machine_slug("AMD EPYC") == "amd-epyc"
+
+
+def baseline_and_sitting(out: Path) -> None:
+    for seed in v4.SEEDS:  # 200 steps of 0.4 s, 2 evaluations of 1 s: 82 s; finals 31, 32, 33
+        write_run(out / "lstm-100mbit" / "ddp-fp16" / f"seed{seed}", step_s=0.4, eval_s=1.0, finals=[40.0, 31.0 + seed],
+                  setting="lstm-100mbit", method="ddp-fp16", protocol=v4.PROTOCOL)
+    write_sitting(out / "step-time-lstm.csv", {("100mbit", "floor"): [0.2], ("10mbit", "floor"): [0.2],
+                                                ("10mbit", "ddp-fp16"): [2.0], ("100mbit", "ddp-fp16"): [0.4]})
+
+
+def test_target_floor_and_cap_per_setting(tmp_path, monkeypatch):
+    monkeypatch.setattr(v4, "OUT", tmp_path)
+    assert v4.frozen_setting("lstm-10mbit") is None  # nothing run yet
+    baseline_and_sitting(tmp_path)
+    at100, at10 = v4.frozen_setting("lstm-100mbit"), v4.frozen_setting("lstm-10mbit")
+    assert at100["target_perplexity"] == pytest.approx(32.0) == at10["target_perplexity"]
+    assert at100["floor_s"] == pytest.approx(200 * 0.2 + 2.0) == at10["floor_s"]
+    # 100 Mbit/s: measured wall 82 s; cap min(2 x 82, 4 x 42) = 164
+    assert at100["baseline_wall_s"] == pytest.approx(82.0) and at100["cap_s"] == pytest.approx(164.0)
+    # 10 Mbit/s: computed wall 200 x 2.0 + 2 = 402 s; cap min(804, 168) = 168: 4x the floor
+    assert at10["baseline_wall_s"] == pytest.approx(402.0) and at10["cap_s"] == pytest.approx(168.0)
+    assert "computed" in at10 and "computed" not in at100
+
+
+def test_a_run_of_another_protocol_is_refused(tmp_path, monkeypatch):
+    monkeypatch.setattr(v4, "OUT", tmp_path)
+    baseline_and_sitting(tmp_path)
+    (tmp_path / "lstm-100mbit" / "ddp-fp16" / "seed0" / "run.json").write_text('{"protocol": "evidence-v3", "exit": 0}')
+    with pytest.raises(SystemExit, match="evidence-v3"):
+        v4.frozen_setting("lstm-100mbit")
+
+
+def test_the_report_judges_each_machine_on_its_own_runs(tmp_path, monkeypatch):
+    monkeypatch.setattr(report, "ROOT", tmp_path)
+    monkeypatch.setattr(report, "REPORT", tmp_path / "report.md")
+    for name, step_s in (("fast-cpu", 0.1), ("slow-cpu", 0.3)):  # ours at 0.1 s a step meets 1.25x, at 0.3 s not
+        out = tmp_path / name
+        monkeypatch.setattr(v4, "OUT", out)
+        baseline_and_sitting(out)
+        v4.frozen_setting("lstm-100mbit")
+        for seed in v4.SEEDS:
+            write_run(out / "lstm-100mbit" / "diloco-v4" / f"seed{seed}", step_s=step_s, eval_s=1.0,
+                      finals=[35.0, 30.0], setting="lstm-100mbit", method="diloco-v4", protocol=v4.PROTOCOL)
+    report.main()
+    text = (tmp_path / "report.md").read_text()
+    fast, slow = text.split("## slow-cpu")
+    # fast: 200 x 0.1 + 2 = 22 s to 30.0 <= target 32, floor 42 s: 0.52x; slow: 62 s = 1.48x
+    assert "| diloco-v4 within 1.25x the compute floor | lstm-100mbit | 22 s = 0.52x | **yes** |" in fast
+    assert "| diloco-v4 within 1.25x the compute floor | lstm-100mbit | 62 s = 1.48x | no |" in slow
