@@ -172,7 +172,11 @@ def test_diloco_across_the_nodes_of_fsdp_trains_and_resumes_bit_for_bit(tmp_path
      "--reset-momentum is for --sync-every auto"),
     (["--launcher", "ddp", "--reset-momentum"], "--reset-momentum is for --sync diloco"),
     (["--launcher", "ddp", "--sync", "diloco", "--sync-every", "8", "--sync-ladder", "1,4"],
-     "--sync-ladder is the ladder of --sync-every auto"),
+     "--sync-ladder is for --sync-every auto"),
+    (["--launcher", "ddp", "--sync", "diloco", "--sync-every", "8", "--sync-budget", "0.1"],
+     "--sync-budget is for --sync-every auto"),
+    (["--launcher", "ddp", "--sync", "diloco", "--sync-budget", "0"], "--sync-budget: budget must be"),
+    (["--launcher", "ddp", "--sync-budget", "0.1"], "--sync-budget is for --sync diloco"),
     (["--launcher", "ddp", "--sync", "diloco", "--sync-ladder", "1,3,4"], "--sync-ladder: ladder must be"),
     (["--launcher", "ddp", "--sync", "diloco", "--sync-ladder", "one"], "comma-separated numbers"),
     (["--launcher", "ddp", "--sync-ladder", "1,4"], "--sync-ladder is for --sync diloco"),
@@ -191,6 +195,8 @@ def test_the_ladder_flag_makes_the_interval_policy():
     args = parse_args(["--launcher", "ddp", "--sync", "diloco", "--sync-ladder", "1,4,16", "--reset-momentum"])
     assert isinstance(args.sync_every, SyncInterval) and args.sync_every.ladder == (1, 4, 16)
     assert parse_args(["--launcher", "ddp", "--sync", "diloco"]).sync_every == "auto"
+    args = parse_args(["--launcher", "ddp", "--sync", "diloco", "--sync-budget", "0.1"])
+    assert args.sync_every.ladder == (1, 4, 16, 64) and args.sync_every.budget == 0.1
 
 
 def test_the_diloco_flags_become_acc_diloco_keyword_arguments():

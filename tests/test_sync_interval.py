@@ -49,9 +49,34 @@ def test_the_floor_is_the_first_rung_whose_rounds_cost_at_most_the_overhead_of_a
     assert free.overhead is None and free.end_window(window(1.0, step_s=0.3, round_s=3.0)) == 1
 
 
-def test_a_non_positive_overhead_is_refused_naming_it():
+def test_the_ceiling_keeps_calm_windows_at_the_first_rung_the_link_affords():
+    policy = acc.SyncInterval(budget=0.1)
+    # a round of a third of a step: 0.1 / 4 <= 0.03 (the budget): calm climbs to 4 and stays
+    got = [policy.end_window(window(5.0, step_s=0.3, round_s=0.1)) for _ in range(4)]
+    assert got == [1, 4, 4, 4]
+    assert policy.end_window(window(1.0, step_s=0.3, round_s=0.1)) == 1  # critical: the floor, as without it
+    assert policy.end_window(window(1.0, step_s=0.3)) == 4  # no round timed: no ceiling this window, one rung up
+    assert policy.end_window(window(1.0, step_s=0.3)) == 16
+    # the link got faster: a calm window above the ceiling comes down to it
+    assert policy.end_window(window(1.0, step_s=0.3, round_s=0.01)) == 1
+    # a slow link: no rung within the budget, the top rung is the ceiling: the ladder as without one
+    slow = acc.SyncInterval(budget=0.1)
+    assert [slow.end_window(window(5.0, step_s=0.3, round_s=3.0)) for _ in range(5)] == [1, 4, 16, 64, 64]
+    assert acc.SyncInterval().budget is None  # the default: no ceiling (what evidence-v3 and -v4 score)
+
+
+def test_with_both_link_terms_the_floor_wins_over_the_ceiling():
+    policy = acc.SyncInterval(overhead=0.01, budget=0.1)
+    # round 0.1 s, step 0.3 s: overhead 0.01 -> 0.1 / r <= 0.003 needs r >= 34: 64; budget 0.1 -> 4
+    assert policy.end_window(window(5.0, step_s=0.3, round_s=0.1)) == 64
+    assert policy.end_window(window(5.0, step_s=0.3, round_s=0.1)) == 64  # calm: min(up, 4) but never below the floor
+
+
+def test_a_non_positive_overhead_or_budget_is_refused_naming_it():
     with pytest.raises(ValueError, match="overhead"):
         acc.SyncInterval(overhead=0)
+    with pytest.raises(ValueError, match="budget"):
+        acc.SyncInterval(budget=-1)
 
 
 @pytest.mark.parametrize("ladder", [(), (0, 4), (4, 1), (1, 3, 4), (1, 1, 4), (1, 2.5), "auto", (True, 2)])

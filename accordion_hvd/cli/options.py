@@ -12,6 +12,7 @@ from ..codecs import PowerSGD, Quantize, TopK
 from ..diloco import ROUND_WINDOW
 from ..horovod.compressor import AccordionCompressor
 from ..policies import Accordion, GraVAC, LinkGate, NetworkAware, SyncInterval
+from ..policies.interval import LADDER
 from .baselines import Uncompressed
 from .frontends import LAUNCHERS
 from .periodic import SYNCS
@@ -82,21 +83,20 @@ def _interval(text: str):
     return value
 
 
+# The flags of --sync's periodic modes: (default, the --sync values they belong to).
+PERIODIC_FLAGS = {"sync_every": (None, "diloco or torch-localsgd"), "outer_lr": (0.7, "diloco"),
+                  "outer_momentum": (0.9, "diloco"), "overlap": (False, "diloco"), "reset_momentum": (None, "diloco"),
+                  "sync_ladder": (None, "diloco"), "sync_budget": (None, "diloco"), "plain_below": (None, "diloco"),
+                  "localsgd_warmup": (100, "torch-localsgd")}
+
+
 def _check_sync(p, args) -> None:
     """--sync and its flags: refused where they do not apply, defaults resolved."""
-    periodic = ("sync_every", "outer_lr", "outer_momentum", "overlap", "reset_momentum", "sync_ladder",
-                "plain_below", "localsgd_warmup")
-    defaults = {"sync_every": None, "outer_lr": 0.7, "outer_momentum": 0.9, "overlap": False, "reset_momentum": None,
-                "sync_ladder": None, "plain_below": None, "localsgd_warmup": 100}
-    own = {"diloco": ("sync_every", "outer_lr", "outer_momentum", "overlap", "reset_momentum", "sync_ladder",
-                      "plain_below"),
-           "torch-localsgd": ("sync_every", "localsgd_warmup")}
-    given = [n for n in periodic if getattr(args, n) != defaults[n] and n not in own.get(args.sync, ())]
+    given = [n for n, (default, owners) in PERIODIC_FLAGS.items()
+             if getattr(args, n) != default and args.sync not in owners.split(" or ")]
     if given:
-        whose = {"sync_every": "diloco or torch-localsgd", "outer_lr": "diloco", "outer_momentum": "diloco",
-                 "overlap": "diloco", "reset_momentum": "diloco", "sync_ladder": "diloco", "plain_below": "diloco",
-                 "localsgd_warmup": "torch-localsgd"}
-        p.error(f"--{given[0].replace('_', '-')} is for --sync {whose[given[0]]}"
+        whose = PERIODIC_FLAGS[given[0]][1]
+        p.error(f"--{given[0].replace('_', '-')} is for --sync {whose}"
                 f"{'' if args.sync == 'every-step' else f', not --sync {args.sync}'}")
     if args.sync == "every-step":
         return
@@ -133,13 +133,15 @@ def _check_sync(p, args) -> None:
     if args.codec == "none" and args.sync_every == "auto":
         p.error("--sync-every auto is our interval policy, with our compression: with --codec none (DiLoCo as "
                 "published) give --sync-every N")
-    if args.sync_ladder is not None:
-        if args.sync_every != "auto":
-            p.error(f"--sync-ladder is the ladder of --sync-every auto, got --sync-every {args.sync_every}")
+    for flag in ("sync_ladder", "sync_budget"):
+        if getattr(args, flag) is not None and args.sync_every != "auto":
+            p.error(f"--{flag.replace('_', '-')} is for --sync-every auto (the interval policy), got --sync-every "
+                    f"{args.sync_every}")
+    if args.sync_ladder is not None or args.sync_budget is not None:
         try:
-            args.sync_every = SyncInterval(ladder=args.sync_ladder)
+            args.sync_every = SyncInterval(ladder=args.sync_ladder or LADDER, budget=args.sync_budget)
         except ValueError as exc:
-            p.error(f"--sync-ladder: {exc}")
+            p.error(f"--sync-{'ladder' if 'ladder' in str(exc) else 'budget'}: {exc}")
     if not args.outer_lr > 0 or not 0 <= args.outer_momentum < 1:
         p.error(f"--outer-lr must be positive and --outer-momentum in [0, 1), got {args.outer_lr} and "
                 f"{args.outer_momentum}")
@@ -207,6 +209,9 @@ def parse_args(argv=None, description: str | None = None) -> argparse.Namespace:
                    help="--sync diloco (ours): rounds of fewer inner steps than this are plain averages, the outer "
                         "momentum kept for longer ones (acc.DiLoCo(plain_below=N); default 64 with --sync-every auto, "
                         "1 otherwise)")
+    p.add_argument("--sync-budget", type=float, default=None,
+                   help="--sync diloco --sync-every auto: calm windows go no higher than the first rung whose round "
+                        "costs at most this fraction of an inner step (acc.SyncInterval(budget=...); default: none)")
     p.add_argument("--sync-ladder", type=_ladder, default=None,
                    help="--sync diloco --sync-every auto: the intervals it chooses from, comma-separated, each "
                         "dividing the last (default: 1,4,16,64; acc.SyncInterval(ladder=...))")

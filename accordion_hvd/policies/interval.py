@@ -25,6 +25,14 @@ inner steps, with the default ladder (1, 4, 16, 64) it is 16 at ``overhead=1`` a
 (no rung spreads it to a tenth of a step). Before the first measurement the floor is the
 first rung.
 
+**The ceiling** (``budget`` set): a calm window climbs no higher than the smallest rung at
+which a round costs at most ``budget`` of an inner step (measured as the floor's), and a calm
+window at a rung above that comes down to it: where the link is fast a longer interval saves
+no time and costs quality (on the transformer, rounds of at most 4 inner steps ended 6 epochs
+at 28.4, the default ladder's 64 at 29.4: benchmarks/results/explore-diloco.md), where it is
+slow the ceiling is the top rung and nothing changes. ``budget=None`` (the default): no ceiling,
+the rule evidence-v3 and -v4 score. Not measured for time to quality yet.
+
 Why the link term is off by default (``overhead=None``): it is not what evidence-v3 measured.
 Until the fix that came with this paragraph, ``acc.DiLoCo`` timed the inner steps *without* a
 round as its "rounds", so the floor stayed at the first rung in every run, pilots and scored
@@ -80,11 +88,15 @@ class SyncInterval:
         overhead: with a number, the floor rung is the smallest at which a round costs at
             most this fraction of an inner step, else the top rung (module doc: not measured
             for time to quality yet); None (the default): always the first rung.
+        budget: with a number, calm windows go no higher than the smallest rung at which a
+            round costs at most this fraction of an inner step (module doc, the ceiling; not
+            measured for time to quality yet); None (the default): the top rung.
     """
 
     name = "accordion-interval"
 
-    def __init__(self, ladder: tuple[int, ...] = LADDER, eta: float = 0.5, overhead: float | None = None) -> None:
+    def __init__(self, ladder: tuple[int, ...] = LADDER, eta: float = 0.5, overhead: float | None = None,
+                 budget: float | None = None) -> None:
         ladder = tuple(ladder) if isinstance(ladder, (tuple, list)) else ladder
         if (not isinstance(ladder, tuple) or not ladder
                 or any(isinstance(r, bool) or not isinstance(r, numbers.Integral) or r < 1 for r in ladder)
@@ -94,18 +106,19 @@ class SyncInterval:
         self.ladder = tuple(int(r) for r in ladder)
         self.eta = float(positive_number("eta", eta))
         self.overhead = None if overhead is None else float(positive_number("overhead", overhead))
+        self.budget = None if budget is None else float(positive_number("budget", budget))
         self.window = self.ladder[-1]  # inner steps per decision
         self.interval = self.floor = self.ladder[0]  # the start is critical; no link measured yet
         self.windows = 0
         self._prev: float | None = None
 
     def __repr__(self) -> str:
-        return f"SyncInterval(ladder={self.ladder}, eta={self.eta}, overhead={self.overhead})"
+        return f"SyncInterval(ladder={self.ladder}, eta={self.eta}, overhead={self.overhead}, budget={self.budget})"
 
     def end_window(self, report: IntervalReport) -> int:
         """The interval of the next window (see module doc)."""
         self.windows += 1
-        self.floor = self._floor(report)
+        self.floor = self._affordable(report, self.overhead, self.floor, self.ladder[0])
         if not math.isfinite(report.norm):
             log.warning("SyncInterval: window of %d steps had a non-finite gradient norm; the floor rung next",
                         report.steps)
@@ -115,16 +128,19 @@ class SyncInterval:
         critical = (report.lr_decreased or prev is None or prev == 0
                     or abs(prev - report.norm) / prev >= self.eta)
         up = self.ladder[min(self.ladder.index(self.interval) + 1, len(self.ladder) - 1)]
-        self.interval = self.floor if critical else max(self.floor, up)
+        ceiling = self._affordable(report, self.budget, self.ladder[-1], self.ladder[-1])
+        self.interval = self.floor if critical else max(self.floor, min(up, ceiling))
         return self.interval
 
-    def _floor(self, report: IntervalReport) -> int:
-        """The smallest rung whose rounds cost at most ``overhead`` of an inner step."""
-        if self.overhead is None:
-            return self.ladder[0]
+    def _affordable(self, report: IntervalReport, fraction: float | None, unmeasured: int, off: int) -> int:
+        """The smallest rung whose rounds cost at most ``fraction`` of an inner step (the top
+        rung where none does); ``off`` without a fraction, ``unmeasured`` where this window
+        timed no round or no step."""
+        if fraction is None:
+            return off
         if report.step_s is None or report.round_s is None or not report.step_s > 0:
-            return self.floor  # nothing measured this window: as before
-        return next((r for r in self.ladder if report.round_s / r <= self.overhead * report.step_s), self.ladder[-1])
+            return unmeasured
+        return next((r for r in self.ladder if report.round_s / r <= fraction * report.step_s), self.ladder[-1])
 
     def state_dict(self) -> dict:
         return {"interval": self.interval, "floor": self.floor, "windows": self.windows, "prev": self._prev}
