@@ -66,23 +66,24 @@ def run_dir(setting: str, method: str, seed: int) -> Path:
     return OUT / setting / method / f"seed{seed}"
 
 
-def sitting(task: str) -> Path:
-    return cells.sitting_file(OUT, task)
+def cpu_of(machine: str) -> str:
+    """The CPU model of a run.json's ``machine`` ("host, CPU, Python x.y")."""
+    parts = machine.split(", ")
+    return parts[1] if len(parts) > 2 else machine
 
 
-def frozen_setting(setting: str) -> dict | None:
-    """Target, cap and floor of a setting on this machine, frozen once the baseline's 3 runs at
-    100 Mbit/s and the task's sitting are done (the protocol, "Target, cap, floor")."""
+def setting_of(out: Path, setting: str) -> dict | None:
+    """Target, cap and floor of a setting from the runs and sitting under ``out`` (one machine's
+    folder), once the baseline's 3 runs at 100 Mbit/s and the task's sitting are there (the
+    protocol, "Settings, baseline, target, floor, cap"); None before. Writes nothing."""
     task, rate = SETTINGS[setting]
-    path = OUT / setting / "setting.json"
-    if path.exists():
-        return json.loads(path.read_text())
     source = f"{task}-100mbit"
-    runs = [run_dir(source, BASELINE, s) for s in SEEDS]
+    runs = [out / source / BASELINE / f"seed{s}" for s in SEEDS]
     finals = [v3.final_and_wall(where, PROTOCOL) for where in runs]
-    if any(f is None for f in finals) or not sitting(task).exists():
+    sitting_csv = cells.sitting_file(out, task)
+    if any(f is None for f in finals) or not sitting_csv.exists():
         return None
-    times = cells.step_times(sitting(task))
+    times = cells.step_times(sitting_csv)
     records = [cells.records(where) for where in runs]
     if rate == "100mbit":
         wall = statistics.mean(w for _, w in finals)
@@ -90,20 +91,32 @@ def frozen_setting(setting: str) -> dict | None:
         step_s = cells.step_time(times, rate, BASELINE)
         wall = statistics.mean(cells.computed_walls(e, w, step_s)[-1] for e, w in records)
     floor = cells.floor_seconds(records, times[(rate, "floor")])
-    frozen = {"protocol": PROTOCOL, "machine": cpu_model(), "baseline": BASELINE, "baseline_wall_s": wall,
-              "target_perplexity": statistics.mean(f for f, _ in finals), "floor_s": floor,
+    machines = {cpu_of(json.loads((where / "run.json").read_text())["machine"]) for where in runs}
+    frozen = {"protocol": PROTOCOL, "machine": ", ".join(sorted(machines)), "baseline": BASELINE,
+              "baseline_wall_s": wall, "target_perplexity": statistics.mean(f for f, _ in finals), "floor_s": floor,
               "cap_s": min(CAP_FACTOR * wall, CAP_FLOORS * floor),
-              "from": [str(where.relative_to(OUT)) for where in runs], "sitting": sitting(task).name}
+              "from": [str(where.relative_to(out)) for where in runs], "sitting": sitting_csv.name}
     if rate != "100mbit":
-        frozen["computed"] = f"the baseline's wall time computed from {source}'s runs and {sitting(task).name}"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(frozen, indent=1) + "\n")
+        frozen["computed"] = f"the baseline's wall time computed from {source}'s runs and {sitting_csv.name}"
+    return frozen
+
+
+def frozen_setting(setting: str) -> dict | None:
+    """``setting_of`` this machine's folder, frozen in ``SETTING/setting.json`` the first time it
+    exists (before the first run that reads its target and cap)."""
+    path = OUT / setting / "setting.json"
+    if path.exists():
+        return json.loads(path.read_text())
+    frozen = setting_of(OUT, setting)
+    if frozen is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(frozen, indent=1) + "\n")
     return frozen
 
 
 def run_sitting(task: str, rounds: int) -> None:
     """The task's step-time sitting on this machine (benchmarks/step_time.py, interleaved rounds)."""
-    out = sitting(task).with_suffix(".md")
+    out = cells.sitting_file(OUT, task).with_suffix(".md")
     subprocess.run([sys.executable, str(REPO / "benchmarks" / "step_time.py"), "--models",
                     cells.SITTING_MODEL[task], "--nodes", "2", "--rates", ",".join(RATES), "--rounds", str(rounds),
                     "--methods", ",".join(SITTING_METHODS), "--out", str(out)], check=True)

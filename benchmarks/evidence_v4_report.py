@@ -46,17 +46,18 @@ def setting_lines(out: Path, setting: str) -> tuple[list[str], list[str]]:
     """A setting's table on one machine, and its rows of the bars."""
     task, rate = v4.SETTINGS[setting]
     path = out / setting / "setting.json"
-    if not path.exists():
+    frozen = json.loads(path.read_text()) if path.exists() else v4.setting_of(out, setting)
+    if frozen is None:
         return [f"### {setting}", "", "No target yet on this machine (the baseline's runs or the sitting are missing).",
                 ""], []
-    frozen = json.loads(path.read_text())
     target, floor, base_wall = frozen["target_perplexity"], frozen["floor_s"], frozen["baseline_wall_s"]
     sitting = cells.sitting_file(out, task)
     times = cells.step_times(sitting) if sitting.exists() else None
     lines = [f"### {setting}", "",
              f"Target: validation perplexity {target:.2f} ({v4.BASELINE}'s mean final at 100 Mbit/s, this machine); "
              f"the baseline's mean wall time {base_wall:.0f} s{' (computed)' if 'computed' in frozen else ''}; "
-             f"**compute floor {floor:.0f} s**; cap {frozen['cap_s']:.0f} s.", "",
+             f"**compute floor {floor:.0f} s**; cap {frozen['cap_s']:.0f} s"
+             f"{'' if path.exists() else ' (not frozen yet: no run of the method here)'}.", "",
              "| method | cell | seeds | time to target, mean s (x floor, x baseline) | sd s | validation after 6 epochs "
              "| test | floats sent per rank | bytes sent per rank | rounds |", "|---|---|---|---|---|---|---|---|---|---|"]
     bars = []
