@@ -84,6 +84,8 @@ def setting_of(out: Path, setting: str) -> dict | None:
     if any(f is None for f in finals) or not sitting_csv.exists():
         return None
     times = cells.step_times(sitting_csv)
+    if (rate, "floor") not in times or (rate, BASELINE) not in times:  # (the sitting's rounds at the rate failed)
+        return None
     records = [cells.records(where) for where in runs]
     if rate == "100mbit":
         wall = statistics.mean(w for _, w in finals)
