@@ -94,6 +94,8 @@ def setting_of(out: Path, setting: str) -> dict | None:
         wall = statistics.mean(cells.computed_walls(e, w, step_s)[-1] for e, w in records)
     floor = cells.floor_seconds(records, times[(rate, "floor")])
     machines = {cpu_of(json.loads((where / "run.json").read_text())["machine"]) for where in runs}
+    if len(machines) > 1:  # (a run copied into another machine's folder)
+        raise SystemExit(f"{out / source / BASELINE}: runs of {sorted(machines)} in one machine's folder")
     frozen = {"protocol": PROTOCOL, "machine": ", ".join(sorted(machines)), "baseline": BASELINE,
               "baseline_wall_s": wall, "target_perplexity": statistics.mean(f for f, _ in finals), "floor_s": floor,
               "cap_s": min(CAP_FACTOR * wall, CAP_FLOORS * floor),

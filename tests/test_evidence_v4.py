@@ -51,6 +51,15 @@ def test_a_run_of_another_protocol_is_refused(tmp_path, monkeypatch):
         v4.frozen_setting("lstm-100mbit")
 
 
+def test_runs_of_two_machines_in_one_folder_are_refused(tmp_path, monkeypatch):
+    monkeypatch.setattr(v4, "OUT", tmp_path)
+    baseline_and_sitting(tmp_path)
+    record = tmp_path / "lstm-100mbit" / "ddp-fp16" / "seed1" / "run.json"
+    record.write_text(record.read_text().replace('"machine": "test"', '"machine": "vm, AMD EPYC, Python 3.11.7"'))
+    with pytest.raises(SystemExit, match="AMD EPYC"):
+        v4.frozen_setting("lstm-100mbit")
+
+
 def test_the_report_judges_each_machine_on_its_own_runs(tmp_path, monkeypatch):
     monkeypatch.setattr(report, "ROOT", tmp_path)
     monkeypatch.setattr(report, "REPORT", tmp_path / "report.md")
