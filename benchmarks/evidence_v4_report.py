@@ -72,7 +72,7 @@ def setting_lines(out: Path, setting: str) -> tuple[list[str], list[str]]:
         else:
             shown = (f"not reached in {len(missed)} ({'; '.join(missed)})" if missed else "") + \
                 (f" ({len(runs)} of {len(v4.SEEDS)} seeds run)" if mean is None else "")
-        sent = [r for r in runs.values()]
+        sent = list(runs.values())
         bytes_ = [r.get("bytes") for r in sent if r.get("bytes") is not None]
         syncs = [r["syncs"] for r in sent if r["syncs"] is not None]
         lines.append(f"| {method} | {kind} | {len(runs)} | {shown} | {mean_sd(hits, '.0f') if len(hits) > 1 else '-'} | "
@@ -81,16 +81,15 @@ def setting_lines(out: Path, setting: str) -> tuple[list[str], list[str]]:
                      f"{f'{statistics.mean(bytes_):.3g}' if bytes_ else '-'} | {mean_sd(syncs, '.0f') if syncs else '-'} |")
         if method != "diloco-v4":
             continue
-        verdict = None if mean is None else (math.isfinite(mean) and mean <= FLOOR_BARS.get(rate, 0) * floor)
+        reached_ = mean is not None and math.isfinite(mean)
         if rate in FLOOR_BARS:
-            bars.append(f"| diloco-v4 within {FLOOR_BARS[rate]}x the compute floor | {setting} | "
-                        f"{seconds(mean)} = {mean / floor:.2f}x" if mean is not None and math.isfinite(mean) else
-                        f"| diloco-v4 within {FLOOR_BARS[rate]}x the compute floor | {setting} | {seconds(mean)}")
-            bars[-1] += f" | {'not decided' if verdict is None else ('**yes**' if verdict else 'no')} |"
+            bar, limit = f"diloco-v4 within {FLOOR_BARS[rate]}x the compute floor", FLOOR_BARS[rate] * floor
+            figure = f"{seconds(mean)} = {mean / floor:.2f}x" if reached_ else seconds(mean)
         else:
-            late = None if mean is None else (math.isfinite(mean) and mean <= base_wall)
-            bars.append(f"| diloco-v4 not later than the baseline | {setting} | {seconds(mean)} vs {base_wall:.0f} s | "
-                        f"{'not decided' if late is None else ('**yes**' if late else 'no')} |")
+            bar, limit = "diloco-v4 not later than the baseline", base_wall
+            figure = f"{seconds(mean)} vs {base_wall:.0f} s"
+        met = "not decided" if mean is None else ("**yes**" if reached_ and mean <= limit else "no")
+        bars.append(f"| {bar} | {setting} | {figure} | {met} |")
     return lines + [""], bars
 
 
