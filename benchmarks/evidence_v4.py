@@ -3,6 +3,8 @@
     .venv/bin/python benchmarks/evidence_v4.py --sitting lstm                    # this machine's step-time sitting
     .venv/bin/python benchmarks/evidence_v4.py --setting lstm-100mbit --methods ddp-fp16
     .venv/bin/python benchmarks/evidence_v4.py --setting lstm-10mbit --methods diloco-v4
+    .venv/bin/python benchmarks/evidence_v4.py --sitting-peers lstm              # the peers' sitting (amendment 1)
+    .venv/bin/python benchmarks/evidence_v4.py --setting lstm-100mbit --methods default,torch-localsgd,diloco-paper
     .venv/bin/python benchmarks/evidence_v4.py --status                          # what is done on this machine
 
 evidence-v3's tasks, emulated cluster, CLI and records (benchmarks/evidence_v3.py ``run_cli``),
@@ -15,8 +17,10 @@ On a machine: the sitting of a task first (the compute-only step and the baselin
 every rate), then the baseline's 3 seeds at 100 Mbit/s (they set the target: its mean final
 validation perplexity; and the cap: the smaller of twice its mean wall time, computed away from
 100 Mbit/s, and 4x the compute floor, frozen in ``SETTING/setting.json``), then the method,
-measured at every rate with ``--target`` and ``--time-cap``. Run it from a checkout nobody edits
-while it runs: each run records its commit.
+measured at every rate with ``--target`` and ``--time-cap``; the peers (amendment 1) likewise, those
+whose trajectory in steps does not depend on the link (``COMPUTED``) at 100 Mbit/s only, their
+other rates computed from the peers' sitting. Run it from a checkout nobody edits while it runs:
+each run records its commit.
 """
 
 from __future__ import annotations
@@ -49,8 +53,17 @@ METHODS = {
     # acc.DiLoCo(model, opt) as the library's defaults are at the protocol's commit, with the
     # compressor's windows of 16 rounds (the CLI's --interval; acc.DiLoCo's own default compressor)
     "diloco-v4": ("ddp", ["--launcher", "ddp", "--codec", "default", "--interval", "16", "--sync", "diloco"]),
+    # the peers (amendment 1): v3's definitions; diloco-paper's H is v3's pilot's (method_args)
+    "default": v3.METHODS["default"],
+    "torch-localsgd": v3.METHODS["torch-localsgd"],
+    "diloco-paper": ("ddp", []),
 }
+PEERS = ("default", "torch-localsgd", "diloco-paper")
+# Methods whose trajectory in steps does not depend on the link: measured at 100 Mbit/s only,
+# their times at the other rates computed from a sitting (v3's rule); the others run at every rate.
+COMPUTED = ("ddp-fp16", "hvd-fp16", "torch-localsgd", "diloco-paper")
 SITTING_METHODS = ("floor", "ddp-fp16", "hvd-fp16")
+PEER_SITTING_METHODS = ("floor", "localsgd-p4", "diloco-h256")  # v3's sitting names of the computed peers
 
 
 def machine_slug(model: str | None = None) -> str:
@@ -64,6 +77,25 @@ OUT = REPO / "benchmarks" / "results" / PROTOCOL / machine_slug()
 
 def run_dir(setting: str, method: str, seed: int) -> Path:
     return OUT / setting / method / f"seed{seed}"
+
+
+def method_args(method: str, task: str) -> tuple[str, list[str]]:
+    """(launcher, CLI arguments) of a method on ``task``."""
+    return v3.method_args_of(method, task) if method == "diloco-paper" else METHODS[method]
+
+
+def peers_sitting(out: Path, task: str) -> Path:
+    """The peers' sitting of a task on a machine (amendment 1), beside the task's own."""
+    return out / f"step-time-peers-{cells.SITTING_MODEL[task]}.csv"
+
+
+def step_times(out: Path, task: str) -> dict[tuple[str, str], float] | None:
+    """(rate, sitting method) -> median step, from the task's sitting and the peers' sitting on
+    one machine (the task's sitting wins where both have a method: its floor sets the floor)."""
+    task_sitting, peers = cells.sitting_file(out, task), peers_sitting(out, task)
+    if not task_sitting.exists():
+        return None
+    return {**(cells.step_times(peers) if peers.exists() else {}), **cells.step_times(task_sitting)}
 
 
 def cpu_of(machine: str) -> str:
@@ -132,15 +164,15 @@ def run_all(setting: str, methods: list[str], seeds: tuple[int, ...], timeout: f
     print(f"{setting} on {OUT.name}: {len(todo)} runs now", flush=True)
     with Cluster(2, rate=rate, prefix="accv4-") as cluster:
         for method, seed in todo:
-            launcher, method_args = METHODS[method]
+            launcher, args = method_args(method, task)
             extra = []
-            if method == "diloco-v4" and seed != PILOT_SEED:
+            if method not in ("ddp-fp16", "hvd-fp16") and seed != PILOT_SEED:  # the baselines set the target
                 frozen = frozen_setting(setting)
                 if frozen is None:
                     raise SystemExit(f"{setting}: no target yet on this machine (the baseline's runs at 100 Mbit/s "
                                      f"and the sitting of {task} come first)")
                 extra = ["--target", f"{frozen['target_perplexity']:.6f}", "--time-cap", f"{frozen['cap_s']:.1f}"]
-            record = v3.run_cli(cluster, launcher, [*v3.TASKS[task], *v3.COMMON, *method_args, *extra,
+            record = v3.run_cli(cluster, launcher, [*v3.TASKS[task], *v3.COMMON, *args, *extra,
                                                     "--seed", str(seed)], run_dir(setting, method, seed),
                                 {"protocol": PROTOCOL, "setting": setting, "method": method, "seed": seed}, timeout)
             print(f"{setting} {method} seed {seed}: exit {record['exit']}, {record['seconds']:.0f} s", flush=True)
@@ -152,6 +184,7 @@ def main() -> None:
     p.add_argument("--methods", default="diloco-v4", help="comma-separated, of: " + ", ".join(METHODS))
     p.add_argument("--seeds", default="0,1,2", help=f"comma-separated; {PILOT_SEED} is the pilot seed, never scored")
     p.add_argument("--sitting", choices=TASKS, help="run this task's step-time sitting on this machine")
+    p.add_argument("--sitting-peers", choices=TASKS, help="run the peers' step-time sitting of this task (amendment 1)")
     p.add_argument("--rounds", type=int, default=3, help="the sitting's interleaved rounds")
     p.add_argument("--timeout", type=float, default=7200, help="seconds one run may take")
     p.add_argument("--status", action="store_true")
@@ -164,16 +197,17 @@ def main() -> None:
                                                if frozen else "no target yet") + "; " +
                   ", ".join(f"{m} {n}/3" for m, n in done.items() if n))
         return
-    if args.sitting:
-        return run_sitting(args.sitting, args.rounds)
+    if args.sitting or args.sitting_peers:
+        return run_sitting(args.sitting or args.sitting_peers, args.rounds, peers=bool(args.sitting_peers))
     if args.setting is None:
-        p.error("--setting, --sitting or --status")
+        p.error("--setting, --sitting, --sitting-peers or --status")
     methods = [m for m in args.methods.split(",") if m]
     if set(methods) - set(METHODS):
         p.error(f"--methods: {sorted(set(methods) - set(METHODS))} unknown; the methods are {list(METHODS)}")
     task, rate = SETTINGS[args.setting]
-    if rate != "100mbit" and set(methods) & {"ddp-fp16", "hvd-fp16"}:
-        p.error("the baselines run at 100 Mbit/s; their times at the other rates are computed (the protocol)")
+    if rate != "100mbit" and set(methods) & set(COMPUTED):
+        p.error(f"{sorted(set(methods) & set(COMPUTED))} run at 100 Mbit/s; their times at the other rates are "
+                "computed (the protocol)")
     seeds = tuple(int(s) for s in args.seeds.split(","))
     if any(s not in (*SEEDS, PILOT_SEED) for s in seeds):
         p.error(f"--seeds: the protocol's seeds are {SEEDS} and the pilot seed {PILOT_SEED}")

@@ -27,15 +27,15 @@ FLOOR_BARS = {"10mbit": 1.5, "100mbit": 1.25}
 
 
 def runs_of(out: Path, setting: str, method: str, times: dict | None) -> tuple[str, dict[int, dict]]:
-    """("measured" | "computed", {seed: run}) on one machine; the baseline away from 100 Mbit/s
-    computed from its 100 Mbit/s runs and the sitting's step at the setting's rate."""
+    """("measured" | "computed", {seed: run}) on one machine; a method of ``v4.COMPUTED`` away from
+    100 Mbit/s computed from its 100 Mbit/s runs and its sitting's step at the setting's rate."""
     task, rate = v4.SETTINGS[setting]
-    measured = method != v4.BASELINE or rate == "100mbit"
+    measured = method not in v4.COMPUTED or rate == "100mbit"
     source = setting if measured else f"{task}-100mbit"
     runs = {s: r for s in v4.SEEDS if (r := read_run(out / source / method / f"seed{s}", v4.PROTOCOL))}
     if measured:
         return "measured", runs
-    if times is None or (rate, method) not in times:
+    if times is None or (rate, cells.SITTING_METHOD[method]) not in times:
         return "computed", {}
     for r in runs.values():
         r["walls"] = cells.computed_walls(r["evals"], r["step_walls"], cells.step_time(times, rate, method))
@@ -51,8 +51,7 @@ def setting_lines(out: Path, setting: str) -> tuple[list[str], list[str]]:
         return [f"### {setting}", "", "No target yet on this machine (the baseline's runs or the sitting are missing).",
                 ""], []
     target, floor, base_wall = frozen["target_perplexity"], frozen["floor_s"], frozen["baseline_wall_s"]
-    sitting = cells.sitting_file(out, task)
-    times = cells.step_times(sitting) if sitting.exists() else None
+    times = v4.step_times(out, task)
     lines = [f"### {setting}", "",
              f"Target: validation perplexity {target:.2f} ({v4.BASELINE}'s mean final at 100 Mbit/s, this machine); "
              f"the baseline's mean wall time {base_wall:.0f} s{' (computed)' if 'computed' in frozen else ''}; "
@@ -60,12 +59,13 @@ def setting_lines(out: Path, setting: str) -> tuple[list[str], list[str]]:
              f"{'' if path.exists() else ' (not frozen yet: no run of the method here)'}.", "",
              "| method | cell | seeds | time to target, mean s (x floor, x baseline) | sd s | validation after 6 epochs "
              "| test | floats sent per rank | bytes sent per rank | rounds |", "|---|---|---|---|---|---|---|---|---|---|"]
-    bars = []
-    for method in (v4.BASELINE, "diloco-v4"):
+    bars, means = [], {}
+    for method in (v4.BASELINE, *v4.PEERS, "diloco-v4"):
         kind, runs = runs_of(out, setting, method, times)
         if not runs:
             continue
         mean, missed = reached(runs, target)
+        means[method] = mean
         hits = [t for r in runs.values() if (t := cells.time_to(r["evals"], r["walls"], target)) is not None]
         if mean is not None and math.isfinite(mean):
             shown = f"{mean:.0f} ({mean / floor:.2f}x, {mean / base_wall:.2f}x)"
@@ -90,7 +90,22 @@ def setting_lines(out: Path, setting: str) -> tuple[list[str], list[str]]:
             figure = f"{seconds(mean)} vs {base_wall:.0f} s"
         met = "not decided" if mean is None else ("**yes**" if reached_ and mean <= limit else "no")
         bars.append(f"| {bar} | {setting} | {figure} | {met} |")
+    if "diloco-v4" in means:
+        bars += [ahead_row(setting, means, peer) for peer in v4.PEERS]
     return lines + [""], bars
+
+
+def ahead_row(setting: str, means: dict[str, float | None], peer: str) -> str:
+    """The bar "diloco-v4 ahead of PEER in time to target" (amendment 1), from the setting's mean
+    times to target (None: a seed not run yet); decided once both have all their seeds. A method
+    with a seed that never reached the target has an infinite mean: behind one whose seeds all
+    did, and neither is ahead when both missed."""
+    def shown(method: str) -> str:
+        return "no runs" if method not in means else "seeds missing" if means[method] is None else seconds(means[method])
+    ours, theirs = means.get("diloco-v4"), means.get(peer)
+    met = ("not decided" if ours is None or theirs is None else
+           "**yes**" if math.isfinite(ours) and ours < theirs else "no")
+    return f"| diloco-v4 ahead of {peer} | {setting} | {shown('diloco-v4')} vs {shown(peer)} | {met} |"
 
 
 def main() -> None:
@@ -98,8 +113,8 @@ def main() -> None:
              f"Protocol: [`benchmarks/protocols/{v4.PROTOCOL}.md`](../protocols/{v4.PROTOCOL}.md), committed before "
              f"the runs. `.venv/bin/python benchmarks/evidence_v4_report.py`; raw runs and sittings in "
              f"[{v4.PROTOCOL}/]({v4.PROTOCOL}/). Every figure of a machine's section was measured on that machine; "
-             "*computed*: the baseline's 100 Mbit/s runs, each step at the sitting's median step at the rate, plus "
-             "their own evaluations (v3's rule).", ""]
+             "*computed*: the method's 100 Mbit/s runs, each step at the sitting's median step at the rate, plus "
+             "their own evaluations (v3's rule; the peers' steps from the peers' sitting, amendment 1).", ""]
     machines = sorted(d for d in ROOT.iterdir() if d.is_dir()) if ROOT.exists() else []
     for out in machines:
         lines += [f"## {out.name}", ""]

@@ -77,3 +77,40 @@ def test_the_report_judges_each_machine_on_its_own_runs(tmp_path, monkeypatch):
     # fast: 200 x 0.1 + 2 = 22 s to 30.0 <= target 32, floor 42 s: 0.52x; slow: 62 s = 1.48x
     assert "| diloco-v4 within 1.25x the compute floor | lstm-100mbit | 22 s = 0.52x | **yes** |" in fast
     assert "| diloco-v4 within 1.25x the compute floor | lstm-100mbit | 62 s = 1.48x | no |" in slow
+
+
+def test_the_peers_computed_away_from_100mbit_and_the_ahead_of_bars(tmp_path, monkeypatch):
+    """Amendment 1: torch-localsgd and diloco-paper run at 100 Mbit/s and are computed at 10 Mbit/s
+    from the peers' sitting; default is measured at 10 Mbit/s; each "ahead of" bar compares means."""
+    monkeypatch.setattr(report, "ROOT", tmp_path)
+    monkeypatch.setattr(report, "REPORT", tmp_path / "report.md")
+    out = tmp_path / "cpu"
+    monkeypatch.setattr(v4, "OUT", out)
+    baseline_and_sitting(out)
+    v4.frozen_setting("lstm-10mbit")  # target 32, floor 42 s
+    # the peers' sitting has a floor of its own: the task's sitting's sets the floor, not it
+    write_sitting(v4.peers_sitting(out, "lstm"), {("10mbit", "floor"): [9.0], ("10mbit", "localsgd-p4"): [0.5],
+                                                   ("10mbit", "diloco-h256"): [0.25]})
+
+    def runs(setting, method, step_s, finals):
+        for seed in v4.SEEDS:
+            write_run(out / setting / method / f"seed{seed}", step_s=step_s, eval_s=1.0, finals=finals,
+                      setting=setting, method=method, protocol=v4.PROTOCOL)
+    runs("lstm-10mbit", "diloco-v4", 0.3, [35.0, 30.0])        # 200 x 0.3 + 2 = 62 s
+    runs("lstm-100mbit", "torch-localsgd", 9.9, [35.0, 31.5])  # at 10 Mbit/s 200 x 0.5 + 2 = 102 s
+    runs("lstm-100mbit", "diloco-paper", 9.9, [40.0, 33.0])    # never reaches 32
+    runs("lstm-10mbit", "default", 0.2, [35.0, 30.0])          # measured: 42 s, ahead of ours
+    report.main()
+    text = (tmp_path / "report.md").read_text()
+    assert "| diloco-v4 ahead of torch-localsgd | lstm-10mbit | 62 s vs 102 s | **yes** |" in text
+    assert "| diloco-v4 ahead of diloco-paper | lstm-10mbit | 62 s vs not reached | **yes** |" in text
+    assert "| diloco-v4 ahead of default | lstm-10mbit | 62 s vs 42 s | no |" in text
+    assert "| diloco-v4 within 1.5x the compute floor | lstm-10mbit | 62 s = 1.48x | **yes** |" in text
+    assert "| torch-localsgd | computed | 3 | 102 (2.43x" in text and "| default | measured | 3 | 42 (" in text
+
+
+def test_the_runner_refuses_a_computed_peer_away_from_100mbit(monkeypatch, capsys):
+    monkeypatch.setattr(sys, "argv", ["evidence_v4.py", "--setting", "lstm-10mbit", "--methods", "diloco-paper"])
+    with pytest.raises(SystemExit):
+        v4.main()
+    assert "['diloco-paper'] run at 100 Mbit/s" in capsys.readouterr().err
