@@ -114,3 +114,40 @@ def test_the_runner_refuses_a_computed_peer_away_from_100mbit(monkeypatch, capsy
     with pytest.raises(SystemExit):
         v4.main()
     assert "['diloco-paper'] run at 100 Mbit/s" in capsys.readouterr().err
+
+
+def test_the_sittings_commands(tmp_path, monkeypatch):
+    """--sitting and --sitting-peers: which methods, rates and file (the held-out task at its two rates)."""
+    monkeypatch.setattr(v4, "OUT", tmp_path)
+    commands = []
+    monkeypatch.setattr(v4.subprocess, "run", lambda command, check: commands.append(command))
+    v4.run_sitting("lstm", 3)
+    v4.run_sitting("heldout", 3, peers=True)
+    (own, peers) = (dict(zip(c[2::2], c[3::2])) for c in commands)
+    assert own["--methods"] == "floor,ddp-fp16,hvd-fp16" and own["--rates"] == "10mbit,100mbit,1gbit"
+    assert own["--out"] == str(tmp_path / "step-time-lstm.md") and own["--models"] == "lstm"
+    assert peers["--methods"] == "floor,localsgd-p4,diloco-h256" and peers["--rates"] == "10mbit,100mbit"
+    assert peers["--out"] == str(tmp_path / "step-time-peers-gru.md") and peers["--models"] == "gru"
+
+
+def test_the_held_out_task_is_judged_on_the_ordering_alone(tmp_path, monkeypatch):
+    """Amendment 2: heldout-10mbit has the "ahead of" rows and no floor bar; its 100 Mbit/s setting
+    runs only the methods computed from it."""
+    monkeypatch.setattr(report, "ROOT", tmp_path)
+    monkeypatch.setattr(report, "REPORT", tmp_path / "report.md")
+    out = tmp_path / "cpu"
+    monkeypatch.setattr(v4, "OUT", out)
+    for seed in v4.SEEDS:
+        write_run(out / "heldout-100mbit" / "ddp-fp16" / f"seed{seed}", step_s=0.4, eval_s=1.0,
+                  finals=[40.0, 31.0 + seed], setting="heldout-100mbit", method="ddp-fp16", protocol=v4.PROTOCOL)
+        write_run(out / "heldout-10mbit" / "diloco-v4" / f"seed{seed}", step_s=0.9, eval_s=1.0, finals=[35.0, 30.0],
+                  setting="heldout-10mbit", method="diloco-v4", protocol=v4.PROTOCOL)
+    write_sitting(out / "step-time-gru.csv", {("10mbit", "floor"): [0.2], ("10mbit", "ddp-fp16"): [2.0],
+                                              ("100mbit", "floor"): [0.2], ("100mbit", "ddp-fp16"): [0.4]})
+    report.main()
+    text = (tmp_path / "report.md").read_text()
+    assert "| diloco-v4 ahead of default | heldout-10mbit | 182 s vs no runs | not decided |" in text
+    assert "compute floor | heldout" not in text and "heldout-1gbit" not in text
+    monkeypatch.setattr(sys, "argv", ["evidence_v4.py", "--setting", "heldout-100mbit", "--methods", "diloco-v4"])
+    with pytest.raises(SystemExit):
+        v4.main()
