@@ -120,12 +120,12 @@ def reference_auto(steps, decay_at, reset=False, plain_below=2, decay_round=True
                     delta = s - p
                     sum_(delta)
                     s.grad = delta / size
-                decay_round = reset and decay_round and fell and interval >= plain_below
-                if decay_round:
+                this_decay_round = reset and decay_round and fell and interval >= plain_below
+                if this_decay_round:
                     for s in start:
                         if outer.state[s]:
                             outer.state[s]["momentum_buffer"].zero_()
-                if interval < plain_below or decay_round:
+                if interval < plain_below or this_decay_round:
                     for s in start:
                         s -= s.grad
                 else:
