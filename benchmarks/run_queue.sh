@@ -23,7 +23,9 @@ while true; do
   kind=$1; shift
   case $kind in
     cmd) sh -c "$*" ;;
-    explore) (cd "${EXPLORE:-/work/explore}" && git checkout -q --detach "$1" &&
+    # -f: result files a run left untracked that a later commit tracks (copied into it) are in the
+    # way of the checkout otherwise; the worktree is the queue's alone
+    explore) (cd "${EXPLORE:-/work/explore}" && git checkout -q -f --detach "$1" &&
               .venv/bin/python benchmarks/explore_diloco.py --setting "$2" --variants "$3") ;;
     *) echo "unknown line kind: $kind" ;;
   esac
