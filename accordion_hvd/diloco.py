@@ -50,11 +50,6 @@ scored; benchmarks/results/explore-diloco.md) and scored by protocol evidence-v4
   lowers the interval: after a learning-rate decay it holds long rounds' pseudo-gradients taken
   at the old rate, and the first outer steps after the floor would apply them to a model that
   has moved on (evidence-v3's ``diloco-auto``, without it, lost 5-6 points of perplexity there).
-  The window that sees a decay ends on the round it ran at its old interval; that round, if it
-  would take the outer step, is a plain average instead and drops the momentum first (the
-  **decay round**: otherwise that one step applies the stale memory). Whether any rank's
-  learning rate went down since the last round is agreed on the control plane at such rounds
-  only (one number per round of ``plain_below`` inner steps or more).
 
 The default compressor's windows are 16 rounds (``acc.AccordionCompressor(interval=16)``), not
 the per-step default's 100: a round is up to 64 inner steps, and the link gate's first window
@@ -266,9 +261,6 @@ class DiLoCo:
         if self.launched is not None:
             self._land()
         self.plain = self.interval < self.plain_below  # (interval 1 under "auto": the per-step path)
-        if not self.plain and self.reset_momentum and self.window.lr_fell_anywhere(self.control):
-            self.plain = True  # the decay round (module doc): the momentum is of rounds at the old rate
-            self.outer.state.clear()
         for (name, local), start in zip(self.named_local, self.start):
             self.round.add(name, start - local.float(), start, uncompressed_here=True)
         self.round.send("round")  # the layers sent whole this round (16-bit dense), one average per dtype

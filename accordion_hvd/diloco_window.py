@@ -25,7 +25,6 @@ class WindowStatistic:
         self.optimizer = optimizer
         self.lr = self._lr()
         self.ended: float | None = None  # when the last step() returned
-        self.lr_fell_in_round = False  # since the last round (DiLoCo's decay round, diloco.py)
         self._reset()
 
     def _reset(self) -> None:
@@ -46,16 +45,9 @@ class WindowStatistic:
         self.steps += 1
         lr = self._lr()
         self.lr_decreased |= lr < self.lr
-        self.lr_fell_in_round |= lr < self.lr
         self.lr = lr
         if self.ended is not None:  # (an evaluation between two steps is an outlier the median ignores)
             self.step_s.append(now - self.ended)
-
-    def lr_fell_anywhere(self, control) -> bool:
-        """Whether the learning rate went down on any rank since the last round (one control
-        collective, the same answer on every rank); starts the next round's count."""
-        fell, self.lr_fell_in_round = self.lr_fell_in_round, False
-        return bool(control.allreduce(np.array([float(fell)]), "acc.diloco.decay", op="sum")[0] > 0)
 
     def round_took(self, seconds: float) -> None:
         self.round_s.append(seconds)
@@ -79,10 +71,9 @@ class WindowStatistic:
 
     def state_dict(self) -> dict:
         return {"sum_sq": float(self.sum_sq), "steps": self.steps, "lr": self.lr, "lr_decreased": self.lr_decreased,
-                "lr_fell_in_round": self.lr_fell_in_round, "step_s": list(self.step_s), "round_s": list(self.round_s)}
+                "step_s": list(self.step_s), "round_s": list(self.round_s)}
 
     def load_state_dict(self, state: dict) -> None:
         self.sum_sq, self.steps = state["sum_sq"], state["steps"]
         self.lr, self.lr_decreased = state["lr"], state["lr_decreased"]
-        self.lr_fell_in_round = bool(state.get("lr_fell_in_round", False))  # (saved before it existed: none)
         self.step_s, self.round_s = list(state["step_s"]), list(state["round_s"])

@@ -75,10 +75,11 @@ VARIANTS = {  # name -> (evidence-v3's method, extra CLI flags)
     # short rounds, shorter (the transformer: 28.42 with rounds of at most 4, 29.40 with 64)
     "v4": ("diloco-auto", ["--interval", "16"]),
     "v4-budget0.1": ("diloco-auto", ["--interval", "16", "--sync-budget", "0.1"]),
-    # v4's defaults with the decay round (a commit that has it, after 48441ab): the round that
-    # ends the decay's window, at 64 inner steps, a plain average with the momentum dropped
-    # first, not the outer step with the old rate's momentum (in v4's transformer pilot the
-    # perplexity fell by 0.4 over the 112 steps after the decay, 16-bit dense's by about 2)
+    # v4's defaults with the decay round, at 70ef1c4 (0ce5c71 for the LSTM; reverted after these
+    # pilots: no lasting effect): the round that ends the decay's window, at 64 inner steps, a
+    # plain average with the momentum dropped first, not the outer step with the old rate's
+    # momentum (in v4's transformer pilot the perplexity fell by 0.4 over the 112 steps after the
+    # decay, 16-bit dense's by about 2)
     "v4-decay-round": ("diloco-auto", ["--interval", "16"]),
 }
 

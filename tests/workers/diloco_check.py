@@ -23,8 +23,7 @@ MODE "auto": sync_every=acc.SyncInterval((1, 2, 4), eta, overhead=None: no clock
 DiLoCo with the same interval rule written out here (gradient norms reduced per window, the
 ladder climbed while calm, the first rung after a learning-rate decay, a round at interval 1
 a plain average), without and with reset_momentum (the outer momentum zeroed when the decay's
-window lowers the interval, and that window's last round, of 4 inner steps, a plain average:
-the decay round), and with plain_below=4 (rounds at 1 and 2 plain averages): the same intervals and parameters after every step, on every rank; the
+window lowers the interval), and with plain_below=4 (rounds at 1 and 2 plain averages): the same intervals and parameters after every step, on every rank; the
 synced() model is the last round's, the same on every rank, and the local one comes back.
 MODE "bad-input": each bad argument refused with a ValueError/TypeError naming it, on every rank.
 """
@@ -94,22 +93,19 @@ def reference_rounds(outer_lr=0.7, momentum=0.9, nesterov=True):
     return after
 
 
-def reference_auto(steps, decay_at, reset=False, plain_below=2, decay_round=True):
+def reference_auto(steps, decay_at, reset=False, plain_below=2):
     """Plain DiLoCo with the interval rule of policies/interval.py: (interval, parameters) after
-    each step; ``reset``: the outer momentum zeroed when a window lowers the interval, and (with
-    ``decay_round``) a round that would take the outer step after a decay since the last round a
-    plain average, the momentum zeroed first; rounds of fewer than ``plain_below`` inner steps
-    plain averages."""
+    each step; ``reset``: the outer momentum zeroed when a window lowers the interval; rounds of
+    fewer than ``plain_below`` inner steps plain averages."""
     model = make_model()
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     start = [p.detach().clone() for p in model.parameters()]
     outer = torch.optim.SGD(start, lr=0.7, momentum=0.9, nesterov=True)
     interval, since, prev, sum_sq, seen, decreased, out = LADDER[0], 0, None, 0.0, 0, False, []
-    fell = False  # since the last round
     for i in range(steps):
         if i == decay_at:
             opt.param_groups[0]["lr"] = LR / 10
-            decreased = fell = True
+            decreased = True
         inner_step(model, opt, i % len(DATA))
         sum_sq += sum(float(p.grad.norm()) ** 2 for p in model.parameters())
         seen += 1
@@ -120,17 +116,11 @@ def reference_auto(steps, decay_at, reset=False, plain_below=2, decay_round=True
                     delta = s - p
                     sum_(delta)
                     s.grad = delta / size
-                this_decay_round = reset and decay_round and fell and interval >= plain_below
-                if this_decay_round:
-                    for s in start:
-                        if outer.state[s]:
-                            outer.state[s]["momentum_buffer"].zero_()
-                if interval < plain_below or this_decay_round:
+                if interval < plain_below:
                     for s in start:
                         s -= s.grad
                 else:
                     outer.step()
-                fell = False
                 for s, p in zip(start, model.parameters()):
                     p.copy_(s)
             since = 0
@@ -307,10 +297,6 @@ elif mode == "auto":
         check(timed == list(range(1, diloco.syncs + 1)), f"rounds timed after rounds {timed}, {diloco.syncs} rounds")
         finals.append(flat(model))
     check(not torch.allclose(finals[0], finals[1]), "reset_momentum changed nothing after the decay")
-    # the decay round exercised: the reference without it ends elsewhere (the decay's window ends
-    # on a round of 4 inner steps, which takes the outer step at plain_below 2)
-    check(not torch.allclose(reference_auto(STEPS, DECAY, True, 2, decay_round=False)[-1][1],
-                             reference_auto(STEPS, DECAY, True, 2)[-1][1]), "the decay round changed nothing")
     check(not torch.allclose(finals[0], finals[2]), "plain_below=4 changed nothing")
     # the defaults (docs/api.md): under "auto" the momentum reset, rounds under 64 inner steps plain
     # averages, the compressor's windows 16 rounds; at a fixed sync_every DiLoCo as published

@@ -9,11 +9,9 @@ hold the same model.
 MODE "auto": acc.SyncInterval((1, 2, 4)): the rounds at interval 1 (the start, after a decay)
 synchronous and plain averages, the others overlapped: the reference's parameters after
 every step, the ranks equal after each round at interval 1.
-MODE "auto-reset": the same with reset_momentum=True: the decay's window's last round (launched
-at interval 4) is a plain average and drops the momentum at its launch (the decay round); where
-that window lowers the interval, the round in flight lands first, then the outer momentum is
-zeroed (else that round, landing later, would refill it with a pseudo-gradient of the old
-learning rate).
+MODE "auto-reset": the same with reset_momentum=True: where the decay's window lowers the
+interval, the round in flight lands first, then the outer momentum is zeroed (else that round,
+landing later, would refill it with a pseudo-gradient of the old learning rate).
 MODE "nonfinite": a NaN on rank 1 in the round in flight: it is skipped when it lands, every
 rank back at the start-of-round parameters (the progress since dropped), the next one goes on.
 MODE "resume": a state_dict taken with a round in flight (it lands first), loaded into a fresh
@@ -85,11 +83,10 @@ def reference(steps, interval_at, decay_at=None, auto=False, reset=False):
         for s, p, then in zip(start, params, launched or start):
             p.copy_(s if launched is None else s + (p - then))
 
-    pending, since, out, fell = None, 0, [], False
+    pending, since, out = None, 0, []
     for i in range(steps):
         if i == decay_at:
             opt.param_groups[0]["lr"] = LR / 10
-            fell = True  # (since the last round)
         inner_step(model, opt, i)
         since += 1
         interval = interval_at(i)
@@ -101,11 +98,7 @@ def reference(steps, interval_at, decay_at=None, auto=False, reset=False):
                 for a in average:
                     sum_(a)
                     a /= size
-                decay_round = reset and fell and interval > 1  # (would take the outer step at plain_below 2)
-                if decay_round:
-                    outer.state.clear()
-                plain = auto and (interval == 1 or decay_round)
-                fell = False
+                plain = auto and interval == 1
                 if interval > 1:
                     pending = (average, plain, [p.detach().clone() for p in params])
                 else:
