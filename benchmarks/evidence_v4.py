@@ -67,7 +67,8 @@ PEERS = ("default", "torch-localsgd", "diloco-paper")
 # their times at the other rates computed from a sitting (v3's rule); the others run at every rate.
 COMPUTED = ("ddp-fp16", "hvd-fp16", "torch-localsgd", "diloco-paper")
 SITTING_METHODS = ("floor", "ddp-fp16", "hvd-fp16")
-PEER_SITTING_METHODS = ("floor", "localsgd-p4", "diloco-h256")  # v3's sitting names of the computed peers
+# the peers' sitting: the floor and the computed peers, by their sitting names (v3's: localsgd-p4, diloco-h256)
+PEER_SITTING_METHODS = ("floor", *(cells.SITTING_METHOD[m] for m in COMPUTED if m in PEERS))
 
 
 def machine_slug(model: str | None = None) -> str:
