@@ -81,6 +81,14 @@ VARIANTS = {  # name -> (evidence-v3's method, extra CLI flags)
     # momentum (in v4's transformer pilot the perplexity fell by 0.4 over the 112 steps after the
     # decay, 16-bit dense's by about 2)
     "v4-decay-round": ("diloco-auto", ["--interval", "16"]),
+    # v4's defaults with the tail of training synchronous, at the pilot commit 0fec90a (its change,
+    # never landed: results/explore-diloco/pilot-tail-0fec90a.patch; --tail exists only there): once
+    # the inner lr is at or below half its peak (after the decay, the last third), a round makes
+    # the models alike and then either every step's gradients are averaged before the inner step
+    # (16-bit, the inner AdamW state averaged once: one synchronous AdamW, as 16-bit dense trains)
+    # or the models every step (rounds of 1). Is the transformer's gap to dense made in the tail?
+    "v4-tail-grad": ("diloco-auto", ["--interval", "16", "--tail", "gradients:0.5"]),
+    "v4-tail-models": ("diloco-auto", ["--interval", "16", "--tail", "models:0.5"]),
 }
 
 
