@@ -176,11 +176,11 @@ def section(step: dict[str, list], methods: list[str]) -> list[str]:
         out.append(f"| {name} | {spread(done, '.3f')} | "
                    f"{spread(over, '+.3f') if not no_floor else '-'} | "
                    f"{times(spread(ratio, '.3f')) if not no_floor else '-'} | {len(values) - len(done)} |")
-    out += ["", "| ours | peer | ours / peer, median (range) over rounds | rounds where ours was faster |",
-            "|---|---|---|---|"]
-    for ours, peer in PAIRS:
-        if ours not in step or peer not in step:
-            continue
+    pairs = [(ours, peer) for ours, peer in PAIRS if ours in step and peer in step]
+    if pairs:  # (a sitting of peers alone has none: no empty table)
+        out += ["", "| ours | peer | ours / peer, median (range) over rounds | rounds where ours was faster |",
+                "|---|---|---|---|"]
+    for ours, peer in pairs:
         ratios = [o / p for o, p in zip(step[ours], step[peer]) if o is not None and p is not None]
         out.append(f"| {ours} | {peer} | {times(spread(ratios, '.3f'))} | {sum(r < 1 for r in ratios)} of "
                    f"{len(ratios)} |")

@@ -290,8 +290,10 @@ def parse_args(argv=None, description: str | None = None) -> argparse.Namespace:
                    help="epochs to train (in all: a resumed run's earlier epochs count)")
     p.add_argument("--batch-size", type=int, default=32, help="per-rank batch size")
     p.add_argument("--lr", type=float, default=0.02,
-                   help="learning rate per rank (scaled by world size); 0.02 keeps the last epochs of a "
-                        "compressed run on digits steady, higher rates make them swing by several points")
+                   help="learning rate per rank (scaled by world size, as for the average of every rank's batch; "
+                        "with --sync diloco or torch-localsgd the local steps take the scaled rate too, though each "
+                        "sees one rank's batch); 0.02 keeps the last epochs of a compressed run on digits steady, "
+                        "higher rates make them swing by several points")
     p.add_argument("--lr-milestones", default="", help="epochs at which the lr is multiplied by --lr-gamma, "
                                                        "comma-separated (e.g. 10,15)")
     p.add_argument("--lr-gamma", type=float, default=0.1, help="the lr's factor at each of --lr-milestones")
