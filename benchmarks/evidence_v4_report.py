@@ -5,7 +5,9 @@ issue's bars judged on each machine apart.
     .venv/bin/python benchmarks/evidence_v4_report.py    # benchmarks/results/evidence-v4.md
 
 Reads only committed files (``benchmarks/results/evidence-v4/MACHINE/...``). A cell whose runs
-are not all there is shown with what there is; a bar that reads it says "not decided".
+are not all there is shown with what there is; a bar that reads it says "not decided". Runs made
+on a later VM under a machine's CPU name (amendment 3: ``instances/instances.json`` lists them)
+are marked, and decide an "ahead of" bar only as a "yes".
 """
 
 from __future__ import annotations
@@ -24,6 +26,19 @@ from evidence_v3_report import mean_sd, read_run, reached, seconds  # noqa: E402
 ROOT = v4.REPO / "benchmarks" / "results" / v4.PROTOCOL
 REPORT = ROOT.parent / f"{v4.PROTOCOL}.md"
 FLOOR_BARS = {"10mbit": 1.5, "100mbit": 1.25}
+# amendment 3: the runs made on a later VM than the one of a machine's sitting and targets ("A"),
+# in ROOT / INSTANCES / "instances.json" (a folder beside the machines' that is not one)
+INSTANCES = "instances"
+
+
+def later_vms(out: Path) -> dict[str, str]:
+    """{run folder relative to the machine's folder: VM} for the machine's runs made on a later VM
+    (amendment 3); a run not listed ran on VM A, that of the sitting and the targets."""
+    listed = ROOT / INSTANCES / "instances.json"
+    if not listed.exists():
+        return {}
+    vms = json.loads(listed.read_text()).get(out.name, {}).get("vms", {})
+    return {run: vm for vm, info in vms.items() if vm != "A" for run in info.get("runs", [])}
 
 
 def runs_of(out: Path, setting: str, method: str, times: dict | None) -> tuple[str, dict[int, dict]]:
@@ -33,6 +48,9 @@ def runs_of(out: Path, setting: str, method: str, times: dict | None) -> tuple[s
     measured = method not in v4.COMPUTED or rate == "100mbit"
     source = setting if measured else f"{task}-100mbit"
     runs = {s: r for s in v4.SEEDS if (r := read_run(out / source / method / f"seed{s}", v4.PROTOCOL))}
+    vms = later_vms(out)
+    for s, r in runs.items():
+        r["vm"] = vms.get(f"{source}/{method}/seed{s}", "A")
     if measured:
         return "measured", runs
     if times is None or (rate, cells.SITTING_METHOD[method]) not in times:
@@ -59,13 +77,15 @@ def setting_lines(out: Path, setting: str) -> tuple[list[str], list[str]]:
              f"{'' if path.exists() else ' (not frozen yet: no run of the method here)'}.", "",
              "| method | cell | seeds | time to target, mean s (x floor, x baseline) | sd s | validation after 6 epochs "
              "| test | floats sent per rank | bytes sent per rank | rounds |", "|---|---|---|---|---|---|---|---|---|---|"]
-    bars, means = [], {}
+    bars, means, later = [], {}, {}
     for method in (v4.BASELINE, *v4.PEERS, "diloco-v4"):
         kind, runs = runs_of(out, setting, method, times)
         if not runs:
             continue
         mean, missed = reached(runs, target)
         means[method] = mean
+        later[method] = sorted({r["vm"] for r in runs.values()} - {"A"})
+        on_later = sum(r["vm"] != "A" for r in runs.values())
         hits = [t for r in runs.values() if (t := cells.time_to(r["evals"], r["walls"], target)) is not None]
         if mean is not None and math.isfinite(mean):
             shown = f"{mean:.0f} ({mean / floor:.2f}x, {mean / base_wall:.2f}x)"
@@ -75,7 +95,8 @@ def setting_lines(out: Path, setting: str) -> tuple[list[str], list[str]]:
         sent = list(runs.values())
         bytes_ = [r.get("bytes") for r in sent if r.get("bytes") is not None]
         syncs = [r["syncs"] for r in sent if r["syncs"] is not None]
-        lines.append(f"| {method} | {kind} | {len(runs)} | {shown} | {mean_sd(hits, '.0f') if len(hits) > 1 else '-'} | "
+        seeds = f"{len(runs)}" + (f" ({on_later} on VM {', '.join(later[method])})" if on_later else "")
+        lines.append(f"| {method} | {kind} | {seeds} | {shown} | {mean_sd(hits, '.0f') if len(hits) > 1 else '-'} | "
                      f"{mean_sd([r['standard'] for r in sent])} | {mean_sd([r['test'] for r in sent])} | "
                      f"{statistics.mean(r['floats'] for r in sent):.3g} | "
                      f"{f'{statistics.mean(bytes_):.3g}' if bytes_ else '-'} | {mean_sd(syncs, '.0f') if syncs else '-'} |")
@@ -89,22 +110,31 @@ def setting_lines(out: Path, setting: str) -> tuple[list[str], list[str]]:
             bar, limit = "diloco-v4 not later than the baseline", base_wall
             figure = f"{seconds(mean)} vs {base_wall:.0f} s"
         met = "not decided" if mean is None else ("**yes**" if reached_ and mean <= limit else "no")
+        if later[method]:  # (amendment 3: the floor and the baseline are VM A's)
+            met = f"not decided (runs on VM {', '.join(later[method])})"
         bars.append(f"| {bar} | {setting} | {figure} | {met} |")
     if "diloco-v4" in means:
-        bars += [ahead_row(setting, means, peer) for peer in v4.PEERS]
+        bars += [ahead_row(setting, means, peer, later) for peer in v4.PEERS]
     return lines + [""], bars
 
 
-def ahead_row(setting: str, means: dict[str, float | None], peer: str) -> str:
+def ahead_row(setting: str, means: dict[str, float | None], peer: str, later: dict[str, list[str]] | None = None) -> str:
     """The bar "diloco-v4 ahead of PEER in time to target" (amendment 1), from the setting's mean
     times to target (None: a seed not run yet); decided once both have all their seeds. A method
     with a seed that never reached the target has an infinite mean: behind one whose seeds all
-    did, and neither is ahead when both missed."""
+    did, and neither is ahead when both missed. ``later``: each method's runs on a later VM than
+    A (amendment 3): a peer's there (a faster VM) decide only a "yes"; diloco-v4's, nothing."""
     def shown(method: str) -> str:
         return "no runs" if method not in means else "seeds missing" if means[method] is None else seconds(means[method])
     ours, theirs = means.get("diloco-v4"), means.get(peer)
     met = ("not decided" if ours is None or theirs is None else
            "**yes**" if math.isfinite(ours) and ours < theirs else "no")
+    later = later or {}
+    if later.get("diloco-v4") and met != "not decided":
+        met = f"not decided (diloco-v4's runs on VM {', '.join(later['diloco-v4'])})"
+    elif later.get(peer) and met != "not decided":
+        met = (f"**yes** ({peer}'s runs on the faster VM {', '.join(later[peer])})" if met == "**yes**" else
+               f"not decided ({peer}'s runs on the faster VM {', '.join(later[peer])})")
     return f"| diloco-v4 ahead of {peer} | {setting} | {shown('diloco-v4')} vs {shown(peer)} | {met} |"
 
 
@@ -115,7 +145,7 @@ def main() -> None:
              f"[{v4.PROTOCOL}/]({v4.PROTOCOL}/). Every figure of a machine's section was measured on that machine; "
              "*computed*: the method's 100 Mbit/s runs, each step at the sitting's median step at the rate, plus "
              "their own evaluations (v3's rule; the peers' steps from the peers' sitting, amendment 1).", ""]
-    machines = sorted(d for d in ROOT.iterdir() if d.is_dir()) if ROOT.exists() else []
+    machines = sorted(d for d in ROOT.iterdir() if d.is_dir() and d.name != INSTANCES) if ROOT.exists() else []
     for out in machines:
         lines += [f"## {out.name}", ""]
         bars = []

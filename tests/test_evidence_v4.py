@@ -151,3 +151,44 @@ def test_the_held_out_task_is_judged_on_the_ordering_alone(tmp_path, monkeypatch
     monkeypatch.setattr(sys, "argv", ["evidence_v4.py", "--setting", "heldout-100mbit", "--methods", "diloco-v4"])
     with pytest.raises(SystemExit):
         v4.main()
+
+def test_runs_on_a_later_vm_decide_an_ahead_of_bar_only_as_a_yes(tmp_path, monkeypatch):
+    """Amendment 3: runs listed under a later VM than A (instances/instances.json) are marked; a
+    peer's there (a faster VM) leave a "yes" standing and turn a "no" into "not decided"; a bar
+    on diloco-v4's runs there is not decided."""
+    import json
+    monkeypatch.setattr(report, "ROOT", tmp_path)
+    monkeypatch.setattr(report, "REPORT", tmp_path / "report.md")
+    out = tmp_path / "cpu"
+    monkeypatch.setattr(v4, "OUT", out)
+    baseline_and_sitting(out)
+    v4.frozen_setting("lstm-100mbit")  # target 32, floor 42 s
+
+    def runs(method, step_s):
+        for seed in v4.SEEDS:
+            write_run(out / "lstm-100mbit" / method / f"seed{seed}", step_s=step_s, eval_s=1.0, finals=[35.0, 30.0],
+                      setting="lstm-100mbit", method=method, protocol=v4.PROTOCOL)
+    runs("diloco-v4", 0.3)       # 62 s, on A
+    runs("torch-localsgd", 0.5)  # 102 s, one seed on B: diloco-v4 ahead all the same
+    runs("default", 0.2)         # 42 s, ahead of ours, but on B: not decided
+    (tmp_path / "instances").mkdir()
+    (tmp_path / "instances" / "instances.json").write_text(json.dumps({"cpu": {"vms": {"A": {}, "B": {"runs": [
+        "lstm-100mbit/torch-localsgd/seed2", "lstm-100mbit/default/seed0", "lstm-100mbit/default/seed1",
+        "lstm-100mbit/default/seed2"]}}}}))
+    report.main()
+    text = (tmp_path / "report.md").read_text()
+    assert "## instances" not in text  # the list is no machine
+    assert "| torch-localsgd | measured | 3 (1 on VM B) | 102 (" in text
+    assert ("| diloco-v4 ahead of torch-localsgd | lstm-100mbit | 62 s vs 102 s | **yes** (torch-localsgd's runs on "
+            "the faster VM B) |") in text
+    assert ("| diloco-v4 ahead of default | lstm-100mbit | 62 s vs 42 s | not decided (default's runs on the faster "
+            "VM B) |") in text
+    assert "| diloco-v4 within 1.25x the compute floor | lstm-100mbit | 62 s = 1.48x | no |" in text
+    # diloco-v4's own runs on B decide nothing
+    listed = json.loads((tmp_path / "instances" / "instances.json").read_text())
+    listed["cpu"]["vms"]["B"]["runs"].append("lstm-100mbit/diloco-v4/seed0")
+    (tmp_path / "instances" / "instances.json").write_text(json.dumps(listed))
+    report.main()
+    text = (tmp_path / "report.md").read_text()
+    assert "| diloco-v4 within 1.25x the compute floor | lstm-100mbit | 62 s = 1.48x | not decided (runs on VM B) |" in text
+    assert "| diloco-v4 ahead of torch-localsgd | lstm-100mbit | 62 s vs 102 s | not decided (diloco-v4's runs on VM B) |" in text
