@@ -5,6 +5,7 @@ another protocol is refused."""
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -152,11 +153,11 @@ def test_the_held_out_task_is_judged_on_the_ordering_alone(tmp_path, monkeypatch
     with pytest.raises(SystemExit):
         v4.main()
 
+
 def test_runs_on_a_later_vm_decide_an_ahead_of_bar_only_as_a_yes(tmp_path, monkeypatch):
     """Amendment 3: runs listed under a later VM than A (instances/instances.json) are marked; a
     peer's there (a faster VM) leave a "yes" standing and turn a "no" into "not decided"; a bar
     on diloco-v4's runs there is not decided."""
-    import json
     monkeypatch.setattr(report, "ROOT", tmp_path)
     monkeypatch.setattr(report, "REPORT", tmp_path / "report.md")
     out = tmp_path / "cpu"
