@@ -30,6 +30,24 @@ def baseline_and_sitting(out: Path) -> None:
                                                 ("10mbit", "ddp-fp16"): [2.0], ("100mbit", "ddp-fp16"): [0.4]})
 
 
+def three_seeds(out: Path, setting: str, method: str, step_s: float, finals: list[float]) -> None:
+    """A method's runs of every seed in one setting: the same made-up trajectory."""
+    for seed in v4.SEEDS:
+        write_run(out / setting / method / f"seed{seed}", step_s=step_s, eval_s=1.0, finals=finals,
+                  setting=setting, method=method, protocol=v4.PROTOCOL)
+
+
+def report_on_one_machine(tmp_path: Path, monkeypatch) -> Path:
+    """The report reading ``tmp_path``, with one machine there ("cpu", returned) holding the
+    baseline's runs and the sitting."""
+    monkeypatch.setattr(report, "ROOT", tmp_path)
+    monkeypatch.setattr(report, "REPORT", tmp_path / "report.md")
+    out = tmp_path / "cpu"
+    monkeypatch.setattr(v4, "OUT", out)
+    baseline_and_sitting(out)
+    return out
+
+
 def test_target_floor_and_cap_per_setting(tmp_path, monkeypatch):
     monkeypatch.setattr(v4, "OUT", tmp_path)
     assert v4.frozen_setting("lstm-10mbit") is None  # nothing run yet
@@ -83,24 +101,15 @@ def test_the_report_judges_each_machine_on_its_own_runs(tmp_path, monkeypatch):
 def test_the_peers_computed_away_from_100mbit_and_the_ahead_of_bars(tmp_path, monkeypatch):
     """Amendment 1: torch-localsgd and diloco-paper run at 100 Mbit/s and are computed at 10 Mbit/s
     from the peers' sitting; default is measured at 10 Mbit/s; each "ahead of" bar compares means."""
-    monkeypatch.setattr(report, "ROOT", tmp_path)
-    monkeypatch.setattr(report, "REPORT", tmp_path / "report.md")
-    out = tmp_path / "cpu"
-    monkeypatch.setattr(v4, "OUT", out)
-    baseline_and_sitting(out)
+    out = report_on_one_machine(tmp_path, monkeypatch)
     v4.frozen_setting("lstm-10mbit")  # target 32, floor 42 s
     # the peers' sitting has a floor of its own: the task's sitting's sets the floor, not it
     write_sitting(v4.peers_sitting(out, "lstm"), {("10mbit", "floor"): [9.0], ("10mbit", "localsgd-p4"): [0.5],
                                                    ("10mbit", "diloco-h256"): [0.25]})
-
-    def runs(setting, method, step_s, finals):
-        for seed in v4.SEEDS:
-            write_run(out / setting / method / f"seed{seed}", step_s=step_s, eval_s=1.0, finals=finals,
-                      setting=setting, method=method, protocol=v4.PROTOCOL)
-    runs("lstm-10mbit", "diloco-v4", 0.3, [35.0, 30.0])        # 200 x 0.3 + 2 = 62 s
-    runs("lstm-100mbit", "torch-localsgd", 9.9, [35.0, 31.5])  # at 10 Mbit/s 200 x 0.5 + 2 = 102 s
-    runs("lstm-100mbit", "diloco-paper", 9.9, [40.0, 33.0])    # never reaches 32
-    runs("lstm-10mbit", "default", 0.2, [35.0, 30.0])          # measured: 42 s, ahead of ours
+    three_seeds(out, "lstm-10mbit", "diloco-v4", 0.3, [35.0, 30.0])        # 200 x 0.3 + 2 = 62 s
+    three_seeds(out, "lstm-100mbit", "torch-localsgd", 9.9, [35.0, 31.5])  # at 10 Mbit/s 200 x 0.5 + 2 = 102 s
+    three_seeds(out, "lstm-100mbit", "diloco-paper", 9.9, [40.0, 33.0])    # never reaches 32
+    three_seeds(out, "lstm-10mbit", "default", 0.2, [35.0, 30.0])          # measured: 42 s, ahead of ours
     report.main()
     text = (tmp_path / "report.md").read_text()
     assert "| diloco-v4 ahead of torch-localsgd | lstm-10mbit | 62 s vs 102 s | **yes** |" in text
@@ -158,20 +167,11 @@ def test_runs_on_a_later_vm_decide_an_ahead_of_bar_only_as_a_yes(tmp_path, monke
     """Amendment 3: runs listed under a later VM than A (instances/instances.json) are marked; a
     peer's there (a faster VM) leave a "yes" standing and turn a "no" into "not decided"; a bar
     on diloco-v4's runs there is not decided."""
-    monkeypatch.setattr(report, "ROOT", tmp_path)
-    monkeypatch.setattr(report, "REPORT", tmp_path / "report.md")
-    out = tmp_path / "cpu"
-    monkeypatch.setattr(v4, "OUT", out)
-    baseline_and_sitting(out)
+    out = report_on_one_machine(tmp_path, monkeypatch)
     v4.frozen_setting("lstm-100mbit")  # target 32, floor 42 s
-
-    def runs(method, step_s):
-        for seed in v4.SEEDS:
-            write_run(out / "lstm-100mbit" / method / f"seed{seed}", step_s=step_s, eval_s=1.0, finals=[35.0, 30.0],
-                      setting="lstm-100mbit", method=method, protocol=v4.PROTOCOL)
-    runs("diloco-v4", 0.3)       # 62 s, on A
-    runs("torch-localsgd", 0.5)  # 102 s, one seed on B: diloco-v4 ahead all the same
-    runs("default", 0.2)         # 42 s, ahead of ours, but on B: not decided
+    three_seeds(out, "lstm-100mbit", "diloco-v4", 0.3, [35.0, 30.0])       # 62 s, on A
+    three_seeds(out, "lstm-100mbit", "torch-localsgd", 0.5, [35.0, 30.0])  # 102 s, one seed on B: ours ahead all the same
+    three_seeds(out, "lstm-100mbit", "default", 0.2, [35.0, 30.0])         # 42 s, ahead of ours, but on B: not decided
     (tmp_path / "instances").mkdir()
     (tmp_path / "instances" / "instances.json").write_text(json.dumps({"cpu": {"vms": {"A": {}, "B": {"runs": [
         "lstm-100mbit/torch-localsgd/seed2", "lstm-100mbit/default/seed0", "lstm-100mbit/default/seed1",
