@@ -6,6 +6,7 @@
     .venv/bin/python benchmarks/evidence_v4.py --sitting-peers lstm              # the peers' sitting (amendment 1)
     .venv/bin/python benchmarks/evidence_v4.py --setting lstm-100mbit --methods default,torch-localsgd,diloco-paper
     .venv/bin/python benchmarks/evidence_v4.py --status                          # what is done on this machine
+    .venv/bin/python benchmarks/evidence_v4.py --machine amd-epyc-vm-b --sitting heldout  # a VM of its own (amendment 4)
 
 evidence-v3's tasks, emulated cluster, CLI and records (benchmarks/evidence_v3.py ``run_cli``),
 with one difference in where things go: every run, sitting, target, cap and floor belongs to
@@ -186,6 +187,7 @@ def run_all(setting: str, methods: list[str], seeds: tuple[int, ...], timeout: f
 
 
 def main() -> None:
+    global OUT  # every function here reads the machine's folder from OUT (--machine)
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--setting", choices=sorted(SETTINGS))
     p.add_argument("--methods", default="diloco-v4", help="comma-separated, of: " + ", ".join(METHODS))
@@ -195,7 +197,14 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=3, help="the sitting's interleaved rounds")
     p.add_argument("--timeout", type=float, default=7200, help="seconds one run may take")
     p.add_argument("--status", action="store_true")
+    p.add_argument("--machine", default=OUT.name,
+                   help="this machine's folder under benchmarks/results/evidence-v4/ (default: the CPU model, "
+                        f"here {OUT.name!r}); amendment 4: a VM told apart from another of the same CPU model "
+                        "(instances/README.md) keeps its own folder, e.g. amd-epyc-vm-b")
     args = p.parse_args()
+    if not args.machine or args.machine != Path(args.machine).name or args.machine in (".", "..", "instances"):
+        p.error(f"--machine: a plain folder name other than 'instances', not {args.machine!r}")
+    OUT = OUT.parent / args.machine
     if args.status:
         for setting in SETTINGS:
             done = {m: sum((run_dir(setting, m, s) / "run.json").exists() for s in SEEDS) for m in METHODS}

@@ -126,6 +126,23 @@ def test_the_runner_refuses_a_computed_peer_away_from_100mbit(monkeypatch, capsy
     assert "['diloco-paper'] run at 100 Mbit/s" in capsys.readouterr().err
 
 
+def test_a_vm_of_its_own_folder(tmp_path, monkeypatch, capsys):
+    """Amendment 4: --machine puts a VM's sitting (and runs) in a folder of its own beside the
+    CPU model's; a name that is not a plain folder is refused, naming the argument."""
+    monkeypatch.setattr(v4, "OUT", tmp_path / "amd-epyc")
+    commands = []
+    monkeypatch.setattr(v4.subprocess, "run", lambda command, check: commands.append(command))
+    monkeypatch.setattr(sys, "argv", ["evidence_v4.py", "--machine", "amd-epyc-vm-b", "--sitting", "heldout"])
+    v4.main()
+    assert v4.OUT == tmp_path / "amd-epyc-vm-b"
+    assert commands[0][commands[0].index("--out") + 1] == str(tmp_path / "amd-epyc-vm-b" / "step-time-gru.md")
+    for bad in ("../amd-epyc", "instances", ""):
+        monkeypatch.setattr(sys, "argv", ["evidence_v4.py", "--machine", bad, "--status"])
+        with pytest.raises(SystemExit):
+            v4.main()
+        assert "--machine: a plain folder name" in capsys.readouterr().err
+
+
 def test_the_sittings_commands(tmp_path, monkeypatch):
     """--sitting and --sitting-peers: which methods, rates and file (the held-out task at its two rates)."""
     monkeypatch.setattr(v4, "OUT", tmp_path)
