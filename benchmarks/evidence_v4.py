@@ -39,7 +39,7 @@ sys.path.insert(0, str(REPO / "benchmarks" / "cluster"))
 from cluster import Cluster  # noqa: E402
 import evidence_v3 as v3  # noqa: E402
 import evidence_v3_cells as cells  # noqa: E402
-from machine import cpu_model  # noqa: E402
+from machine import cpu_model, cpu_signature  # noqa: E402
 
 PROTOCOL = "evidence-v4"
 SEEDS, PILOT_SEED = (0, 1, 2), 3
@@ -180,9 +180,11 @@ def run_all(setting: str, methods: list[str], seeds: tuple[int, ...], timeout: f
                     raise SystemExit(f"{setting}: no target yet on this machine (the baseline's runs at 100 Mbit/s "
                                      f"and the sitting of {task} come first)")
                 extra = ["--target", f"{frozen['target_perplexity']:.6f}", "--time-cap", f"{frozen['cap_s']:.1f}"]
+            # "cpu": family, model, stepping beside run.json's CPU name, which two VMs shared (amendment 3)
             record = v3.run_cli(cluster, launcher, [*v3.TASKS[task], *v3.COMMON, *args, *extra,
                                                     "--seed", str(seed)], run_dir(setting, method, seed),
-                                {"protocol": PROTOCOL, "setting": setting, "method": method, "seed": seed}, timeout)
+                                {"protocol": PROTOCOL, "setting": setting, "method": method, "seed": seed,
+                                 "cpu": cpu_signature()}, timeout)
             print(f"{setting} {method} seed {seed}: exit {record['exit']}, {record['seconds']:.0f} s", flush=True)
 
 

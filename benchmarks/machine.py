@@ -9,6 +9,26 @@ from __future__ import annotations
 import platform
 
 
+def cpu_signature(cpuinfo: str | None = None) -> str:
+    """The first CPU's family, model and stepping from /proc/cpuinfo ("family 25, model 17,
+    stepping 1"), or "" where it has none: two VMs with one model name can differ (evidence-v4,
+    amendment 3), and these tell more of them apart than the name does."""
+    if cpuinfo is None:
+        try:
+            with open("/proc/cpuinfo") as f:
+                cpuinfo = f.read()
+        except OSError:
+            return ""
+    fields = {}
+    for line in cpuinfo.splitlines():
+        key, _, value = line.partition(":")
+        key = key.strip()
+        if key in ("cpu family", "model", "stepping") and key not in fields:
+            fields[key] = value.strip()
+    return ", ".join(f"{key.removeprefix('cpu ')} {fields[key]}" for key in ("cpu family", "model", "stepping")
+                     if key in fields)
+
+
 def cpu_model() -> str:
     """The CPU's model name from /proc/cpuinfo, else what ``platform`` knows."""
     try:

@@ -22,6 +22,15 @@ def test_a_machine_is_named_by_its_cpu_model():
     assert v4.machine_slug("AMD EPYC") == "amd-epyc"
 
 
+def test_a_run_records_the_cpus_family_model_and_stepping():
+    """Two VMs named "AMD EPYC" stepped a fifth apart (amendment 3): runs record more than the name."""
+    from machine import cpu_signature
+    text = ("processor\t: 0\nvendor_id\t: AuthenticAMD\ncpu family\t: 25\nmodel\t\t: 17\nmodel name\t: AMD EPYC\n"
+            "stepping\t: 1\n\nprocessor\t: 1\ncpu family\t: 26\nmodel\t\t: 2\nstepping\t: 0\n")
+    assert cpu_signature(text) == "family 25, model 17, stepping 1"
+    assert cpu_signature("model name\t: Apple M2\n") == ""
+
+
 def baseline_and_sitting(out: Path) -> None:
     for seed in v4.SEEDS:  # 200 steps of 0.4 s, 2 evaluations of 1 s: 82 s; finals 31, 32, 33
         write_run(out / "lstm-100mbit" / "ddp-fp16" / f"seed{seed}", step_s=0.4, eval_s=1.0, finals=[40.0, 31.0 + seed],
