@@ -90,13 +90,29 @@ VARIANTS = {  # name -> (evidence-v3's method, extra CLI flags)
     # or the models every step (rounds of 1). Is the transformer's gap to dense made in the tail?
     "v4-tail-grad": ("diloco-auto", ["--interval", "16", "--tail", "gradients:0.5"]),
     "v4-tail-models": ("diloco-auto", ["--interval", "16", "--tail", "models:0.5"]),
+    # Is the AdamW models' gap local AdamW's own? The tail variants above left the transformer
+    # where v4 ended (the gap is made before the decay), and even rounds of at most 4 ended 0.5
+    # above 16-bit dense. Here the shortest local training there is: every inner AdamW step
+    # followed by a plain float32 average of the models (DiLoCo as published, --codec none, at
+    # H = 1, outer lr 1 and no momentum: no codec, no interval policy). It differs from
+    # synchronous AdamW only in what AdamW's moments see: each rank's own gradient, not the
+    # average, so in the noise-dominated regime each rank's second moment is about K times
+    # the synchronous one's noise and its step about 1/sqrt(K) as long. "-lr-sqrt2" makes up
+    # that factor (the task's --lr times sqrt(2), 2 ranks). Beside them 16-bit dense on the
+    # same seed. Quality only: lossless and link-independent, so run at 1 Gbit/s (the fastest).
+    "dense": ("ddp-fp16", []),
+    "h1-plain-fp32": ("diloco-auto", ["--codec", "none", "--sync-every", "1", "--outer-lr", "1",
+                                      "--outer-momentum", "0"]),
+    "h1-plain-fp32-lr-sqrt2": ("diloco-auto", ["--codec", "none", "--sync-every", "1", "--outer-lr", "1",
+                                               "--outer-momentum", "0", "--lr", "LR*sqrt2"]),
 }
 
 
 def flags_for(task: str, flags: list[str]) -> list[str]:
-    """A variant's flags for ``task``: "LR/2" is the task's --lr halved."""
+    """A variant's flags for ``task``: "LR/2" is the task's --lr halved, "LR*sqrt2" times sqrt(2)."""
     lr = float(TASKS[task][TASKS[task].index("--lr") + 1])
-    return [f"{lr / 2:g}" if flag == "LR/2" else flag for flag in flags]
+    scaled = {"LR/2": f"{lr / 2:g}", "LR*sqrt2": f"{lr * 2 ** 0.5:.6g}"}
+    return [scaled.get(flag, flag) for flag in flags]
 
 
 def report() -> Path:

@@ -219,3 +219,22 @@ def test_runs_on_a_later_vm_decide_an_ahead_of_bar_only_as_a_yes(tmp_path, monke
     text = (tmp_path / "report.md").read_text()
     assert "| diloco-v4 within 1.25x the compute floor | lstm-100mbit | 62 s = 1.48x | not decided (runs on VM B) |" in text
     assert "| diloco-v4 ahead of torch-localsgd | lstm-100mbit | 62 s vs 102 s | not decided (diloco-v4's runs on VM B) |" in text
+
+
+def test_a_missed_seed_of_diloco_v4_decides_every_ahead_of_bar_as_a_no(tmp_path, monkeypatch):
+    """A seed of diloco-v4 that never reached the target makes its mean infinite: it is ahead of
+    no peer, whatever the peers' runs show, before they have run or on a faster VM."""
+    out = report_on_one_machine(tmp_path, monkeypatch)
+    v4.frozen_setting("lstm-100mbit")  # target 32
+    for seed, finals in zip(v4.SEEDS, ([35.0, 30.0], [35.0, 33.0], [35.0, 30.0])):  # seed 1 ends above 32
+        write_run(out / "lstm-100mbit" / "diloco-v4" / f"seed{seed}", step_s=0.3, eval_s=1.0, finals=finals,
+                  setting="lstm-100mbit", method="diloco-v4", protocol=v4.PROTOCOL)
+    three_seeds(out, "lstm-100mbit", "default", 0.2, [35.0, 30.0])  # on a faster VM, below
+    (tmp_path / "instances").mkdir()
+    (tmp_path / "instances" / "instances.json").write_text(json.dumps({"cpu": {"vms": {"B": {"runs": [
+        f"lstm-100mbit/default/seed{seed}" for seed in v4.SEEDS]}}}}))
+    report.main()
+    text = (tmp_path / "report.md").read_text()
+    missed = "no (diloco-v4 has a seed that missed the target)"
+    assert f"| diloco-v4 ahead of torch-localsgd | lstm-100mbit | not reached vs no runs | {missed} |" in text
+    assert f"| diloco-v4 ahead of default | lstm-100mbit | not reached vs 42 s | {missed} |" in text
