@@ -5,7 +5,8 @@ issue's bars judged on each machine apart.
     .venv/bin/python benchmarks/evidence_v4_report.py    # benchmarks/results/evidence-v4.md
 
 Reads only committed files (``benchmarks/results/evidence-v4/MACHINE/...``). A cell whose runs
-are not all there is shown with what there is; a bar that reads it says "not decided". Runs made
+are not all there is shown with what there is; a bar that reads it says "not decided", unless a
+seed already run never reached the target (then the method's mean is infinite: decided). Runs made
 on a later VM under a machine's CPU name (amendment 3: ``instances/instances.json`` lists them)
 are marked, and decide an "ahead of" bar only as a "yes".
 """
@@ -83,6 +84,8 @@ def setting_lines(out: Path, setting: str) -> tuple[list[str], list[str]]:
         if not runs:
             continue
         mean, missed = reached(runs, target)
+        if mean is None and missed:  # a seed that missed fixes the mean at inf, whatever the seeds still to run
+            mean = math.inf
         means[method] = mean
         later[method] = sorted({r["vm"] for r in runs.values()} - {"A"})
         on_later = sum(r["vm"] != "A" for r in runs.values())
@@ -91,7 +94,7 @@ def setting_lines(out: Path, setting: str) -> tuple[list[str], list[str]]:
             shown = f"{mean:.0f} ({mean / floor:.2f}x, {mean / base_wall:.2f}x)"
         else:
             shown = (f"not reached in {len(missed)} ({'; '.join(missed)})" if missed else "") + \
-                (f" ({len(runs)} of {len(v4.SEEDS)} seeds run)" if mean is None else "")
+                (f" ({len(runs)} of {len(v4.SEEDS)} seeds run)" if len(runs) < len(v4.SEEDS) else "")
         sent = list(runs.values())
         bytes_ = [r.get("bytes") for r in sent if r.get("bytes") is not None]
         syncs = [r["syncs"] for r in sent if r["syncs"] is not None]

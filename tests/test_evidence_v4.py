@@ -6,6 +6,7 @@ another protocol is refused."""
 from __future__ import annotations
 
 import json
+import shutil
 import sys
 from pathlib import Path
 
@@ -238,3 +239,11 @@ def test_a_missed_seed_of_diloco_v4_decides_every_ahead_of_bar_as_a_no(tmp_path,
     missed = "no (diloco-v4 has a seed that missed the target)"
     assert f"| diloco-v4 ahead of torch-localsgd | lstm-100mbit | not reached vs no runs | {missed} |" in text
     assert f"| diloco-v4 ahead of default | lstm-100mbit | not reached vs 42 s | {missed} |" in text
+    # the same before its other seeds have run: the missed one decides the floor bar too
+    for seed in (0, 2):
+        shutil.rmtree(out / "lstm-100mbit" / "diloco-v4" / f"seed{seed}")
+    report.main()
+    text = (tmp_path / "report.md").read_text()
+    assert "| diloco-v4 within 1.25x the compute floor | lstm-100mbit | not reached | no |" in text
+    assert f"| diloco-v4 ahead of default | lstm-100mbit | not reached vs 42 s | {missed} |" in text
+    assert "not reached in 1 (seed 1: best 33.00) (1 of 3 seeds run)" in text
