@@ -150,7 +150,9 @@ def main() -> None:
              f"the runs. `.venv/bin/python benchmarks/evidence_v4_report.py`; raw runs and sittings in "
              f"[{v4.PROTOCOL}/]({v4.PROTOCOL}/). Every figure of a machine's section was measured on that machine; "
              "*computed*: the method's 100 Mbit/s runs, each step at the sitting's median step at the rate, plus "
-             "their own evaluations (v3's rule; the peers' steps from the peers' sitting, amendment 1).", ""]
+             "their own evaluations (v3's rule; the peers' steps from the peers' sitting, amendment 1). Amendment 5 "
+             "dropped the cells not run by 2026-12-02 (no session could choose the VM they needed): a bar still "
+             "\"not decided\" below stays so.", ""]
     machines = sorted(d for d in ROOT.iterdir() if d.is_dir() and d.name != INSTANCES) if ROOT.exists() else []
     for out in machines:
         lines += [f"## {out.name}", ""]
