@@ -108,6 +108,8 @@ VARIANTS = {  # name -> (evidence-v3's method, extra CLI flags)
     # (h1-plain-fp32 ended at 28.00 against dense's 27.90 on this seed, step for step alike: local
     # AdamW is not the gap.) The same lossless plain averaging at fixed H = 4, 16, 64: how much of
     # v4's gap (29.62 at rounds of up to 64) the round length alone makes, without our codecs.
+    # (They ended at 28.37, 29.18, 29.87 on the transformer; on the LSTM, SGD inside, at 16 and 64
+    # 32.33 and 32.51 against dense's 31.75 on the seed: the round length costs AdamW more.)
     **{f"h{h}-plain-fp32": ("diloco-auto", ["--codec", "none", "--sync-every", str(h), "--outer-lr", "1",
                                             "--outer-momentum", "0"]) for h in (4, 16, 64)},
 }
