@@ -1,7 +1,7 @@
 """``acc.DiLoCo``: local training with periodic, compressed synchronisation.
 
     dist.init_process_group("gloo")          # torchrun; every rank starts from the same model
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)  # AdamW: docs/api.md, when DiLoCo
     diloco = acc.DiLoCo(model, opt)          # sync_every="auto"; or a fixed number of inner steps
     for x, y in data:
         opt.zero_grad()
