@@ -112,6 +112,10 @@ VARIANTS = {  # name -> (evidence-v3's method, extra CLI flags)
     # 32.33 and 32.51 against dense's 31.75 on the seed: the round length costs AdamW more.)
     **{f"h{h}-plain-fp32": ("diloco-auto", ["--codec", "none", "--sync-every", str(h), "--outer-lr", "1",
                                             "--outer-momentum", "0"]) for h in (4, 16, 64)},
+    # What overlapped rounds (acc.DiLoCo(overlap=True), off by default) cost in quality and save
+    # in time, with v4's defaults where they pay (the LSTM, SGD inside) and where overlap has the
+    # most to hide (10 Mbit/s): a round one round late against v4 itself, on the same VM.
+    "v4-overlap": ("diloco-auto", ["--interval", "16", "--overlap"]),
 }
 
 
