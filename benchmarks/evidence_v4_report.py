@@ -125,20 +125,20 @@ def ahead_row(setting: str, means: dict[str, float | None], peer: str, later: di
     """The bar "diloco-v4 ahead of PEER in time to target" (amendment 1), from the setting's mean
     times to target (None: a seed not run yet); decided once both have all their seeds, or as
     "no" once diloco-v4 has a seed that never reached the target (its mean is infinite: behind
-    one whose seeds all did, and neither is ahead when both missed). ``later``: each method's runs on a later VM than
-    A (amendment 3): a peer's there (a faster VM) decide only a "yes"; diloco-v4's, nothing."""
+    one whose seeds all did, and neither is ahead when both missed). ``later``: each method's
+    runs on a later VM than A (amendment 3): a peer's there (a faster VM) decide only a "yes";
+    diloco-v4's, nothing."""
     def shown(method: str) -> str:
         return "no runs" if method not in means else "seeds missing" if means[method] is None else seconds(means[method])
     ours, theirs = means.get("diloco-v4"), means.get(peer)
-    if ours is not None and not math.isfinite(ours):  # fixed whatever the peer's runs show
-        met = "no (diloco-v4 has a seed that missed the target)"
-    else:
-        met = ("not decided" if ours is None or theirs is None else
-               "**yes**" if ours < theirs else "no")
+    ours_missed = ours is not None and not math.isfinite(ours)  # "no", whatever the peer's runs show
+    met = ("no (diloco-v4 has a seed that missed the target)" if ours_missed else
+           "not decided" if ours is None or theirs is None else
+           "**yes**" if ours < theirs else "no")
     later = later or {}
     if later.get("diloco-v4") and met != "not decided":
         met = f"not decided (diloco-v4's runs on VM {', '.join(later['diloco-v4'])})"
-    elif later.get(peer) and met != "not decided" and not met.startswith("no ("):
+    elif later.get(peer) and met != "not decided" and not ours_missed:
         met = (f"**yes** ({peer}'s runs on the faster VM {', '.join(later[peer])})" if met == "**yes**" else
                f"not decided ({peer}'s runs on the faster VM {', '.join(later[peer])})")
     return f"| diloco-v4 ahead of {peer} | {setting} | {shown('diloco-v4')} vs {shown(peer)} | {met} |"
