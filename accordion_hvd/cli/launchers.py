@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from .frontends import DDPFrontEnd, FSDPFrontEnd, HorovodFrontEnd
 from .options import diloco_options
+from .published import OneBitAdamFrontEnd, PseudoGradientFrontEnd
 from .periodic import DiLoCoFrontEnd, HSDPDiLoCoFrontEnd, TorchLocalSGDFrontEnd
 
 
@@ -17,6 +18,11 @@ def make_front_end(args, device_type: str, ours: bool = False):
     if args.sync != "every-step":  # under torchrun (options.py refuses other launchers)
         if args.sync == "diloco" and args.launcher == "fsdp":
             return HSDPDiLoCoFrontEnd(device_type, args.nodes, args.reduce_dtype, diloco_options(args))
+        if args.sync == "onebit-adam":
+            return OneBitAdamFrontEnd(device_type, args.freeze_step)
+        if args.sync in ("sparseloco", "signloco"):
+            return PseudoGradientFrontEnd(device_type, args.sync, args.sync_every, args.ef_decay, args.outer_lr,
+                                          args.topk_density, args.topk_chunk, args.value_bits)
         if args.sync == "diloco":
             return DiLoCoFrontEnd(device_type, diloco_options(args))
         return TorchLocalSGDFrontEnd(device_type, args.sync_every, args.localsgd_warmup)

@@ -38,7 +38,7 @@ from .frontends import DDPFrontEnd, FSDPFrontEnd
 
 log = logging.getLogger("accordion_hvd.train")
 
-SYNCS = ("every-step", "diloco", "torch-localsgd")
+SYNCS = ("every-step", "diloco", "torch-localsgd", "sparseloco", "signloco", "onebit-adam")
 
 
 class DiLoCoFrontEnd(DDPFrontEnd):
