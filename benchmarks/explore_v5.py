@@ -56,6 +56,13 @@ PILOTS = {  # name -> (why it runs, CLI flags)
                       "or cost quality against ours?",
                       ["--codec", "topk", "--ratio", "0.03", "--sync", "diloco", "--sync-every", "1", "--outer-lr",
                        "1", "--outer-momentum", "0"]),
+    "default-8s": ("the per-step default's codec as it runs once its link gate chose compression (8-bit sparse "
+                   "chunks, Quantize(8, skip_energy=0.05), every step, static: on this unshaped machine the gate "
+                   "itself would choose 16-bit dense), never run on an AdamW model at 10 Mbit/s: its bits/param/step "
+                   "on the transformer (the embedding's gradient is mostly empty rows, which sparse chunks skip) "
+                   "decide its arithmetic",
+                   ["--codec", "quantize", "--bits", "8", "--skip-energy", "0.05", "--policy", "static",
+                    "--interval", "100"]),
     "dense": ("the harness check: DDP's fp16_compress_hook on this seed under this runner (explore-diloco's run "
               "of it on the emulated cluster ended at 27.90)", ["--codec", "fp16"]),
 }
