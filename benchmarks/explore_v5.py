@@ -51,6 +51,11 @@ PILOTS = {  # name -> (why it runs, CLI flags)
     "onebit-adam-f134": ("1-bit Adam with a 10% synchronous warm-up (134 of 1344 steps; the paper's 15-25% costs "
                          "about 3x the floor at 10 Mbit/s in 16-bit): 1 bit/param/step after it",
                          ["--codec", "none", "--sync", "onebit-adam", "--freeze-step", "134"]),
+    "onebit-adam-f67": ("1-bit Adam's warm-up halved (67 steps, 5%): onebit-adam-f134 followed dense step for step "
+                        "from step 448 on (36.31 vs 36.31); how short may the synchronous part be?",
+                        ["--codec", "none", "--sync", "onebit-adam", "--freeze-step", "67"]),
+    "onebit-adam-f34": ("a quarter of it (34 steps, 2.5%)",
+                        ["--codec", "none", "--sync", "onebit-adam", "--freeze-step", "34"]),
     "ours-topk3-h1": ("our own path for the same idea: acc.DiLoCo with our TopK codec (3%, float32 values, error "
                       "feedback without decay), plain averaging every step: does SparseLoCo's decay and 2-bit add "
                       "or cost quality against ours?",
@@ -129,17 +134,22 @@ def pack() -> None:
              "overlapped.", "",
              "| pilot | commit | validation perplexity at each epoch's end | best | bits/param/step | rounds |",
              "|---|---|---|---|---|---|"]
-    for name in PILOTS:
+    for name in sorted(PILOTS, key=lambda n: "skipped" in json.loads((SCRATCH / n / "run.json").read_text())
+                       if (SCRATCH / n / "run.json").exists() else True):
         where = SCRATCH / name
         if not (where / "run.json").exists():
             continue
         record = json.loads((where / "run.json").read_text())
-        if record["exit"] != 0 or not (where / "eval.csv").exists():
-            lines.append(f"| {name} | {record['commit']} | exit {record['exit']} | | | |")
+        if "skipped" in record:
+            lines.append(f"| {name} | - | {record['skipped']} | | | |")
+            continue
+        if not (where / "eval.csv").exists():
+            lines.append(f"| {name} | {record['commit']} | exit {record['exit']}, no evaluation | | | |")
             continue
         s = summary(where)
-        lines.append(f"| {name} | {record['commit']} | {', '.join(f'{x:.2f}' for x in s['ends'])} | {s['best']:.2f} | "
-                     f"{s['bits_per_param_step']:.3f} | {s['rounds']} |")
+        note = f" (stopped {record['stopped']})" if "stopped" in record else ""
+        lines.append(f"| {name} | {record['commit']} | {', '.join(f'{x:.2f}' for x in s['ends'])}{note} | "
+                     f"{s['best']:.2f} | {s['bits_per_param_step']:.3f} | {s['rounds']} |")
     (OUT / "README.md").write_text("\n".join(lines) + "\n")
     print(f"wrote {OUT / 'runs.tar.xz'} and {OUT / 'README.md'}")
 
@@ -159,7 +169,8 @@ def main() -> None:
         p.error(f"--pilots: give some of {list(PILOTS)} (unknown: {unknown})")
     for name in names:
         record = run(name, args.timeout)
-        print(f"{name}: exit {record['exit']}, {record['seconds']:.0f} s", flush=True)
+        print(f"{name}: " + (record["skipped"] if "skipped" in record else
+                             f"exit {record['exit']}, {record['seconds']:.0f} s"), flush=True)
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ from ..policies.interval import LADDER
 from .baselines import Uncompressed
 from .frontends import LAUNCHERS
 from .periodic import SYNCS
+from .published import check_published
 
 CODECS = ("default", "none", "fp16", "bf16", "powersgd", "topk", "quantize")
 OURS = ("powersgd", "topk", "quantize")  # codecs of ours chosen by flags (not "default")
@@ -91,10 +92,6 @@ PERIODIC_FLAGS = {"sync_every": (None, "diloco or torch-localsgd or sparseloco o
                   "localsgd_warmup": (100, "torch-localsgd"), "topk_density": (0.03125, "sparseloco"),
                   "topk_chunk": (4096, "sparseloco"), "value_bits": (2, "sparseloco"),
                   "ef_decay": (None, "sparseloco or signloco"), "freeze_step": (None, "onebit-adam")}
-# The published methods' own defaults (published.py), where they differ from the flags'.
-PUBLISHED_DEFAULTS = {"sparseloco": {"outer_lr": 1.0, "ef_decay": 0.95, "sync_every": 15},
-                      "signloco": {"outer_lr": 1.0, "ef_decay": 1.0, "sync_every": 2}}
-
 
 def _check_sync(p, args) -> None:
     """--sync and its flags: refused where they do not apply, defaults resolved."""
@@ -119,7 +116,7 @@ def _check_sync(p, args) -> None:
             p.error(f"--localsgd-warmup must be at least 0, got {args.localsgd_warmup}")
         return
     if args.sync in ("sparseloco", "signloco", "onebit-adam"):
-        _check_published(p, args)
+        check_published(p, args, PERIODIC_FLAGS)
         return
     if args.codec not in (*OURS, "default", "none"):
         p.error(f"--sync diloco takes --codec none (DiLoCo as published) or ours (default, {', '.join(OURS)}), "
@@ -154,28 +151,6 @@ def _check_sync(p, args) -> None:
     if not args.outer_lr > 0 or not 0 <= args.outer_momentum < 1:
         p.error(f"--outer-lr must be positive and --outer-momentum in [0, 1), got {args.outer_lr} and "
                 f"{args.outer_momentum}")
-
-
-def _check_published(p, args) -> None:
-    """--sync sparseloco / signloco / onebit-adam (published.py): plain torch, no codec of ours."""
-    if args.codec != "none":
-        p.error(f"--sync {args.sync} is the published method in plain torch: --codec none, got --codec {args.codec}")
-    if args.sync == "onebit-adam":
-        if args.optimizer != "adamw":
-            p.error(f"--sync onebit-adam is 1-bit Adam: --optimizer adamw, got --optimizer {args.optimizer}")
-        if args.freeze_step is None or args.freeze_step < 0:
-            p.error(f"--sync onebit-adam needs --freeze-step N (synchronous steps before the second moment freezes), "
-                    f"got {args.freeze_step}")
-        return
-    if args.sync_every == "auto":
-        p.error(f"--sync {args.sync} takes --sync-every N (a number of inner steps), not auto")
-    for name, value in PUBLISHED_DEFAULTS[args.sync].items():
-        if getattr(args, name) in (None, PERIODIC_FLAGS[name][0]):
-            setattr(args, name, value)
-    if not args.outer_lr > 0 or not 0 < args.ef_decay <= 1:
-        p.error(f"--outer-lr must be positive and --ef-decay in (0, 1], got {args.outer_lr} and {args.ef_decay}")
-    if not 0 < args.topk_density <= 1 or args.topk_chunk < 1:
-        p.error(f"--topk-density in (0, 1] and --topk-chunk positive; got {args.topk_density}, {args.topk_chunk}")
 
 
 class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
@@ -249,8 +224,7 @@ def parse_args(argv=None, description: str | None = None) -> argparse.Namespace:
     p.add_argument("--topk-density", type=float, default=0.03125,
                    help="--sync sparseloco: the fraction of each chunk's entries a message keeps (published: 128 of 4096)")
     p.add_argument("--topk-chunk", type=int, default=4096, help="--sync sparseloco: entries per TopK chunk")
-    p.add_argument("--value-bits", type=int, choices=(2, 32), default=2,
-                   help="--sync sparseloco: bits per kept value (2: the published 4-bin quantizer; 32: as they are)")
+    p.add_argument("--value-bits", type=int, choices=(2, 32), default=2, help="--sync sparseloco: bits per kept value")
     p.add_argument("--ef-decay", type=float, default=None,
                    help="--sync sparseloco / signloco: the error-feedback buffer's decay per round (default: 0.95 for "
                         "sparseloco, 1 for signloco)")

@@ -40,6 +40,33 @@ from .frontends import DDPFrontEnd
 from .periodic import broadcast_model
 
 
+# The published methods' own defaults (published.py), where they differ from the flags'.
+PUBLISHED_DEFAULTS = {"sparseloco": {"outer_lr": 1.0, "ef_decay": 0.95, "sync_every": 15},
+                      "signloco": {"outer_lr": 1.0, "ef_decay": 1.0, "sync_every": 2}}
+
+
+def check_published(p, args, flags: dict) -> None:
+    """--sync sparseloco / signloco / onebit-adam (published.py): plain torch, no codec of ours."""
+    if args.codec != "none":
+        p.error(f"--sync {args.sync} is the published method in plain torch: --codec none, got --codec {args.codec}")
+    if args.sync == "onebit-adam":
+        if args.optimizer != "adamw":
+            p.error(f"--sync onebit-adam is 1-bit Adam: --optimizer adamw, got --optimizer {args.optimizer}")
+        if args.freeze_step is None or args.freeze_step < 0:
+            p.error(f"--sync onebit-adam needs --freeze-step N (synchronous steps before the second moment freezes), "
+                    f"got {args.freeze_step}")
+        return
+    if args.sync_every == "auto":
+        p.error(f"--sync {args.sync} takes --sync-every N (a number of inner steps), not auto")
+    for name, value in PUBLISHED_DEFAULTS[args.sync].items():
+        if getattr(args, name) in (None, flags[name][0]):
+            setattr(args, name, value)
+    if not args.outer_lr > 0 or not 0 < args.ef_decay <= 1:
+        p.error(f"--outer-lr must be positive and --ef-decay in (0, 1], got {args.outer_lr} and {args.ef_decay}")
+    if not 0 < args.topk_density <= 1 or args.topk_chunk < 1:
+        p.error(f"--topk-density in (0, 1] and --topk-chunk positive; got {args.topk_density}, {args.topk_chunk}")
+
+
 def _compressible(p: torch.Tensor) -> bool:
     return p.dim() >= 2
 
