@@ -17,11 +17,15 @@ hidden folders or virtual environments).
   it (``<name>``, ``*``, ``{x}``, ``[...]`` or an upper-case word such as ``TASK`` or
   ``seedS``) past the folder that holds the placeholder; the argument of ``--out`` (a file a
   command writes, as recorded when it ran); a path under a folder the repository's
-  ``.gitignore`` names by name (``runs/``: written by a run, never committed).
+  ``.gitignore`` names by name (``runs/``: written by a run, never committed). Such a path may
+  also name a file or folder that an archive restores (raw runs are archived, their files listed
+  in ``benchmarks/results/archives/index.json``). A Markdown link, which a reader follows, must
+  resolve in the tree itself.
 """
 
 from __future__ import annotations
 
+import json
 import re
 import sys
 from pathlib import Path
@@ -60,6 +64,17 @@ def ignored_names() -> set[str]:
                 and not any(c in line for c in "*?["):
             names.add(line[:-1])
     return names
+
+
+def archived() -> set[str]:
+    """Every file that an archive restores, and every folder above one, relative to the repository."""
+    index = RESULTS / "archives" / "index.json"
+    found = set()
+    for entry in json.loads(index.read_text())["archives"] if index.exists() else []:
+        for member in entry["members"]:
+            parts = f"{entry['restores']}/{member}".split("/")
+            found.update("/".join(parts[:i]) for i in range(1, len(parts) + 1))
+    return found
 
 
 def outside_code_fences(text: str) -> list[tuple[int, str]]:
@@ -126,14 +141,17 @@ def results_paths(text: str) -> list[tuple[int, str]]:
     return found
 
 
-def exists(base: Path, target: str, ignored: set[str]) -> bool:
-    if (base / target).exists():
+def exists(base: Path, target: str, ignored: set[str], archived: set[str] = frozenset()) -> bool:
+    def there(path: str) -> bool:  # in the tree, or in an archive (``archived`` is repository-relative)
+        return (base / path).exists() or path.rstrip("/") in archived
+
+    if there(target):
         return True
     parts = target.split("/")
     for i, part in enumerate(parts):
         if PLACEHOLDER.search(part) or ("." not in part and PLACEHOLDER_WORD.search(part)):
             # checked up to the folder that holds the placeholder
-            return (base / "/".join(parts[:i])).exists()
+            return there("/".join(parts[:i]))
     return any(part in ignored for part in parts[:-1]) or (target.endswith("/") and parts[-2] in ignored)
 
 
@@ -152,7 +170,7 @@ def check_link(path: Path, target: str, ignored: set[str]) -> str | None:
 
 
 def missing() -> list[str]:
-    out, ignored = [], ignored_names()
+    out, ignored, in_archives = [], ignored_names(), archived()
     for path in files():
         rel = path.relative_to(REPO)
         try:
@@ -164,7 +182,7 @@ def missing() -> list[str]:
             if problem:
                 out.append(f"{rel}:{number}: link {target} ({problem})")
         for number, mention in results_paths(text):
-            if not exists(REPO, mention, ignored):
+            if not exists(REPO, mention, ignored, in_archives):
                 out.append(f"{rel}:{number}: path {mention} (missing)")
     return out
 

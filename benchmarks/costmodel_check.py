@@ -120,6 +120,9 @@ def main() -> None:
     p.add_argument("folders", type=Path, nargs="+")
     p.add_argument("--out", type=Path)
     args = p.parse_args()
+    from results_archive import restore  # the raw runs: unpacked from their archive if missing
+    for folder in args.folders:
+        restore(folder)
     rows, errors, cross_errors, wait_errors = [], [], [], []
     runs = {k: v for folder in args.folders for k, v in load(folder).items()}
     for key, methods in runs.items():
@@ -163,6 +166,9 @@ def main() -> None:
     if wait_errors:
         lines.append(f"Waits alone: median |predicted - measured| **{1000 * statistics.median(wait_errors):.0f} ms** "
                      f"per step (max {1000 * max(wait_errors):.0f} ms) over {len(wait_errors)} runs.")
+    if args.out:  # the hand-written reading below the tables, kept across reruns
+        from report import kept_analysis
+        lines += kept_analysis(args.out)
     text = "\n".join(lines) + "\n"
     print(text)
     if args.out:

@@ -200,6 +200,8 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--report-only", action="store_true", help="only redraw from the recorded runs")
     args = p.parse_args()
+    from results_archive import restore  # the raw runs: unpacked from their archive if missing
+    restore(OUT)
     lines = ["# PowerSGD Accordion on the LSTM, window by window", "",
              "`.venv/bin/python benchmarks/diagnose_accordion.py` (see its docstring). Per window: the rule's "
              "statistic → the level chosen for the next window, the mean relative compression error |e| / |g + e| "

@@ -367,6 +367,8 @@ def main() -> None:
             p.error(f"--max-runs: expected a positive number of runs, got {args.max_runs}")
         run_all(args.task, methods, seeds, folds, args.timeout, args.max_runs)
     if args.summarize or not args.task:
+        from results_archive import restore  # the raw runs: unpacked from their archive if missing
+        restore(OUT)
         out = REPO / "benchmarks" / "results" / f"{PROTOCOL}.md"
         out.write_text("\n".join(summarize()) + "\n")
         print(f"wrote {out}")

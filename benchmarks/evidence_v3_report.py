@@ -202,6 +202,8 @@ def five_x_check() -> list[str]:
 
 
 def main() -> None:
+    from results_archive import restore  # the raw runs: unpacked from their archive if missing
+    restore(v3.OUT)
     lines = [f"# {v3.PROTOCOL}: how often, not only how much", "",
              f"Protocol: [`benchmarks/protocols/{v3.PROTOCOL}.md`](../protocols/{v3.PROTOCOL}.md), committed before "
              f"the runs. `.venv/bin/python benchmarks/evidence_v3_report.py`; raw runs and the step-time sittings in "

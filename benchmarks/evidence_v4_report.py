@@ -145,6 +145,8 @@ def ahead_row(setting: str, means: dict[str, float | None], peer: str, later: di
 
 
 def main() -> None:
+    from results_archive import restore  # the raw runs: unpacked from their archive if missing
+    restore(ROOT)
     lines = [f"# {v4.PROTOCOL}: DiLoCo's defaults after v3, per machine", "",
              f"Protocol: [`benchmarks/protocols/{v4.PROTOCOL}.md`](../protocols/{v4.PROTOCOL}.md), committed before "
              f"the runs. `.venv/bin/python benchmarks/evidence_v4_report.py`; raw runs and sittings in "

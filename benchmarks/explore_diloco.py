@@ -173,6 +173,9 @@ def main() -> None:
     p.add_argument("--report", action="store_true", help="write benchmarks/results/explore-diloco.md and stop")
     args = p.parse_args()
     if args.report:
+        from results_archive import restore  # the raw runs: unpacked from their archive if missing
+        restore(OUT)
+        restore(V3)  # evidence-v3's pilot, beside them in the report
         print(f"wrote {report()}")
         return
     if not args.setting or not args.variants:

@@ -78,6 +78,9 @@ def main() -> None:
     p.add_argument("--setting", required=True, help="e.g. resnet18-2n-100mbit")
     p.add_argument("--rev", help="read the JSON as committed at this git revision")
     args = p.parse_args()
+    if args.rev is None:
+        from results_archive import restore  # the raw runs: unpacked from their archive if missing
+        restore(args.folder)
     runs = load(args.folder, args.setting, args.rev)
     if not runs:
         raise SystemExit(f"no runs of {args.setting} in {args.folder}" + (f" at {args.rev}" if args.rev else ""))

@@ -43,6 +43,7 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 from accordion_hvd.costmodel import Bucket, Link, Round, step_s  # noqa: E402
 from costmodel_check import STEPS, load, online_link, rank_compute, step_buckets  # noqa: E402
+from report import kept_analysis  # noqa: E402
 
 WORLDS = (2, 4, 8, 16, 32, 64, 128, 256)
 OURS = ("ours-r1", "ours-r4", "ours-accordion", "ours-topk1", "ours-topk10")
@@ -109,6 +110,8 @@ def main() -> None:
     p.add_argument("folder", type=Path)
     p.add_argument("--out", type=Path, required=True)
     args = p.parse_args()
+    from results_archive import restore  # the raw runs: unpacked from their archive if missing
+    restore(args.folder)
     found = settings(args.folder)
     lines = ["# Step time at 2 to 256 workers, predicted by the cost model", "",
              f"Command: `.venv/bin/python benchmarks/scaling.py {args.folder} --out {args.out}`. Inputs: the 2-node runs "
@@ -151,6 +154,7 @@ def main() -> None:
                               f"({100 * (table['fp16'][0] - measured) / measured:+.0f}%)."]
             lines.append("")
         figures[model] = curves
+    lines += kept_analysis(args.out)  # the hand-written reading below the tables, kept across reruns
     args.out.write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     plot(figures, args.out)

@@ -224,6 +224,9 @@ def main() -> None:
         from cluster import Cluster  # needs root, ip and tc: refuses with one line otherwise
 
     raw = args.out.with_suffix("")
+    if args.report_only or args.start_round:  # rounds read back from their JSON
+        from results_archive import restore  # unpacked from their archive if missing
+        restore(raw)
     raw.mkdir(parents=True, exist_ok=True)
     rows, sections = [], []
     for model in args.models.split(","):

@@ -317,6 +317,8 @@ def main() -> None:
     p.add_argument("--summarize", action="store_true")
     args = p.parse_args()
     if args.summarize:
+        from results_archive import restore  # the raw runs: unpacked from their archive if missing
+        restore(OUT)
         (REPO / "benchmarks" / "results" / f"{PROTOCOL}.md").write_text("\n".join(summarize()) + "\n")
         print(f"wrote benchmarks/results/{PROTOCOL}.md")
         return
