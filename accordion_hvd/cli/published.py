@@ -40,7 +40,7 @@ from .frontends import DDPFrontEnd
 from .periodic import broadcast_model
 
 
-# The published methods' own defaults (published.py), where they differ from the flags'.
+# The published methods' own defaults, where they differ from the CLI flags' (options.py PERIODIC_FLAGS).
 PUBLISHED_DEFAULTS = {"sparseloco": {"outer_lr": 1.0, "ef_decay": 0.95, "sync_every": 15},
                       "signloco": {"outer_lr": 1.0, "ef_decay": 1.0, "sync_every": 2}}
 
@@ -139,6 +139,7 @@ class PseudoGradientRounds:
         self.start = [p.detach().clone().float() for p in self.params]
         self.error = [torch.zeros_like(s) for s in self.start]
         self.inner_steps = self.syncs = self.wire_bits = 0
+        self.numel = sum(p.numel() for p in self.params)
 
     def step(self) -> None:
         self.inner_steps += 1
@@ -166,10 +167,6 @@ class PseudoGradientRounds:
                 p.copy_(s)
                 offset += s.numel()
         self.syncs += 1
-
-    @property
-    def interval(self) -> int:
-        return self.every
 
     def record(self) -> dict:
         return {"sync_interval": self.every, "syncs": self.syncs, "wire_bits": self.wire_bits}
@@ -202,7 +199,7 @@ class PseudoGradientFrontEnd(DDPFrontEnd):
     def step(self, opt, compression) -> None:
         opt.step()
         self.rounds.step()
-        compression.count(0, dense=sum(p.numel() for p in self.rounds.params))
+        compression.count(0, dense=self.rounds.numel)
 
     def evaluating(self):
         return swapped_in(self.rounds.params, self.rounds.start)  # the last round's model, the same on every rank
@@ -233,11 +230,12 @@ class OneBitAdamFrontEnd(DDPFrontEnd):
             raise SystemExit("--sync onebit-adam is 1-bit Adam: it needs --optimizer adamw")
         broadcast_model(model, self.dist)
         self.params = [p for p in model.parameters() if p.requires_grad]
+        self.numel = sum(p.numel() for p in self.params)
         return model, opt
 
     def step(self, opt, compression) -> None:
         self.steps += 1
-        numel = sum(p.numel() for p in self.params)
+        numel = self.numel
         compression.count(0, dense=numel)
         with torch.no_grad():
             if self.steps <= self.freeze_step:
