@@ -56,6 +56,12 @@ PILOTS = {  # name -> (why it runs, CLI flags)
                         ["--codec", "none", "--sync", "onebit-adam", "--freeze-step", "67"]),
     "onebit-adam-f34": ("a quarter of it (34 steps, 2.5%)",
                         ["--codec", "none", "--sync", "onebit-adam", "--freeze-step", "34"]),
+    "onebit-sharedv-64": ("1-bit Adam with no synchronous warm-up (the warm-up is its cost: 2.6 bits/param/step "
+                          "at 134 steps, and shorter ones lost 1.7-2.0 points because the second moment froze early): "
+                          "1-bit momentum from step 1, the second moment from each rank's own gradients averaged "
+                          "over the ranks at steps 1, 2, 4, ... then every 64 (onebit_shared.py): about 1.4 "
+                          "bits/param/step, 16-bit nowhere but the refreshes",
+                          ["--codec", "none", "--sync", "onebit-adam", "--variance-every", "64"]),
     "ours-topk3-h1": ("our own path for the same idea: acc.DiLoCo with our TopK codec (3%, float32 values, error "
                       "feedback without decay), plain averaging every step: does SparseLoCo's decay and 2-bit add "
                       "or cost quality against ours?",

@@ -16,7 +16,7 @@ from ..policies.interval import LADDER
 from .baselines import Uncompressed
 from .frontends import LAUNCHERS
 from .periodic import SYNCS
-from .published import check_published
+from .published import add_published_flags, check_published
 
 CODECS = ("default", "none", "fp16", "bf16", "powersgd", "topk", "quantize")
 OURS = ("powersgd", "topk", "quantize")  # codecs of ours chosen by flags (not "default")
@@ -91,7 +91,8 @@ PERIODIC_FLAGS = {"sync_every": (None, "diloco or torch-localsgd or sparseloco o
                   "sync_ladder": (None, "diloco"), "sync_budget": (None, "diloco"), "plain_below": (None, "diloco"),
                   "localsgd_warmup": (100, "torch-localsgd"), "topk_density": (0.03125, "sparseloco"),
                   "topk_chunk": (4096, "sparseloco"), "value_bits": (2, "sparseloco"),
-                  "ef_decay": (None, "sparseloco or signloco"), "freeze_step": (None, "onebit-adam")}
+                  "ef_decay": (None, "sparseloco or signloco"), "freeze_step": (None, "onebit-adam"),
+                  "variance_every": (None, "onebit-adam")}
 
 def _check_sync(p, args) -> None:
     """--sync and its flags: refused where they do not apply, defaults resolved."""
@@ -221,15 +222,7 @@ def parse_args(argv=None, description: str | None = None) -> argparse.Namespace:
     p.add_argument("--sync-ladder", type=_ladder, default=None,
                    help="--sync diloco --sync-every auto: the intervals it chooses from, comma-separated, each "
                         "dividing the last (default: 1,4,16,64; acc.SyncInterval(ladder=...))")
-    p.add_argument("--topk-density", type=float, default=0.03125,
-                   help="--sync sparseloco: the fraction of each chunk's entries a message keeps (published: 128 of 4096)")
-    p.add_argument("--topk-chunk", type=int, default=4096, help="--sync sparseloco: entries per TopK chunk")
-    p.add_argument("--value-bits", type=int, choices=(2, 32), default=2, help="--sync sparseloco: bits per kept value")
-    p.add_argument("--ef-decay", type=float, default=None,
-                   help="--sync sparseloco / signloco: the error-feedback buffer's decay per round (default: 0.95 for "
-                        "sparseloco, 1 for signloco)")
-    p.add_argument("--freeze-step", type=int, default=None,
-                   help="--sync onebit-adam: synchronous AdamW steps before the second moment freezes")
+    add_published_flags(p)
     p.add_argument("--localsgd-warmup", type=int, default=100,
                    help="--sync torch-localsgd: steps averaged every step before local SGD starts")
     p.add_argument("--codec", choices=CODECS, default="default",

@@ -52,6 +52,11 @@ def check_published(p, args, flags: dict) -> None:
     if args.sync == "onebit-adam":
         if args.optimizer != "adamw":
             p.error(f"--sync onebit-adam is 1-bit Adam: --optimizer adamw, got --optimizer {args.optimizer}")
+        if args.variance_every is not None:
+            if args.variance_every < 1 or args.freeze_step not in (None, 0):
+                p.error(f"--variance-every N (N >= 1) runs 1-bit Adam without a synchronous warm-up: it takes no "
+                        f"--freeze-step, got --variance-every {args.variance_every} --freeze-step {args.freeze_step}")
+            return
         if args.freeze_step is None or args.freeze_step < 0:
             p.error(f"--sync onebit-adam needs --freeze-step N (synchronous steps before the second moment freezes), "
                     f"got {args.freeze_step}")
@@ -65,6 +70,23 @@ def check_published(p, args, flags: dict) -> None:
         p.error(f"--outer-lr must be positive and --ef-decay in (0, 1], got {args.outer_lr} and {args.ef_decay}")
     if not 0 < args.topk_density <= 1 or args.topk_chunk < 1:
         p.error(f"--topk-density in (0, 1] and --topk-chunk positive; got {args.topk_density}, {args.topk_chunk}")
+
+
+def add_published_flags(p) -> None:
+    """The published methods' flags (their defaults in options.py PERIODIC_FLAGS)."""
+    p.add_argument("--topk-density", type=float, default=0.03125,
+                   help="--sync sparseloco: the fraction of each chunk's entries a message keeps (published: 128 of 4096)")
+    p.add_argument("--topk-chunk", type=int, default=4096, help="--sync sparseloco: entries per TopK chunk")
+    p.add_argument("--value-bits", type=int, choices=(2, 32), default=2, help="--sync sparseloco: bits per kept value")
+    p.add_argument("--ef-decay", type=float, default=None,
+                   help="--sync sparseloco / signloco: the error-feedback buffer's decay per round (default: 0.95 for "
+                        "sparseloco, 1 for signloco)")
+    p.add_argument("--freeze-step", type=int, default=None,
+                   help="--sync onebit-adam: synchronous AdamW steps before the second moment freezes")
+    p.add_argument("--variance-every", type=int, default=None,
+                   help="--sync onebit-adam, issue 80's pilot variant (onebit_shared.py): no synchronous warm-up; the "
+                        "second moment from each rank's own gradients, averaged over the ranks at steps 1, 2, 4, ... "
+                        "and then every N steps")
 
 
 def _compressible(p: torch.Tensor) -> bool:

@@ -1,0 +1,93 @@
+"""Issue 80's pilot variant of 1-bit Adam (``--sync onebit-adam --variance-every N``): no
+synchronous warm-up at all. 1-bit Adam (published.py) spends its first ``freeze_step`` steps
+uncompressed so that Adam's second moment can settle before it freezes; at 10 Mbit/s those
+steps alone cost more than the rest of the run. Here every step exchanges the momentum in 1
+bit (error feedback on both sides, as published), and the second moment the update divides
+by is the ranks' *own* second moments (each from its own gradients, which need no exchange),
+averaged over the ranks at steps 1, 2, 4, 8, ... and then every ``variance_every`` steps:
+the same on every rank between refreshes, so the replicas stay identical. An average of the
+ranks' own second moments counts the gradient noise the average gradient would have halved
+(2 ranks), so steps are a little shorter where noise dominates. Entries whose averaged second
+moment is exactly zero (a unit that never had a gradient) are not moved: published 1-bit Adam
+divides their nonzero 1-bit momentum by eps there (published.py's note on the digits CNN).
+
+Wire: the momentum as published (1 bit per entry and a 32-bit scale per 2-D tensor, others in
+16 bits) and each refresh of the second moment in 16 bits per entry."""
+
+from __future__ import annotations
+
+import torch
+
+from .published import OneBitAdamFrontEnd, _compressible, rms_sign
+
+
+class SharedVarianceOneBitAdamFrontEnd(OneBitAdamFrontEnd):
+    """1-bit momentum from the first step; the second moment averaged over the ranks on a
+    doubling schedule that stops doubling at ``variance_every``."""
+
+    def __init__(self, device_type: str, variance_every: int) -> None:
+        super().__init__(device_type, freeze_step=0)
+        self.variance_every = variance_every
+        self.label = (f"torchrun, 1-bit Adam without warm-up, second moment averaged at steps 1, 2, 4, ... then every "
+                      f"{variance_every} (issue 80 pilot, plain torch)")
+        self.next_refresh, self.gap, self.refreshes = 1, 1, 0
+        self.own_sq, self.momentum = [], []
+
+    def step(self, opt, compression) -> None:
+        self.steps += 1
+        t = self.steps
+        compression.count(0, dense=self.numel)
+        group = opt.param_groups[0]
+        beta1, beta2 = group["betas"]
+        lr, eps, wd = group["lr"], group["eps"], group["weight_decay"]
+        with torch.no_grad():
+            if not self.own_sq:
+                for p in self.params:
+                    self.own_sq.append(torch.zeros_like(p))
+                    self.momentum.append(torch.zeros_like(p))
+                    self.worker_error.append(torch.zeros_like(p))
+                    self.server_error.append(torch.zeros_like(p))
+                    self.denom.append(torch.ones_like(p))
+            for p, sq in zip(self.params, self.own_sq):
+                sq.mul_(beta2).addcmul_(p.grad, p.grad, value=1 - beta2)
+            if t == self.next_refresh:
+                self._refresh_variance(1 - beta2 ** t, eps)
+            sent = []
+            for p, m, we, denom in zip(self.params, self.momentum, self.worker_error, self.denom):
+                m.mul_(beta1).add_(p.grad, alpha=1 - beta1)
+                x = m / denom + we  # the momentum whitened by the shared denominator: the update's own units
+                msg = rms_sign(x) if _compressible(p) else x.clone()
+                we.copy_(x - msg)
+                sent.append(msg.reshape(-1))
+                self.wire_bits += (p.numel() + 32) if _compressible(p) else 16 * p.numel()
+            flat = torch.cat(sent)
+            self.dist.all_reduce(flat)
+            flat /= self.size
+            offset = 0
+            for p, m, se, denom in zip(self.params, self.momentum, self.server_error, self.denom):
+                y = flat[offset:offset + p.numel()].view_as(p) + se
+                offset += p.numel()
+                msg = rms_sign(y) if _compressible(p) else y.clone()
+                se.copy_(y - msg)
+                m.copy_(torch.nan_to_num(msg * denom, posinf=0.0))  # the shared momentum, back in gradient units
+                p.mul_(1 - lr * wd).add_(msg, alpha=-lr / (1 - beta1 ** t))
+
+    def _refresh_variance(self, bias_correction: float, eps: float) -> None:
+        flat = torch.cat([sq.reshape(-1) for sq in self.own_sq])
+        self.dist.all_reduce(flat)
+        flat /= self.size
+        offset = 0
+        for sq, denom, we, se in zip(self.own_sq, self.denom, self.worker_error, self.server_error):
+            v = flat[offset:offset + sq.numel()].view_as(sq)
+            offset += sq.numel()
+            fresh = (v / bias_correction).sqrt_().add_(eps).masked_fill_(v == 0, float("inf"))  # no gradient: no move
+            for error in (we, se):  # the errors carried into the new units
+                error.mul_(denom / fresh).nan_to_num_(nan=0.0, posinf=0.0)
+            denom.copy_(fresh)
+        self.wire_bits += 16 * self.numel
+        self.refreshes += 1
+        self.gap = min(2 * self.gap, self.variance_every) if self.refreshes > 1 else 1
+        self.next_refresh = self.steps + self.gap
+
+    def record(self) -> dict:
+        return {**super().record(), "variance_refreshes": self.refreshes}
