@@ -62,6 +62,9 @@ PILOTS = {  # name -> (why it runs, CLI flags)
                           "over the ranks at steps 1, 2, 4, ... then every 64 (onebit_shared.py): about 1.4 "
                           "bits/param/step, 16-bit nowhere but the refreshes",
                           ["--codec", "none", "--sync", "onebit-adam", "--variance-every", "64"]),
+    "onebit-sharedv-64x": ("onebit-sharedv-64 as our library would run it: the ranks' 1-bit messages averaged "
+                           "exactly (an all-gather of them), not compressed again on a server side",
+                           ["--codec", "none", "--sync", "onebit-adam", "--variance-every", "64"]),
     "ours-topk3-h1": ("our own path for the same idea: acc.DiLoCo with our TopK codec (3%, float32 values, error "
                       "feedback without decay), plain averaging every step: does SparseLoCo's decay and 2-bit add "
                       "or cost quality against ours?",

@@ -1,18 +1,26 @@
 """Issue 80's pilot variant of 1-bit Adam (``--sync onebit-adam --variance-every N``): no
 synchronous warm-up at all. 1-bit Adam (published.py) spends its first ``freeze_step`` steps
 uncompressed so that Adam's second moment can settle before it freezes; at 10 Mbit/s those
-steps alone cost more than the rest of the run. Here every step exchanges the momentum in 1
-bit (error feedback on both sides, as published), and the second moment the update divides
-by is the ranks' *own* second moments (each from its own gradients, which need no exchange),
-averaged over the ranks at steps 1, 2, 4, 8, ... and then every ``variance_every`` steps:
-the same on every rank between refreshes, so the replicas stay identical. An average of the
-ranks' own second moments counts the gradient noise the average gradient would have halved
-(2 ranks), so steps are a little shorter where noise dominates. Entries whose averaged second
-moment is exactly zero (a unit that never had a gradient) are not moved: published 1-bit Adam
-divides their nonzero 1-bit momentum by eps there (published.py's note on the digits CNN).
+steps alone cost more than the rest of the run. Here:
 
-Wire: the momentum as published (1 bit per entry and a 32-bit scale per 2-D tensor, others in
-16 bits) and each refresh of the second moment in 16 bits per entry."""
+- the second moment the update divides by is the ranks' *own* second moments (each from its
+  own gradients, which need no exchange), averaged over the ranks at steps 1, 2, 4, 8, ... and
+  then every ``variance_every`` steps: the same on every rank between refreshes, so the
+  replicas stay identical. An average of the ranks' own second moments counts the gradient
+  noise the average gradient would have halved (2 ranks), so steps are a little shorter where
+  noise dominates;
+- every step, the momentum *divided by that shared denominator* (the update's own units) is
+  exchanged in 1 bit with error feedback on the sender's side, and the ranks' messages are
+  averaged exactly (as an all-gather of them gives every rank; DeepSpeed's server side
+  compresses the average a second time, and pilot onebit-sharedv-64, at commit 832826c, did
+  too). In gradient units, as published, a 1-bit message gives every entry its tensor's RMS,
+  and an entry with a small second moment then moves by RMS over its small denominator: that
+  way, without a warm-up, the transformer's loss went from 9.0 to 87.6 at its second step;
+- entries whose averaged second moment is exactly zero (a unit that never had a gradient)
+  are not moved.
+
+Wire: 1 bit per entry and a 32-bit scale per 2-D tensor (others in 16 bits) every step, and
+each refresh of the second moment in 16 bits per entry."""
 
 from __future__ import annotations
 
@@ -46,7 +54,6 @@ class SharedVarianceOneBitAdamFrontEnd(OneBitAdamFrontEnd):
                     self.own_sq.append(torch.zeros_like(p))
                     self.momentum.append(torch.zeros_like(p))
                     self.worker_error.append(torch.zeros_like(p))
-                    self.server_error.append(torch.zeros_like(p))
                     self.denom.append(torch.ones_like(p))
             for p, sq in zip(self.params, self.own_sq):
                 sq.mul_(beta2).addcmul_(p.grad, p.grad, value=1 - beta2)
@@ -64,11 +71,9 @@ class SharedVarianceOneBitAdamFrontEnd(OneBitAdamFrontEnd):
             self.dist.all_reduce(flat)
             flat /= self.size
             offset = 0
-            for p, m, se, denom in zip(self.params, self.momentum, self.server_error, self.denom):
-                y = flat[offset:offset + p.numel()].view_as(p) + se
+            for p, m, denom in zip(self.params, self.momentum, self.denom):
+                msg = flat[offset:offset + p.numel()].view_as(p)  # the ranks' messages averaged, exactly
                 offset += p.numel()
-                msg = rms_sign(y) if _compressible(p) else y.clone()
-                se.copy_(y - msg)
                 m.copy_(torch.nan_to_num(msg * denom, posinf=0.0))  # the shared momentum, back in gradient units
                 p.mul_(1 - lr * wd).add_(msg, alpha=-lr / (1 - beta1 ** t))
 
@@ -77,12 +82,11 @@ class SharedVarianceOneBitAdamFrontEnd(OneBitAdamFrontEnd):
         self.dist.all_reduce(flat)
         flat /= self.size
         offset = 0
-        for sq, denom, we, se in zip(self.own_sq, self.denom, self.worker_error, self.server_error):
+        for sq, denom, we in zip(self.own_sq, self.denom, self.worker_error):
             v = flat[offset:offset + sq.numel()].view_as(sq)
             offset += sq.numel()
             fresh = (v / bias_correction).sqrt_().add_(eps).masked_fill_(v == 0, float("inf"))  # no gradient: no move
-            for error in (we, se):  # the errors carried into the new units
-                error.mul_(denom / fresh).nan_to_num_(nan=0.0, posinf=0.0)
+            we.mul_(denom / fresh).nan_to_num_(nan=0.0, posinf=0.0)  # the error carried into the new units
             denom.copy_(fresh)
         self.wire_bits += 16 * self.numel
         self.refreshes += 1
