@@ -65,6 +65,11 @@ PILOTS = {  # name -> (why it runs, CLI flags)
     "onebit-sharedv-64x": ("onebit-sharedv-64 as our library would run it: the ranks' 1-bit messages averaged "
                            "exactly (an all-gather of them), not compressed again on a server side",
                            ["--codec", "none", "--sync", "onebit-adam", "--variance-every", "64"]),
+    "onebit-adam-q8-f134": ("onebit-adam-f134 (27.29, level with dense from step 448, dense's 27.90 reached at step "
+                            "1008) with its warm-up in the per-step default's 8-bit sparse chunks (2.9 bits/param/step "
+                            "on this model) instead of 16 bits: the warm-up was 1.5 of its 2.6 bits/param/step; "
+                            "onebit-sharedv-64 (no warm-up, the second moment shared from local ones) ended 28.24",
+                            ["--codec", "none", "--sync", "onebit-adam", "--freeze-step", "134", "--warmup-bits", "8"]),
     "ours-topk3-h1": ("our own path for the same idea: acc.DiLoCo with our TopK codec (3%, float32 values, error "
                       "feedback without decay), plain averaging every step: does SparseLoCo's decay and 2-bit add "
                       "or cost quality against ours?",

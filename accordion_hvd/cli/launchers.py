@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from .frontends import DDPFrontEnd, FSDPFrontEnd, HorovodFrontEnd
 from .options import diloco_options
-from .onebit_shared import SharedVarianceOneBitAdamFrontEnd
+from .onebit_shared import Quantized8WarmupOneBitAdamFrontEnd, SharedVarianceOneBitAdamFrontEnd
 from .published import OneBitAdamFrontEnd, PseudoGradientFrontEnd
 from .periodic import DiLoCoFrontEnd, HSDPDiLoCoFrontEnd, TorchLocalSGDFrontEnd
 
@@ -21,6 +21,8 @@ def make_front_end(args, device_type: str, ours: bool = False):
             return HSDPDiLoCoFrontEnd(device_type, args.nodes, args.reduce_dtype, diloco_options(args))
         if args.sync == "onebit-adam" and args.variance_every is not None:
             return SharedVarianceOneBitAdamFrontEnd(device_type, args.variance_every)
+        if args.sync == "onebit-adam" and args.warmup_bits == 8:
+            return Quantized8WarmupOneBitAdamFrontEnd(device_type, args.freeze_step)
         if args.sync == "onebit-adam":
             return OneBitAdamFrontEnd(device_type, args.freeze_step)
         if args.sync in ("sparseloco", "signloco"):

@@ -83,6 +83,9 @@ def add_published_flags(p) -> None:
                         "sparseloco, 1 for signloco)")
     p.add_argument("--freeze-step", type=int, default=None,
                    help="--sync onebit-adam: synchronous AdamW steps before the second moment freezes")
+    p.add_argument("--warmup-bits", type=int, choices=(8, 16), default=16,
+                   help="--sync onebit-adam --freeze-step N, issue 80's pilot variant (onebit_shared.py): 8 sends the "
+                        "warm-up's gradients as the per-step default's 8-bit sparse chunks, with error feedback")
     p.add_argument("--variance-every", type=int, default=None,
                    help="--sync onebit-adam, issue 80's pilot variant (onebit_shared.py): no synchronous warm-up; the "
                         "second moment from each rank's own gradients, averaged over the ranks at steps 1, 2, 4, ... "
@@ -257,18 +260,10 @@ class OneBitAdamFrontEnd(DDPFrontEnd):
 
     def step(self, opt, compression) -> None:
         self.steps += 1
-        numel = self.numel
-        compression.count(0, dense=numel)
+        compression.count(0, dense=self.numel)
         with torch.no_grad():
             if self.steps <= self.freeze_step:
-                flat = torch.cat([p.grad.reshape(-1) for p in self.params])
-                self.dist.all_reduce(flat)
-                flat /= self.size
-                offset = 0
-                for p in self.params:
-                    p.grad.copy_(flat[offset:offset + p.numel()].view_as(p))
-                    offset += p.numel()
-                self.wire_bits += 16 * numel
+                self.average_gradients()
                 opt.step()
                 return
             group = opt.param_groups[0]
@@ -278,7 +273,7 @@ class OneBitAdamFrontEnd(DDPFrontEnd):
                 for p in self.params:
                     state = opt.state[p]
                     t = float(state["step"])
-                    self.denom.append((state["exp_avg_sq"] / (1 - group["betas"][1] ** t)).sqrt().add_(eps))
+                    self.denom.append(self.frozen_denominator(state["exp_avg_sq"] / (1 - group["betas"][1] ** t), eps))
                     state["exp_avg"].div_(1 - beta1 ** t)  # bias-corrected, the momentum the exchange carries
                     self.worker_error.append(torch.zeros_like(p))
                     self.server_error.append(torch.zeros_like(p))
@@ -304,6 +299,21 @@ class OneBitAdamFrontEnd(DDPFrontEnd):
                 m = opt.state[p]["exp_avg"]
                 m.copy_(msg)
                 p.mul_(1 - lr * wd).addcdiv_(m, denom, value=-lr)
+
+    def frozen_denominator(self, v: torch.Tensor, eps: float) -> torch.Tensor:
+        """What the momentum is divided by from the freeze on: AdamW's, sqrt(v) + eps."""
+        return v.sqrt().add_(eps)
+
+    def average_gradients(self) -> None:
+        """A synchronous step's exchange: the gradients averaged (counted in 16 bits)."""
+        flat = torch.cat([p.grad.reshape(-1) for p in self.params])
+        self.dist.all_reduce(flat)
+        flat /= self.size
+        offset = 0
+        for p in self.params:
+            p.grad.copy_(flat[offset:offset + p.numel()].view_as(p))
+            offset += p.numel()
+        self.wire_bits += 16 * self.numel
 
     def record(self) -> dict:
         return {"sync_interval": 1, "syncs": self.steps, "wire_bits": self.wire_bits}
