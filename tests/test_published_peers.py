@@ -12,6 +12,8 @@ import torch
 from accordion_hvd.cli.options import parse_args
 from accordion_hvd.cli.published import (chunked_topk, chunked_topk_bits, quantize_4bins, rms_sign,
                                          scaled_sign)
+from accordion_hvd.cli.onebit_shared import sparse_chunks_8bit
+from accordion_hvd.reference import quantize_chunks_ef
 from launch import run_ddp_module
 
 
@@ -94,7 +96,50 @@ def test_onebit_adam_learns_and_counts_its_wire(tmp_path):
     assert dense_16 < int(steps[-1]["wire_bits"]) < dense_16 + (len(steps) - 10) * 2 * params  # then ~1 bit each
 
 
+def test_the_8_bit_warm_up_message_is_quantizes_sparse_chunks():
+    """The pilot's warm-up message (cli/onebit_shared.py) against Quantize's reference at the
+    same number of chunks: the same entries sent, the same values."""
+    torch.manual_seed(0)
+    g = torch.randn(5000) * torch.linspace(0, 3, 5000) ** 4  # energy in the last chunks
+    msg, bits = sparse_chunks_8bit(g)
+    k = bits // (8 * 512 + 64)
+    assert 1 <= k < 10
+    _, _, _, _, residual = quantize_chunks_ef(g, torch.zeros(5000), 8, 512, k, 0.05)
+    assert torch.allclose(msg, g - residual, atol=1e-6)
+
+
+@pytest.mark.torchrun
+@pytest.mark.parametrize("flags, label, low", [
+    (["--variance-every", "8"], "1-bit Adam without warm-up, second moment averaged", 0),
+    # Warm-up only (31 steps): a freeze this early diverges after an 8-bit warm-up (freeze 20:
+    # loss 5.4 to 234149 in 5 steps; 16-bit's did not; the pilot freezes at 134, and did not).
+    (["--freeze-step", "40", "--warmup-bits", "8"], "its warm-up in 8-bit sparse chunks", 40),
+])
+def test_the_onebit_pilot_variants_learn_and_count_their_wire(tmp_path, flags, label, low):
+    """Issue 80's pilot variants of 1-bit Adam (cli/onebit_shared.py) under a 2-rank torchrun job:
+    they learn, and what they count on the wire is their encoding's (1 bit per entry after the
+    warm-up; the warm-up at most 8.2 bits per entry; the second moment's refreshes in 16)."""
+    out = run_ddp_module("accordion_hvd.train", "--launcher", "ddp", "--no-progress", "--codec", "none",
+                         "--dataset", "text", "--model", "transformer", "--max-train-samples", "2000", "--epochs",
+                         "1", "--sync", "onebit-adam", *flags, "--optimizer", "adamw", "--lr", "0.001",
+                         "--logdir", str(tmp_path), np=2, timeout=400)
+    assert label in out and "final test perplexity" in out, out
+    assert float(out.split("final test perplexity: ")[1].split()[0]) < 1000, out
+    with open(tmp_path / "steps.csv") as f:
+        steps = list(csv.DictReader(f))
+    params, n = 1_405_287, len(steps)
+    refreshes = int(steps[-1].get("variance_refreshes") or 0)
+    assert (refreshes > 0) == (low == 0)
+    warm, one_bit = min(low, n), max(0, n - low) * params  # then about 1 bit per entry
+    assert one_bit + warm * params < int(steps[-1]["wire_bits"]) < (warm * 8.2 * params + 1.2 * one_bit
+                                                                     + refreshes * 16 * params)
+
+
 @pytest.mark.parametrize("argv, message", [
+    (["--launcher", "ddp", "--sync", "onebit-adam", "--codec", "none", "--optimizer", "adamw", "--variance-every",
+      "8", "--freeze-step", "5"], "it takes no --freeze-step"),
+    (["--launcher", "ddp", "--sync", "onebit-adam", "--codec", "none", "--optimizer", "adamw", "--variance-every",
+      "0"], "--variance-every N (N >= 1)"),
     (["--launcher", "ddp", "--sync", "sparseloco"], "--codec none"),
     (["--launcher", "ddp", "--sync", "sparseloco", "--codec", "none", "--sync-every", "auto"], "not auto"),
     (["--launcher", "ddp", "--sync", "onebit-adam", "--codec", "none", "--optimizer", "adamw"], "--freeze-step N"),

@@ -10,12 +10,16 @@ steps alone cost more than the rest of the run. Here:
   noise the average gradient would have halved (2 ranks), so steps are a little shorter where
   noise dominates;
 - every step, the momentum *divided by that shared denominator* (the update's own units) is
-  exchanged in 1 bit with error feedback on the sender's side, and the ranks' messages are
-  averaged exactly (as an all-gather of them gives every rank; DeepSpeed's server side
-  compresses the average a second time, and pilot onebit-sharedv-64, at commit 832826c, did
-  too). In gradient units, as published, a 1-bit message gives every entry its tensor's RMS,
-  and an entry with a small second moment then moves by RMS over its small denominator: that
-  way, without a warm-up, the transformer's loss went from 9.0 to 87.6 at its second step;
+  exchanged in 1 bit with error feedback, and the ranks' average is compressed again with
+  error feedback of its own, as DeepSpeed's server side does (here every rank computes it
+  alike). That second compression mattered: with the ranks' messages averaged exactly
+  instead (pilot onebit-sharedv-64x,
+  commit 6d7ece9) training stalled at perplexity 148 where onebit-sharedv-64 ended 28.24.
+  Why is not established; a guess: the momentum is *replaced* by what the exchange returns,
+  and an exact average of signs is small wherever the ranks disagree. In gradient
+  units, as published, a 1-bit message gives every entry its tensor's RMS, and an entry with
+  a small second moment then moves by RMS over its small denominator: that way, without a
+  warm-up, the transformer's loss went from 9.0 to 87.6 at its second step;
 - entries whose averaged second moment is exactly zero (a unit that never had a gradient)
   are not moved.
 
@@ -54,6 +58,7 @@ class SharedVarianceOneBitAdamFrontEnd(OneBitAdamFrontEnd):
                     self.own_sq.append(torch.zeros_like(p))
                     self.momentum.append(torch.zeros_like(p))
                     self.worker_error.append(torch.zeros_like(p))
+                    self.server_error.append(torch.zeros_like(p))
                     self.denom.append(torch.ones_like(p))
             for p, sq in zip(self.params, self.own_sq):
                 sq.mul_(beta2).addcmul_(p.grad, p.grad, value=1 - beta2)
@@ -71,9 +76,11 @@ class SharedVarianceOneBitAdamFrontEnd(OneBitAdamFrontEnd):
             self.dist.all_reduce(flat)
             flat /= self.size
             offset = 0
-            for p, m, denom in zip(self.params, self.momentum, self.denom):
-                msg = flat[offset:offset + p.numel()].view_as(p)  # the ranks' messages averaged, exactly
+            for p, m, se, denom in zip(self.params, self.momentum, self.server_error, self.denom):
+                y = flat[offset:offset + p.numel()].view_as(p) + se
                 offset += p.numel()
+                msg = rms_sign(y) if _compressible(p) else y.clone()  # the average compressed again (docstring)
+                se.copy_(y - msg)
                 m.copy_(torch.nan_to_num(msg * denom, posinf=0.0))  # the shared momentum, back in gradient units
                 p.mul_(1 - lr * wd).add_(msg, alpha=-lr / (1 - beta1 ** t))
 
@@ -82,11 +89,12 @@ class SharedVarianceOneBitAdamFrontEnd(OneBitAdamFrontEnd):
         self.dist.all_reduce(flat)
         flat /= self.size
         offset = 0
-        for sq, denom, we in zip(self.own_sq, self.denom, self.worker_error):
+        for sq, denom, we, se in zip(self.own_sq, self.denom, self.worker_error, self.server_error):
             v = flat[offset:offset + sq.numel()].view_as(sq)
             offset += sq.numel()
             fresh = (v / bias_correction).sqrt_().add_(eps).masked_fill_(v == 0, float("inf"))  # no gradient: no move
-            we.mul_(denom / fresh).nan_to_num_(nan=0.0, posinf=0.0)  # the error carried into the new units
+            for error in (we, se):  # the errors carried into the new units
+                error.mul_(denom / fresh).nan_to_num_(nan=0.0, posinf=0.0)
             denom.copy_(fresh)
         self.wire_bits += 16 * self.numel
         self.refreshes += 1
