@@ -93,7 +93,7 @@ FINDINGS = [
     "",
     "- Compressing AdamW's *update* (its pseudo-gradients, which Adam has whitened) in rounds of local steps costs "
     "this model 2.3 points or more at half a bit per parameter (sparseloco-h1, signloco-h2): that family is dropped.",
-    "- In gradient space 1-bit Adam keeps quality (onebit-adam-f134: 27.29, dense's 27.90 reached at step 1008 of "
+    "- In gradient space 1-bit Adam keeps quality (onebit-adam-f134: 27.29, dense's 27.90 reached at step 1064 of "
     "1344), but its 16-bit warm-up is most of its cost (2.6 bits/param/step), and shortening the warm-up costs "
     "quality (f67 29.64, f34 30.00): the second moment freezes before it settles.",
     "- No warm-up at all (onebit-sharedv-64: the second moment from each rank's own gradients, averaged over the "
