@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import torch
 
-from .published import OneBitAdamFrontEnd, _compressible, rms_sign
+from .published import OneBitAdamFrontEnd, _compressible
 
 
 class SharedVarianceOneBitAdamFrontEnd(OneBitAdamFrontEnd):
@@ -64,25 +64,12 @@ class SharedVarianceOneBitAdamFrontEnd(OneBitAdamFrontEnd):
                 sq.mul_(beta2).addcmul_(p.grad, p.grad, value=1 - beta2)
             if t == self.next_refresh:
                 self._refresh_variance(1 - beta2 ** t, eps)
-            sent = []
-            for p, m, we, denom in zip(self.params, self.momentum, self.worker_error, self.denom):
+            for p, m in zip(self.params, self.momentum):
                 m.mul_(beta1).add_(p.grad, alpha=1 - beta1)
-                x = m / denom + we  # the momentum whitened by the shared denominator: the update's own units
-                msg = rms_sign(x) if _compressible(p) else x.clone()
-                we.copy_(x - msg)
-                sent.append(msg.reshape(-1))
-                self.wire_bits += (p.numel() + 32) if _compressible(p) else 16 * p.numel()
-            flat = torch.cat(sent)
-            self.dist.all_reduce(flat)
-            flat /= self.size
-            offset = 0
-            for p, m, se, denom in zip(self.params, self.momentum, self.server_error, self.denom):
-                y = flat[offset:offset + p.numel()].view_as(p) + se
-                offset += p.numel()
-                msg = rms_sign(y) if _compressible(p) else y.clone()  # the average compressed again (docstring)
-                se.copy_(y - msg)
-                m.copy_(torch.nan_to_num(msg * denom, posinf=0.0))  # the shared momentum, back in gradient units
-                p.mul_(1 - lr * wd).add_(msg, alpha=-lr / (1 - beta1 ** t))
+            whitened = [m / denom for m, denom in zip(self.momentum, self.denom)]  # the update's own units
+            for p, m, avg, denom in zip(self.params, self.momentum, self.compressed_average(whitened), self.denom):
+                m.copy_(torch.nan_to_num(avg * denom, posinf=0.0))  # the shared momentum, back in gradient units
+                p.mul_(1 - lr * wd).add_(avg, alpha=-lr / (1 - beta1 ** t))
 
     def _refresh_variance(self, bias_correction: float, eps: float) -> None:
         flat = torch.cat([sq.reshape(-1) for sq in self.own_sq])

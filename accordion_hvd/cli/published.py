@@ -277,28 +277,35 @@ class OneBitAdamFrontEnd(DDPFrontEnd):
                     state["exp_avg"].div_(1 - beta1 ** t)  # bias-corrected, the momentum the exchange carries
                     self.worker_error.append(torch.zeros_like(p))
                     self.server_error.append(torch.zeros_like(p))
-            sent = []
-            for p, we in zip(self.params, self.worker_error):
-                m = opt.state[p]["exp_avg"]
+            momenta = [opt.state[p]["exp_avg"] for p in self.params]
+            for p, m in zip(self.params, momenta):
                 m.mul_(beta1).add_(p.grad, alpha=1 - beta1)
-                x = m + we
-                msg = rms_sign(x) if _compressible(p) else x.clone()
-                we.copy_(x - msg)
-                sent.append(msg.reshape(-1))
-                self.wire_bits += (p.numel() + 32) if _compressible(p) else 16 * p.numel()
-            flat = torch.cat(sent)
-            self.dist.all_reduce(flat)
-            flat /= self.size
-            offset = 0
-            for p, se, denom in zip(self.params, self.server_error, self.denom):
-                avg = flat[offset:offset + p.numel()].view_as(p)
-                offset += p.numel()
-                y = avg + se
-                msg = rms_sign(y) if _compressible(p) else y.clone()
-                se.copy_(y - msg)
-                m = opt.state[p]["exp_avg"]
-                m.copy_(msg)
+            for p, m, avg, denom in zip(self.params, momenta, self.compressed_average(momenta), self.denom):
+                m.copy_(avg)
                 p.mul_(1 - lr * wd).addcdiv_(m, denom, value=-lr)
+
+    def compressed_average(self, xs: list[torch.Tensor]) -> list[torch.Tensor]:
+        """DeepSpeed's ``compressed_allreduce``, decoded: each rank's ``x`` plus its worker error
+        sent as ``rms_sign`` (tensors of fewer than 2 dimensions as they are), the messages
+        averaged, the average plus the server error compressed again; the same on every rank."""
+        sent = []
+        for p, x, we in zip(self.params, xs, self.worker_error):
+            x = x + we
+            msg = rms_sign(x) if _compressible(p) else x.clone()
+            we.copy_(x - msg)
+            sent.append(msg.reshape(-1))
+            self.wire_bits += (p.numel() + 32) if _compressible(p) else 16 * p.numel()
+        flat = torch.cat(sent)
+        self.dist.all_reduce(flat)
+        flat /= self.size
+        out, offset = [], 0
+        for p, se in zip(self.params, self.server_error):
+            y = flat[offset:offset + p.numel()].view_as(p) + se
+            offset += p.numel()
+            msg = rms_sign(y) if _compressible(p) else y.clone()
+            se.copy_(y - msg)
+            out.append(msg)
+        return out
 
     def frozen_denominator(self, v: torch.Tensor, eps: float) -> torch.Tensor:
         """What the momentum is divided by from the freeze on: AdamW's, sqrt(v) + eps."""
