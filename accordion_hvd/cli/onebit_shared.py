@@ -13,11 +13,10 @@ steps alone cost more than the rest of the run. Here:
   exchanged in 1 bit with error feedback, and the ranks' average is compressed again with
   error feedback of its own, as DeepSpeed's server side does (here every rank computes it
   alike). That second compression mattered: with the ranks' messages averaged exactly
-  instead (pilot onebit-sharedv-64x,
-  commit 6d7ece9) training stalled at perplexity 148 where onebit-sharedv-64 ended 28.24.
-  Why is not established; a guess: the momentum is *replaced* by what the exchange returns,
-  and an exact average of signs is small wherever the ranks disagree. In gradient
-  units, as published, a 1-bit message gives every entry its tensor's RMS, and an entry with
+  instead (pilot onebit-sharedv-64x, commit 6d7ece9) training stalled at perplexity 148
+  where onebit-sharedv-64 ended 28.24. Why is not established; a guess: the momentum is
+  *replaced* by what the exchange returns, and an exact average of signs is small wherever
+  the ranks disagree. In gradient units, as published, a 1-bit message gives every entry its tensor's RMS, and an entry with
   a small second moment then moves by RMS over its small denominator: that way, without a
   warm-up, the transformer's loss went from 9.0 to 87.6 at its second step;
 - entries whose averaged second moment is exactly zero (a unit that never had a gradient)
