@@ -12,13 +12,13 @@ steps alone cost more than the rest of the run. Here:
 - every step, the momentum *divided by that shared denominator* (the update's own units) is
   exchanged in 1 bit with error feedback, and the ranks' average is compressed again with
   error feedback of its own, as DeepSpeed's server side does (here every rank computes it
-  alike). That second compression mattered: with the ranks' messages averaged exactly
-  instead (pilot onebit-sharedv-64x, commit 6d7ece9) training stalled at perplexity 148
-  where onebit-sharedv-64 ended 28.24. Why is not established; a guess: the momentum is
-  *replaced* by what the exchange returns, and an exact average of signs is small wherever
-  the ranks disagree. In gradient units, as published, a 1-bit message gives every entry its tensor's RMS, and an entry with
-  a small second moment then moves by RMS over its small denominator: that way, without a
-  warm-up, the transformer's loss went from 9.0 to 87.6 at its second step;
+  alike). That second compression mattered in the pilots (an exact average of the ranks'
+  messages stalled; why is not established: one guess is that the momentum is *replaced*
+  by what the exchange returns, and an exact average of signs is small wherever the ranks
+  disagree). In gradient units, as published, a 1-bit message gives every entry its
+  tensor's RMS, and an entry with a small second moment then moves by RMS over its small
+  denominator: without a warm-up that diverged at once. The figures are in
+  benchmarks/results/explore-v5/README.md;
 - entries whose averaged second moment is exactly zero (a unit that never had a gradient)
   are not moved.
 
@@ -125,7 +125,7 @@ class Quantized8WarmupOneBitAdamFrontEnd(OneBitAdamFrontEnd):
 
     def frozen_denominator(self, v: torch.Tensor, eps: float) -> torch.Tensor:
         # Entries the sparse chunks never sent have v = 0, and 1-bit Adam would move them by
-        # the tensor's RMS over eps (at freeze 20 the loss went from 5.4 to 234149 in 5 steps).
+        # the tensor's RMS over eps (an early freeze diverged: benchmarks/results/explore-v5/README.md).
         return v.sqrt().add_(eps).masked_fill_(v == 0, float("inf"))
 
     def average_gradients(self) -> None:
@@ -141,10 +141,4 @@ class Quantized8WarmupOneBitAdamFrontEnd(OneBitAdamFrontEnd):
                 msg, bits = p.grad.clone(), 16 * p.numel()
             sent.append(msg.reshape(-1))
             self.wire_bits += bits
-        flat = torch.cat(sent)
-        self.dist.all_reduce(flat)
-        flat /= self.size
-        offset = 0
-        for p in self.params:
-            p.grad.copy_(flat[offset:offset + p.numel()].view_as(p))
-            offset += p.numel()
+        self.average_into_gradients(sent)

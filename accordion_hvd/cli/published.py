@@ -313,14 +313,18 @@ class OneBitAdamFrontEnd(DDPFrontEnd):
 
     def average_gradients(self) -> None:
         """A synchronous step's exchange: the gradients averaged (counted in 16 bits)."""
-        flat = torch.cat([p.grad.reshape(-1) for p in self.params])
+        self.average_into_gradients([p.grad.reshape(-1) for p in self.params])
+        self.wire_bits += 16 * self.numel
+
+    def average_into_gradients(self, sent: list[torch.Tensor]) -> None:
+        """Every parameter's gradient set to the ranks' mean of its flat message in ``sent``."""
+        flat = torch.cat(sent)
         self.dist.all_reduce(flat)
         flat /= self.size
         offset = 0
         for p in self.params:
             p.grad.copy_(flat[offset:offset + p.numel()].view_as(p))
             offset += p.numel()
-        self.wire_bits += 16 * self.numel
 
     def record(self) -> dict:
         return {"sync_interval": 1, "syncs": self.steps, "wire_bits": self.wire_bits}
