@@ -63,11 +63,11 @@ def check_sharding(params: list[tuple], mesh):
     return mesh
 
 
-def agree_start(params: list[tuple], shards: list[torch.Tensor], mesh, control) -> None:
+def agree_start(params: list[tuple], shards: list[torch.Tensor], mesh, control, who: str = "DiLoCo") -> None:
     """Every rank starts from the same parameters (under HSDP: every rank of a column from
     the same shard), or every rank refuses: a digest of them in this column's row of a
     table, reduced by max and by min on the control plane (a row's two equal only if every
-    rank of the column has the same digest)."""
+    rank of the column has the same digest). ``who`` names the refusing object."""
     digest = hashlib.sha256()
     for (name, _), local in zip(params, shards):
         digest.update(name.encode())
@@ -78,5 +78,5 @@ def agree_start(params: list[tuple], shards: list[torch.Tensor], mesh, control) 
     high = control.allreduce(high.reshape(-1), "acc.diloco.start.max", op="max")
     low = control.allreduce(low.reshape(-1), "acc.diloco.start.min", op="min")
     if not np.array_equal(high, low):
-        raise ValueError("DiLoCo: the model's parameters differ across ranks at the start; start every rank from "
-                         "the same model (seed it alike, or broadcast rank 0's parameters first)")
+        raise ValueError(f"{who}: the model's parameters differ across ranks at the start; start every rank from "
+                         f"the same model (seed it alike, or broadcast rank 0's parameters first)")

@@ -15,7 +15,8 @@ _C = _extension.load()  # registers torch.ops.accordion.*
 
 
 # Ops with a CPU kernel only so far: on CUDA their codec takes its torch-op path.
-_CPU_ONLY = frozenset({"quantize_chunks_ef_", "quantize_chunks_average", "quantize_chunks_settle_"})
+_CPU_ONLY = frozenset({"quantize_chunks_ef_", "quantize_chunks_average", "quantize_chunks_settle_", "sign_ef_",
+                       "sign_average"})
 
 
 def has_kernel(t: torch.Tensor, op: str | None = None) -> bool:
@@ -236,6 +237,31 @@ def quantize_payload_bytes(numel: int, bits: int, chunk: int) -> int:
     return 4 * -(-numel // chunk) + -(-numel * bits // 32) * 4
 
 
+def sign_ef_(x: torch.Tensor, residual: torch.Tensor, finite: torch.Tensor | None = None) -> torch.Tensor:
+    """Sign's encode, fused (csrc/cpu/sign.cpp): ``residual`` (flat float32) becomes ``g = x +
+    residual`` (not where ``finite`` is False), and this rank's payload is returned as uint8
+    bytes: the float32 scale ``sqrt(sum(g^2) / n)`` (NaN where ``finite`` is False), then one
+    bit per entry, set where ``g >= 0``, zero-padded to 4 bytes. ``reference.sign_ef``'s (the
+    scale to its last bit: the sum's order of addition is the kernel's)."""
+    _check_dense_pair("accordion::sign_ef_", x, residual)
+    return torch.ops.accordion.sign_ef_.default(x, residual, finite)
+
+
+def sign_average(rows: torch.Tensor, numel: int, dtype: torch.dtype) -> torch.Tensor:
+    """Sign's decode: the mean over the rows (one rank's payload each, as ``sign_ef_`` writes
+    it) of ``s * (+1 or -1)``, added in rank order in float32, in ``dtype``. Bit for bit
+    ``reference.sign_average``'s."""
+    if not isinstance(rows, torch.Tensor):
+        raise TypeError(f"accordion::sign_average: rows must be a torch.Tensor, got {type(rows).__name__}")
+    _check_int("accordion::sign_average", "numel", numel)
+    return torch.ops.accordion.sign_average.default(rows, numel, dtype)
+
+
+def sign_payload_bytes(numel: int) -> int:
+    """The bytes of one rank's Sign payload (csrc/ops.h ``sign_payload_bytes``)."""
+    return 4 + -(-numel // 32) * 4
+
+
 def quantize_chunks_ef_(grad: torch.Tensor, residual: torch.Tensor, bits: int, chunk: int, k: int, skip: float,
                         finite: torch.Tensor | None = None) -> torch.Tensor:
     """Quantize's encode with sparse chunks, fused (csrc/cpu/quantize_chunks.cpp): ``residual``
@@ -375,3 +401,13 @@ def _quantize_chunks_average_fake(rows, numel, k, bits, chunk, dtype):
 @torch.library.register_fake("accordion::quantize_chunks_settle_")
 def _quantize_chunks_settle_fake(residual, indices, q, scales, chunk, done):
     return None
+
+
+@torch.library.register_fake("accordion::sign_ef_")
+def _sign_ef_fake(x, residual, finite=None):
+    return residual.new_empty(sign_payload_bytes(residual.numel()), dtype=torch.uint8)
+
+
+@torch.library.register_fake("accordion::sign_average")
+def _sign_average_fake(rows, numel, dtype):
+    return rows.new_empty(numel, dtype=dtype)

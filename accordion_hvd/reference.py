@@ -192,3 +192,36 @@ def settle_sent(residual: torch.Tensor, dtype: torch.dtype, done: bool = True) -
         return residual.clone()
     return residual - residual.to(dtype).to(residual.dtype)
 
+
+
+def sign_ef(grad: torch.Tensor, residual: torch.Tensor, finite: bool = True):
+    """One step of Sign's encode (1 bit per entry with error feedback: codecs/sign.py), as
+    ``accordion::sign_ef_`` must compute it: ``g = grad + residual`` (flattened, float32; not
+    if ``finite`` is False: then g is the residual and the scale NaN). The payload, as uint8
+    bytes: the float32 scale ``s = sqrt(sum(g^2) / n)`` (the sum in float64: the kernel's
+    order of addition may differ, so the scale may differ in its last bit), then bit ``i`` of
+    byte ``j`` set where ``g[8j + i] >= 0`` (a +1; -1 where it is negative or NaN), the bytes
+    zero-padded to a multiple of 4. Returns ``(payload, g)``."""
+    g = residual.reshape(-1).float() + (grad.reshape(-1).float() if finite else 0)
+    n = g.numel()
+    scale = (g.double().square().sum() / n).sqrt().float() if n else torch.zeros((), dtype=torch.float32)
+    if not finite:
+        scale = torch.full((), float("nan"))
+    bits = torch.zeros(-(-n // 32) * 32, dtype=torch.uint8)
+    bits[:n] = (g >= 0).to(torch.uint8)
+    weights = torch.tensor([1 << i for i in range(8)], dtype=torch.uint8)
+    packed = (bits.view(-1, 8) * weights).sum(dim=1).to(torch.uint8)
+    return torch.cat([scale.reshape(1).view(torch.uint8), packed]), g
+
+
+def sign_average(rows: torch.Tensor, numel: int) -> torch.Tensor:
+    """What every rank gets from Sign's exchange: the mean over the rows (one rank's
+    ``sign_ef`` payload each) of ``s * (+1 or -1)``, added in rank order in float32, then
+    divided by the number of rows."""
+    total = torch.zeros(numel, dtype=torch.float32)
+    shifts = torch.arange(8, dtype=torch.uint8)
+    for row in rows:
+        scale = row[:4].view(torch.float32)
+        bits = ((row[4:].unsqueeze(1) >> shifts) & 1).reshape(-1)[:numel]
+        total += torch.where(bits.bool(), 1.0, -1.0) * scale
+    return total / torch.full((), rows.shape[0], dtype=torch.float32)

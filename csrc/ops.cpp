@@ -32,4 +32,6 @@ TORCH_LIBRARY(accordion, m) {
         "(Tensor mean, Tensor k_next)");
   m.def("quantize_chunks_settle_(Tensor(a!) residual, Tensor indices, Tensor q, Tensor scales, int chunk, "
         "Tensor done) -> ()");
+  m.def("sign_ef_(Tensor x, Tensor(a!) residual, Tensor? finite=None) -> Tensor");
+  m.def("sign_average(Tensor rows, int numel, ScalarType dtype) -> Tensor");
 }

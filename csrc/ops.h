@@ -459,4 +459,32 @@ inline void check_settle_sent_args(const at::Tensor& residual, at::ScalarType dt
   check_same_device(residual, done, op, "residual and done");
 }
 
+// sign_ef_ and sign_average: Sign's encode and decode (accordion_hvd/codecs/sign.py; the
+// plain-torch reference is reference.sign_ef / sign_average). One rank's payload for a layer
+// of n entries: one float32 scale, then n bits (bit i of byte j: entry 8j + i is >= 0),
+// zero-padded to a multiple of 4 bytes.
+inline int64_t sign_payload_bytes(int64_t numel) { return 4 + (numel + 31) / 32 * 4; }
+
+inline void check_sign_ef_args(const at::Tensor& x, const at::Tensor& residual,
+                               const std::optional<at::Tensor>& finite) {
+  constexpr const char* op = "accordion::sign_ef_";
+  check_ef_add_args(x, residual, op);
+  TORCH_CHECK(residual.scalar_type() == at::kFloat && residual.is_contiguous() && residual.dim() == 1, op,
+              ": residual must be a contiguous 1-d float32 tensor, got ", residual.scalar_type(), " ",
+              residual.sizes());
+  check_finite_flag(finite, x, op);
+}
+
+inline void check_sign_average_args(const at::Tensor& rows, int64_t numel, at::ScalarType dtype) {
+  constexpr const char* op = "accordion::sign_average";
+  TORCH_CHECK(numel >= 0, op, ": numel must be >= 0, got ", numel);
+  TORCH_CHECK(rows.layout() == at::kStrided && rows.scalar_type() == at::kByte && rows.dim() == 2 &&
+              rows.stride(1) == 1, op, ": rows must be a 2-d uint8 tensor (ranks x payload bytes) whose rows are "
+              "contiguous, got ", rows.scalar_type(), " ", rows.sizes(), " with strides ", rows.strides());
+  TORCH_CHECK(rows.size(0) >= 1, op, ": rows must hold at least one rank's payload");
+  TORCH_CHECK(rows.size(1) == sign_payload_bytes(numel), op, ": each row must be a payload of ",
+              sign_payload_bytes(numel), " bytes for ", numel, " entries, got ", rows.size(1));
+  TORCH_CHECK(at::isFloatingType(dtype), op, ": dtype must be a floating-point type, got ", dtype);
+}
+
 }  // namespace accordion

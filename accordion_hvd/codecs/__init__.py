@@ -9,6 +9,7 @@ the engine asks of every codec.
 from .base import Codec, check_codec
 from .powersgd import PowerSGD
 from .quantize import Quantize
+from .sign import Sign
 from .topk import TopK
 
 
@@ -25,4 +26,4 @@ def default_codec() -> Quantize:
     return Quantize(8, skip_energy=0.05)
 
 
-__all__ = ["Codec", "PowerSGD", "Quantize", "TopK", "check_codec", "default_codec"]
+__all__ = ["Codec", "PowerSGD", "Quantize", "Sign", "TopK", "check_codec", "default_codec"]

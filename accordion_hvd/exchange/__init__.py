@@ -5,7 +5,8 @@
 * ``powersgd``: PowerSGD's P and Q rounds per bucket, pipelined with backward;
 * ``topk``: TopK's packed allgather of values and indices per bucket (and a per-step
   policy's choice, such as GraVAC's);
-* ``quantize``: Quantize's allgather of scales and integers per bucket.
+* ``quantize``: Quantize's allgather of scales and integers per bucket;
+* ``sign``: Sign's, the same allgather of a scale and bits per layer.
 
 Each codec's exchange is an ``Exchange`` (base.py: the written contract, the shared
 constructor and the optional parts' defaults), which the step engine (engine/engine.py) drives
@@ -21,7 +22,8 @@ from .base import Exchange
 from .registry import exchange_for, make_exchange, register
 from .powersgd import PowerSGDExchange  # noqa: E402 - each registers itself with its codec
 from .quantize import QuantizeExchange  # noqa: E402
+from .sign import SignExchange  # noqa: E402
 from .topk import TopKExchange  # noqa: E402
 
-__all__ = ["BUCKET_BYTES", "Exchange", "FIRST_BUCKET_BYTES", "PowerSGDExchange", "QuantizeExchange", "Round1", "TopKExchange", "agree_layout",
+__all__ = ["BUCKET_BYTES", "Exchange", "FIRST_BUCKET_BYTES", "PowerSGDExchange", "QuantizeExchange", "Round1", "SignExchange", "TopKExchange", "agree_layout",
            "arrived", "bytes_of", "exchange_for", "lane", "make_exchange", "plan_buckets", "register", "split_bytes"]

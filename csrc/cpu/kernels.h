@@ -55,4 +55,10 @@ at::Tensor quantize_chunks_average_cpu(const at::Tensor& rows, int64_t numel, in
 void quantize_chunks_settle_cpu(const at::Tensor& residual, const at::Tensor& indices, const at::Tensor& q,
                                 const at::Tensor& scales, int64_t chunk);
 
+// Sign (cpu/sign.cpp): e += x (unless !add) and this rank's payload written (see ops.h
+// sign_payload_bytes), its scale NaN when !add; and the mean over the rows' payloads, decoded,
+// in float32.
+void sign_ef_cpu(const at::Tensor& x, const at::Tensor& residual, bool add, at::Tensor& payload);
+at::Tensor sign_average_cpu(const at::Tensor& rows, int64_t numel);
+
 }  // namespace accordion

@@ -206,6 +206,20 @@ void quantize_chunks_settle_(const at::Tensor& residual, const at::Tensor& indic
   if (done.item<bool>()) quantize_chunks_settle_cpu(residual, indices, q, scales, chunk);
 }
 
+at::Tensor sign_ef_(const at::Tensor& x, const at::Tensor& residual, const std::optional<at::Tensor>& finite) {
+  check_sign_ef_args(x, residual, finite);
+  at::Tensor payload = at::empty({sign_payload_bytes(residual.numel())}, residual.options().dtype(at::kByte));
+  const bool add = !finite || finite->item<bool>();
+  sign_ef_cpu(x.contiguous(), residual, add, payload);
+  return payload;
+}
+
+at::Tensor sign_average(const at::Tensor& rows, int64_t numel, at::ScalarType dtype) {
+  check_sign_average_args(rows, numel, dtype);
+  at::Tensor mean = sign_average_cpu(rows, numel);
+  return dtype == at::kFloat ? mean : mean.to(dtype);
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(accordion, CPU, m) {
@@ -228,6 +242,8 @@ TORCH_LIBRARY_IMPL(accordion, CPU, m) {
   m.impl("quantize_chunks_ef_", &quantize_chunks_ef_);
   m.impl("quantize_chunks_average", &quantize_chunks_average);
   m.impl("quantize_chunks_settle_", &quantize_chunks_settle_);
+  m.impl("sign_ef_", &sign_ef_);
+  m.impl("sign_average", &sign_average);
 }
 
 }  // namespace accordion
