@@ -95,11 +95,11 @@ from .comm.channel import collective_timeout
 from .buffered_step import BufferedStep
 from .comm.control import new_control_plane
 from .comm.mesh import column_channel, node_channel
-from .comm.process_group import new_channel
 from .compressor import Compressor
 from . import diloco_state
 from .diloco_checks import agree_start, check_arguments, check_sharding
 from .diloco_window import WindowStatistic
+from .job import bind_to_job
 from .policies import SyncInterval
 
 log = logging.getLogger("accordion_hvd.diloco")
@@ -190,31 +190,20 @@ class DiLoCo:
         self.window = None if self.policy is None else WindowStatistic(inner_optimizer)
 
     def _bind(self, model, optimizer, timeout: float) -> int:
-        """The compressor bound to the job's planes; returns the number of ranks. Under
-        torchrun new process groups of every rank (made in the same order on every rank),
-        as the DDP front end's; under horovodrun the compressor's default planes over
-        Horovod's world (comm/planes.py), as under ``hvd.DistributedOptimizer``."""
+        """The compressor bound to the job's planes; returns the number of ranks (job.py;
+        under HSDP the data plane is this rank's column)."""
         import torch.distributed as dist
 
-        if dist.is_available() and dist.is_initialized():
-            ranks = list(range(dist.get_world_size()))
-            if self.mesh is None:
-                channel = new_channel(ranks, timeout, dist.get_backend(), lanes=("q", "dense"))
-            else:  # HSDP: the data plane is this rank's column
-                channel = column_channel(self.mesh, timeout, lanes=("q", "dense"))
-                self.node_faults = node_channel(self.mesh, timeout)
-            self.compressor.bind(model, channel=channel, control=new_control_plane(ranks, timeout),
-                                 optimizer=optimizer, speaks=dist.get_rank() == 0)
-            return len(ranks)
-        if self.mesh is not None:
+        if self.mesh is None:
+            return bind_to_job(self.compressor, model, optimizer, self.params[0][1].device.type, timeout, "DiLoCo")
+        if not (dist.is_available() and dist.is_initialized()):
             raise RuntimeError("DiLoCo with mesh= (HSDP) needs torch.distributed initialized (torchrun)")
-        size = _horovod_size()
-        if size is None:
-            raise RuntimeError("DiLoCo needs torch.distributed initialized (dist.init_process_group, under torchrun) "
-                               "or Horovod (hvd.init(), under horovodrun)")
-        self.compressor.engine.planes.device_type = self.params[0][1].device.type  # picks the default data plane
-        self.compressor.bind(model, channel=None, control=None, optimizer=optimizer)
-        return size
+        ranks = list(range(dist.get_world_size()))
+        channel = column_channel(self.mesh, timeout, lanes=("q", "dense"))
+        self.node_faults = node_channel(self.mesh, timeout)
+        self.compressor.bind(model, channel=channel, control=new_control_plane(ranks, timeout),
+                             optimizer=optimizer, speaks=dist.get_rank() == 0)
+        return len(ranks)
 
     def step(self) -> bool:
         """Count one inner step; when a round is due, run it. Returns whether one ran. Call it
@@ -374,15 +363,6 @@ def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
     """This rank's part of ``tensor``: its local shard if it is a DTensor (FSDP2), else itself.
     Writes into it land in the parameter."""
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
-
-
-def _horovod_size() -> int | None:
-    """Horovod's world size, if Horovod is initialized in this process."""
-    try:
-        import horovod.torch as hvd
-    except ImportError:
-        return None
-    return hvd.size() if hvd.is_initialized() else None
 
 
 __all__ = ["DiLoCo"]

@@ -61,8 +61,7 @@ def topk_ef(grad: torch.Tensor, residual: torch.Tensor, k: int, finite: torch.Te
     ``residual`` (float32, contiguous) becomes ``grad + residual`` with the kept entries
     zeroed. Returns ``(values, indices, g_sq, kept_sq)``: the k kept entries of largest
     magnitude (ties to the lower index) as float32 values and int32 indices, ascending by
-    index, and the float64 squared norms of
-    ``grad + residual`` and of its kept part, all on the device. With ``finite`` (as in
+    index, and the float64 squared norms of ``grad + residual`` and of its kept part, all on the device. With ``finite`` (as in
     ``ef_add_``) a gradient flagged False is not added: the selection is from the residual.
     """
     _check_dense_pair("accordion::topk_ef", grad, residual)
@@ -91,8 +90,7 @@ def restore_many_if_(residuals: list[torch.Tensor], payload: torch.Tensor, ks: l
     """Undo ``topk_ef_many`` layer by layer where ``flags`` (1-d bool, one per layer, on the
     payload's device) is True: the layer's kept entries go back into its residual. Decided
     on the device (the CPU reads the flags; CUDA masks)."""
-    if not isinstance(flags, torch.Tensor):
-        raise TypeError(f"accordion::restore_many_if_: flags must be a torch.Tensor, got {type(flags).__name__}")
+    _check_tensor("accordion::restore_many_if_", "flags", flags)
     residuals = list(residuals)
     if residuals:
         torch.ops.accordion.restore_many_if_.default(residuals, payload, [int(k) for k in ks], flags)
@@ -154,8 +152,7 @@ def powersgd_settle_many_(residuals: list[torch.Tensor], ps: list[torch.Tensor],
     """Per layer ``e -= P Q^T`` if ``flag`` (0-d bool on their device) is True (the step went
     through), decided on the device: the CPU reads the flag, the CUDA kernel returns at once
     when it is False."""
-    if not isinstance(flag, torch.Tensor):
-        raise TypeError(f"accordion::powersgd_settle_many_: flag must be a torch.Tensor, got {type(flag).__name__}")
+    _check_tensor("accordion::powersgd_settle_many_", "flag", flag)
     residuals = list(residuals)
     if residuals:
         torch.ops.accordion.powersgd_settle_many_.default(residuals, list(ps), list(qts), flag)
@@ -174,8 +171,7 @@ def fill_if_(tensors: list[torch.Tensor], flag: torch.Tensor, value: float = 0.0
     device) is True, decided on the device: the CPU kernel reads the flag and touches nothing
     when it is False; the CUDA one masks, so the host never waits for the flag."""
     tensors = list(tensors)
-    if not isinstance(flag, torch.Tensor):
-        raise TypeError(f"accordion::fill_if_: flag must be a torch.Tensor, got {type(flag).__name__}")
+    _check_tensor("accordion::fill_if_", "flag", flag)
     if tensors:  # the dispatcher picks the kernel from the tensors
         torch.ops.accordion.fill_if_.default(tensors, flag, value)
 
@@ -194,8 +190,7 @@ def settle_sent_(residual: torch.Tensor, dtype: torch.dtype, done: torch.Tensor)
     """After ``flush_whole``'s step, in one pass: if ``done`` (0-d bool on the residual's
     device), ``residual`` keeps only what ``dtype`` rounded away; if the step was skipped,
     all of it (see ``reference.settle_sent``). CPU reads the flag; CUDA's kernel does."""
-    if not isinstance(done, torch.Tensor):
-        raise TypeError(f"accordion::settle_sent_: done must be a torch.Tensor, got {type(done).__name__}")
+    _check_tensor("accordion::settle_sent_", "done", done)
     torch.ops.accordion.settle_sent_.default(residual, dtype, done)
 
 
@@ -203,8 +198,7 @@ def restore_if_(residual: torch.Tensor, indices: torch.Tensor, values: torch.Ten
     """``residual[indices] = values`` if ``flag`` (a 0-d bool tensor on their device) is True,
     decided on the device: the CPU kernel reads the flag and touches nothing when it is
     False; the CUDA one writes the entries either way (values, or what they held)."""
-    if not isinstance(flag, torch.Tensor):
-        raise TypeError(f"accordion::restore_if_: flag must be a torch.Tensor, got {type(flag).__name__}")
+    _check_tensor("accordion::restore_if_", "flag", flag)
     torch.ops.accordion.restore_if_.default(residual, indices, values, flag)
 
 
@@ -225,8 +219,7 @@ def quantize_average(rows: torch.Tensor, numel: int, bits: int, chunk: int, dtyp
     """Quantize's decode: the mean over the rows (one rank's payload each, as ``quantize_ef_``
     writes it) of ``q * s``, summed in rank order in float32, in ``dtype``. Bit for bit
     ``reference.quantized_average``'s."""
-    if not isinstance(rows, torch.Tensor):
-        raise TypeError(f"accordion::quantize_average: rows must be a torch.Tensor, got {type(rows).__name__}")
+    _check_tensor("accordion::quantize_average", "rows", rows)
     for name, value in (("numel", numel), ("bits", bits), ("chunk", chunk)):
         _check_int("accordion::quantize_average", name, value)
     return torch.ops.accordion.quantize_average.default(rows, numel, bits, chunk, dtype)
@@ -239,27 +232,17 @@ def quantize_payload_bytes(numel: int, bits: int, chunk: int) -> int:
 
 def sign_ef_(x: torch.Tensor, residual: torch.Tensor, finite: torch.Tensor | None = None) -> torch.Tensor:
     """Sign's encode, fused (csrc/cpu/sign.cpp): ``residual`` (flat float32) becomes ``g = x +
-    residual`` (not where ``finite`` is False), and this rank's payload is returned as uint8
-    bytes: the float32 scale ``sqrt(sum(g^2) / n)`` (NaN where ``finite`` is False), then one
-    bit per entry, set where ``g >= 0``, zero-padded to 4 bytes. ``reference.sign_ef``'s (the
-    scale to its last bit: the sum's order of addition is the kernel's)."""
+    residual`` (not where ``finite`` is False); returns the payload (csrc/ops.h
+    ``sign_payload_bytes``) as ``reference.sign_ef`` writes it (the scale to its last bit)."""
     _check_dense_pair("accordion::sign_ef_", x, residual)
     return torch.ops.accordion.sign_ef_.default(x, residual, finite)
 
 
 def sign_average(rows: torch.Tensor, numel: int, dtype: torch.dtype) -> torch.Tensor:
-    """Sign's decode: the mean over the rows (one rank's payload each, as ``sign_ef_`` writes
-    it) of ``s * (+1 or -1)``, added in rank order in float32, in ``dtype``. Bit for bit
-    ``reference.sign_average``'s."""
-    if not isinstance(rows, torch.Tensor):
-        raise TypeError(f"accordion::sign_average: rows must be a torch.Tensor, got {type(rows).__name__}")
+    """Sign's decode: the mean of the rows' payloads, bit for bit ``reference.sign_average``'s, in ``dtype``."""
+    _check_tensor("accordion::sign_average", "rows", rows)
     _check_int("accordion::sign_average", "numel", numel)
     return torch.ops.accordion.sign_average.default(rows, numel, dtype)
-
-
-def sign_payload_bytes(numel: int) -> int:
-    """The bytes of one rank's Sign payload (csrc/ops.h ``sign_payload_bytes``)."""
-    return 4 + -(-numel // 32) * 4
 
 
 def quantize_chunks_ef_(grad: torch.Tensor, residual: torch.Tensor, bits: int, chunk: int, k: int, skip: float,
@@ -286,8 +269,7 @@ def quantize_chunks_average(rows: torch.Tensor, numel: int, k: int, bits: int, c
     the largest ``k_next`` of any row (1 at least, every chunk at most), a 0-d int64 tensor.
     Bit for bit ``reference.quantized_chunks_average``'s."""
     op = "accordion::quantize_chunks_average"
-    if not isinstance(rows, torch.Tensor):
-        raise TypeError(f"{op}: rows must be a torch.Tensor, got {type(rows).__name__}")
+    _check_tensor(op, "rows", rows)
     for name, value in (("numel", numel), ("k", k), ("bits", bits), ("chunk", chunk)):
         _check_int(op, name, value)
     return torch.ops.accordion.quantize_chunks_average.default(rows, numel, k, bits, chunk, dtype)
@@ -300,6 +282,11 @@ def quantize_chunks_settle_(residual: torch.Tensor, indices: torch.Tensor, q: to
     keep all of g."""
     _check_int("accordion::quantize_chunks_settle_", "chunk", chunk)
     torch.ops.accordion.quantize_chunks_settle_.default(residual, indices, q, scales, chunk, done)
+
+
+def _check_tensor(op: str, name: str, value) -> None:
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"{op}: {name} must be a torch.Tensor, got {type(value).__name__}")
 
 
 def _check_int(op: str, name: str, value) -> None:
@@ -405,7 +392,7 @@ def _quantize_chunks_settle_fake(residual, indices, q, scales, chunk, done):
 
 @torch.library.register_fake("accordion::sign_ef_")
 def _sign_ef_fake(x, residual, finite=None):
-    return residual.new_empty(sign_payload_bytes(residual.numel()), dtype=torch.uint8)
+    return residual.new_empty(4 + -(-residual.numel() // 32) * 4, dtype=torch.uint8)  # csrc/ops.h sign_payload_bytes
 
 
 @torch.library.register_fake("accordion::sign_average")

@@ -22,6 +22,8 @@ DOCUMENTED = {  # heading in docs/api.md -> the object whose signature its argum
     "acc.PowerSGD": acc.PowerSGD,
     "acc.TopK": acc.TopK,
     "acc.Quantize": acc.Quantize,
+    "acc.Sign": acc.Sign,
+    "acc.OneBitAdam": acc.OneBitAdam,
     "acc.register_ddp_hook": acc.register_ddp_hook,
     "acc.compress_hsdp": acc.compress_hsdp,
     "acc.policies.Accordion": acc.policies.Accordion,

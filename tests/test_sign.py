@@ -33,7 +33,7 @@ def test_sign_ef_is_the_reference(numel, dtype):
     want, want_g = reference.sign_ef(x, residual.clone())
     e = residual.clone()
     payload = ops.sign_ef_(x, e, TRUE)
-    assert payload.dtype == torch.uint8 and payload.numel() == ops.sign_payload_bytes(numel) == want.numel()
+    assert payload.dtype == torch.uint8 and payload.numel() == acc.Sign.payload_bytes(numel) == want.numel()
     assert torch.equal(e, want_g)  # g = x + e, kept until the step settles
     assert torch.equal(payload[4:], want[4:])  # every bit, and the padding zero
     torch.testing.assert_close(scale_of(payload), scale_of(want), rtol=1e-6, atol=0)  # (its order of addition)

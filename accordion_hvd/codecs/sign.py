@@ -83,8 +83,8 @@ class Sign(Codec):
     @staticmethod
     def payload_bytes(numel: int) -> int:
         """One rank's payload for a layer: its float32 scale, then one bit per entry, padded to
-        a multiple of 4 bytes (``ops.sign_payload_bytes``, the layout the kernels write)."""
-        return ops.sign_payload_bytes(numel)
+        a multiple of 4 bytes (csrc/ops.h ``sign_payload_bytes``, the layout the kernels write)."""
+        return 4 + -(-numel // 32) * 4
 
     def floats_sent(self, state: SignState) -> int:
         """In float32 equivalents (the payload's bytes over 4)."""

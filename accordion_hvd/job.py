@@ -1,0 +1,43 @@
+"""A compressor bound to the whole job's ranks: shared by the front ends that own their
+exchange (``acc.DiLoCo`` without a mesh, ``acc.OneBitAdam``).
+
+Under torchrun: new process groups of every rank (made in the same order on every rank, as
+the DDP front end's): one for the data with the default group's backend and ``lanes``, and a
+Gloo one for control. Under horovodrun: the compressor's default planes over Horovod's world
+(comm/planes.py), as under ``hvd.DistributedOptimizer``.
+"""
+
+from __future__ import annotations
+
+from .comm.control import new_control_plane
+from .comm.process_group import new_channel
+
+
+def bind_to_job(compressor, owner, optimizer, device_type: str, timeout: float, who: str,
+                lanes: tuple[str, ...] = ("q", "dense")) -> int:
+    """Bind ``compressor`` to ``owner`` over every rank of the job; returns the number of
+    ranks. ``who`` names the front end in the error when no job is running."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        ranks = list(range(dist.get_world_size()))
+        channel = new_channel(ranks, timeout, dist.get_backend(), lanes=lanes)
+        compressor.bind(owner, channel=channel, control=new_control_plane(ranks, timeout), optimizer=optimizer,
+                        speaks=dist.get_rank() == 0)
+        return len(ranks)
+    size = horovod_size()
+    if size is None:
+        raise RuntimeError(f"{who} needs torch.distributed initialized (dist.init_process_group, under torchrun) "
+                           f"or Horovod (hvd.init(), under horovodrun)")
+    compressor.engine.planes.device_type = device_type  # picks the default data plane
+    compressor.bind(owner, channel=None, control=None, optimizer=optimizer)
+    return size
+
+
+def horovod_size() -> int | None:
+    """Horovod's world size, if Horovod is initialized in this process."""
+    try:
+        import horovod.torch as hvd
+    except ImportError:
+        return None
+    return hvd.size() if hvd.is_initialized() else None
