@@ -26,6 +26,15 @@
    the warm-up's sparse chunks) are not moved: 1-bit Adam would move them by the layer's
    RMS over ``eps``.
 
+**The update clipped** (``max_update``, 1 by default: our change to 1-bit Adam). Adam's own
+step of an entry, ``m / sqrt(v)``, rarely exceeds 1 (in units of the learning rate), because
+``v`` grows with the gradients that make ``m``. Frozen, ``v`` cannot grow, and a 1-bit message
+gives every entry of a layer the layer's RMS: an entry whose frozen ``v`` is small (a unit
+that was quiet during the warm-up, a row the sparse chunks rarely sent) then steps by that
+RMS over its small ``sqrt(v)``, and a short warm-up diverged within a few steps. Clipping each
+entry's update to ``max_update`` restores Adam's trust region; where the freeze was safe it
+rarely binds. (docs/api.md gives the runs.)
+
 The learning rate, betas, eps and weight decay are read from the optimizer's param groups
 at every step (a learning-rate scheduler on it works as usual). ``torch.optim.Adam`` with
 weight decay adds it to the gradient (L2), as Adam does; AdamW decouples it.
@@ -68,12 +77,14 @@ class OneBitAdam:
         freeze_step: warm-up steps before the second moment freezes (a positive integer).
         warmup: the compressor of the warm-up's gradients (module doc); not bound elsewhere.
         compressor: the compressor of the frozen stage's momentum (module doc).
+        max_update: the frozen stage's update of an entry, ``m / (sqrt(v) + eps)``, clipped to
+            this (in units of the learning rate; None: not clipped) (module doc).
         timeout: seconds a collective may take; default $ACCORDION_COLLECTIVE_TIMEOUT, else 300.
     """
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, freeze_step: int,
                  warmup: Compressor | None = None, compressor: Compressor | None = None,
-                 timeout: float | None = None) -> None:
+                 max_update: float | None = 1.0, timeout: float | None = None) -> None:
         from torch.nn.parallel import DistributedDataParallel
 
         if isinstance(model, DistributedDataParallel):
@@ -104,9 +115,14 @@ class OneBitAdam:
         if self.warmup is self.compressor:
             raise ValueError("warmup and compressor must be two compressors: each keeps its own error feedback")
         self.optimizer, self.freeze_step = optimizer, int(freeze_step)
+        if max_update is not None and (isinstance(max_update, bool) or not isinstance(max_update, numbers.Real)
+                                       or not max_update > 0):
+            raise ValueError(f"max_update must be a positive number or None, got {max_update!r}")
+        self.max_update = None if max_update is None else float(max_update)
         self.group_of = {id(p): group for group in optimizer.param_groups for p in group["params"]}
         # compared across ranks with the compressor's settings, at the first step
-        self.warmup.engine.front_end = {"onebit_adam_freeze_step": self.freeze_step}
+        self.warmup.engine.front_end = {"onebit_adam_freeze_step": self.freeze_step,
+                                        "onebit_adam_max_update": self.max_update}
         timeout = collective_timeout(timeout)
         device_type = self.params[0][1].device.type
         self.size = bind_to_job(self.warmup, model, optimizer, device_type, timeout, "OneBitAdam")
@@ -188,13 +204,15 @@ class OneBitAdam:
         results, _ = self.round.finish()
         if self.compressor.step_skipped:
             return self._skipped()
-        for m, average in results:
-            m.copy_(average.view_as(m))
-        for (_, p), m, denom in zip(self.params, self.momentum, self.denom):
+        for (_, p), (m, average), denom in zip(self.params, results, self.denom):
             group = self.group_of[id(p)]
+            m.copy_(average.view_as(m))
+            update = m / denom
+            if self.max_update is not None:  # Adam's own bound (module doc)
+                update.clamp_(-self.max_update, self.max_update)
             if group["weight_decay"] and self._decoupled(group):
                 p.mul_(1 - group["lr"] * group["weight_decay"])
-            p.add_((m / denom).to(p.dtype), alpha=-group["lr"])
+            p.add_(update.to(p.dtype), alpha=-group["lr"])
         return True
 
     def _decoupled(self, group: dict) -> bool:

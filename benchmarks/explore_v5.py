@@ -71,6 +71,16 @@ PILOTS = {  # name -> (why it runs, CLI flags)
                             "on this model) instead of 16 bits: the warm-up was 1.5 of its 2.6 bits/param/step; "
                             "onebit-sharedv-64 (no warm-up, the second moment shared from local ones) ended 28.24",
                             ["--codec", "none", "--sync", "onebit-adam", "--freeze-step", "134", "--warmup-bits", "8"]),
+    "ours-onebit-f134": ("acc.OneBitAdam as the library runs it (--sync ours-onebit-adam: the 8-bit sparse-chunk "
+                         "warm-up through our compressor, then acc.Sign with its kernels, the frozen stage's update "
+                         "clipped at one learning rate per entry): does it reproduce onebit-adam-q8-f134 (27.23), and "
+                         "does the clip cost quality where the freeze was safe? (On the digits CNN a freeze at step 10 "
+                         "of 44 diverged without the clip and reached 0.958 with it, AdamW 0.953.)",
+                         ["--codec", "none", "--sync", "ours-onebit-adam", "--freeze-step", "134"]),
+    "ours-onebit-f34": ("the same with a quarter of the warm-up (34 steps, 2.5%): unclipped, f34 after a 16-bit "
+                        "warm-up ended 30.00 and a freeze at 20 after an 8-bit one diverged; if the clip keeps "
+                        "quality, the warm-up's cost falls about 4x (about 1.2 bits/param/step in all)",
+                        ["--codec", "none", "--sync", "ours-onebit-adam", "--freeze-step", "34"]),
     "ours-topk3-h1": ("our own path for the same idea: acc.DiLoCo with our TopK codec (3%, float32 values, error "
                       "feedback without decay), plain averaging every step: does SparseLoCo's decay and 2-bit add "
                       "or cost quality against ours?",

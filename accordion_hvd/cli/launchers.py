@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from .frontends import DDPFrontEnd, FSDPFrontEnd, HorovodFrontEnd
 from .options import diloco_options
+from .onebit import OursOneBitAdamFrontEnd
 from .onebit_shared import Quantized8WarmupOneBitAdamFrontEnd, SharedVarianceOneBitAdamFrontEnd
 from .published import OneBitAdamFrontEnd, PseudoGradientFrontEnd
 from .periodic import DiLoCoFrontEnd, HSDPDiLoCoFrontEnd, TorchLocalSGDFrontEnd
@@ -23,6 +24,8 @@ def make_front_end(args, device_type: str, ours: bool = False):
             return SharedVarianceOneBitAdamFrontEnd(device_type, args.variance_every)
         if args.sync == "onebit-adam" and args.warmup_bits == 8:
             return Quantized8WarmupOneBitAdamFrontEnd(device_type, args.freeze_step)
+        if args.sync == "ours-onebit-adam":
+            return OursOneBitAdamFrontEnd(device_type, args.freeze_step)
         if args.sync == "onebit-adam":
             return OneBitAdamFrontEnd(device_type, args.freeze_step)
         if args.sync in ("sparseloco", "signloco"):

@@ -91,7 +91,7 @@ PERIODIC_FLAGS = {"sync_every": (None, "diloco or torch-localsgd or sparseloco o
                   "sync_ladder": (None, "diloco"), "sync_budget": (None, "diloco"), "plain_below": (None, "diloco"),
                   "localsgd_warmup": (100, "torch-localsgd"), "topk_density": (0.03125, "sparseloco"),
                   "topk_chunk": (4096, "sparseloco"), "value_bits": (2, "sparseloco"),
-                  "ef_decay": (None, "sparseloco or signloco"), "freeze_step": (None, "onebit-adam"),
+                  "ef_decay": (None, "sparseloco or signloco"), "freeze_step": (None, "onebit-adam or ours-onebit-adam"),
                   "variance_every": (None, "onebit-adam"), "warmup_bits": (16, "onebit-adam")}
 
 def _check_sync(p, args) -> None:
@@ -116,7 +116,7 @@ def _check_sync(p, args) -> None:
         if args.localsgd_warmup < 0:
             p.error(f"--localsgd-warmup must be at least 0, got {args.localsgd_warmup}")
         return
-    if args.sync in ("sparseloco", "signloco", "onebit-adam"):
+    if args.sync in ("sparseloco", "signloco", "onebit-adam", "ours-onebit-adam"):
         check_published(p, args, PERIODIC_FLAGS)
         return
     if args.codec not in (*OURS, "default", "none"):
@@ -197,7 +197,8 @@ def parse_args(argv=None, description: str | None = None) -> argparse.Namespace:
                    help="how often the ranks meet (--launcher ddp, under torchrun): every step, or periodically: "
                         "diloco (acc.DiLoCo with our compression; with --codec none DiLoCo as published, float32; "
                         "ours also under --launcher fsdp: FSDP2 inside each node every step, the rounds across the "
-                        "nodes) or torch-localsgd (PyTorch's PostLocalSGDOptimizer, --codec none)")
+                        "nodes) or torch-localsgd (PyTorch's PostLocalSGDOptimizer, --codec none); ours-onebit-adam "
+                        "(acc.OneBitAdam, every step); sparseloco, signloco, onebit-adam (published, in plain torch)")
     p.add_argument("--sync-every", type=_interval, default=None,
                    help="--sync diloco: inner steps per round, or auto (our interval policy, acc.SyncInterval); "
                         "--sync torch-localsgd: PeriodicModelAverager's period (default: auto for diloco, 4 for "

@@ -38,7 +38,7 @@ from .frontends import DDPFrontEnd, FSDPFrontEnd
 
 log = logging.getLogger("accordion_hvd.train")
 
-SYNCS = ("every-step", "diloco", "torch-localsgd", "sparseloco", "signloco", "onebit-adam")
+SYNCS = ("every-step", "diloco", "torch-localsgd", "sparseloco", "signloco", "onebit-adam", "ours-onebit-adam")
 
 
 class DiLoCoFrontEnd(DDPFrontEnd):

@@ -46,9 +46,17 @@ PUBLISHED_DEFAULTS = {"sparseloco": {"outer_lr": 1.0, "ef_decay": 0.95, "sync_ev
 
 
 def check_published(p, args, flags: dict) -> None:
-    """--sync sparseloco / signloco / onebit-adam (published.py): plain torch, no codec of ours."""
+    """--sync sparseloco / signloco / onebit-adam (published.py): plain torch, no codec of ours;
+    --sync ours-onebit-adam (onebit.py): acc.OneBitAdam, with codecs of its own."""
     if args.codec != "none":
-        p.error(f"--sync {args.sync} is the published method in plain torch: --codec none, got --codec {args.codec}")
+        what = "acc.OneBitAdam, with codecs of its own" if args.sync == "ours-onebit-adam" else \
+            "the published method in plain torch"
+        p.error(f"--sync {args.sync} is {what}: --codec none, got --codec {args.codec}")
+    if args.sync == "ours-onebit-adam":
+        if args.optimizer != "adamw" or args.freeze_step is None or args.freeze_step < 1:
+            p.error(f"--sync ours-onebit-adam is acc.OneBitAdam: --optimizer adamw and --freeze-step N (N >= 1), got "
+                    f"--optimizer {args.optimizer} --freeze-step {args.freeze_step}")
+        return
     if args.sync == "onebit-adam":
         if args.optimizer != "adamw":
             p.error(f"--sync onebit-adam is 1-bit Adam: --optimizer adamw, got --optimizer {args.optimizer}")
@@ -82,7 +90,7 @@ def add_published_flags(p) -> None:
                    help="--sync sparseloco / signloco: the error-feedback buffer's decay per round (default: 0.95 for "
                         "sparseloco, 1 for signloco)")
     p.add_argument("--freeze-step", type=int, default=None,
-                   help="--sync onebit-adam: synchronous AdamW steps before the second moment freezes")
+                   help="--sync onebit-adam / ours-onebit-adam: warm-up steps before the second moment freezes")
     p.add_argument("--warmup-bits", type=int, choices=(8, 16), default=16,
                    help="--sync onebit-adam --freeze-step N, issue 80's pilot variant (onebit_shared.py): 8 sends the "
                         "warm-up's gradients as the per-step default's 8-bit sparse chunks, with error feedback")

@@ -6,7 +6,8 @@ MODE "reference": the warm-up through a lossless compressor (TopK keeping every 
 its steps are AdamW's on the mean gradient; then the frozen stage with Sign on both weight
 matrices: every rank's parameters after every step equal a plain-torch 1-bit Adam's (the
 gradients averaged with the job's own sums; the 1-bit messages and both error feedbacks from
-reference.sign_ef / sign_average), and equal across ranks. AdamW and Adam with L2 decay.
+reference.sign_ef / sign_average; the update clipped at max_update), and equal across ranks.
+AdamW unclipped and clipped at 0.3 (where the clip binds), Adam with L2 decay at the default 1.
 MODE "default": the defaults (8-bit sparse-chunk warm-up, Sign after it): the ranks agree after
 every step, the loss falls, and the bits per parameter per step are what the codecs send.
 MODE "resume": a state_dict taken before the freeze and one after, each loaded into a fresh
@@ -72,7 +73,7 @@ def mean_(tensor):
     return tensor
 
 
-def reference_run(make_opt, decoupled):
+def reference_run(make_opt, decoupled, max_update):
     """Plain 1-bit Adam: the parameters after every step."""
     model = make_model()
     opt = make_opt(model)
@@ -110,16 +111,19 @@ def reference_run(make_opt, decoupled):
                     else:
                         momentum[k] = mean_(x.clone())
                 for k, p in enumerate(params):
+                    update = momentum[k] / denom[k]
+                    if max_update is not None:
+                        update = update.clamp(-max_update, max_update)
                     if decoupled:
                         p.mul_(1 - LR * WD)
-                    p.add_(momentum[k] / denom[k], alpha=-LR)
+                    p.add_(update, alpha=-LR)
         after.append(flat(model).clone())
     return after
 
 
-def ours(make_opt, warmup=None, compressor=None, poison=None):
+def ours(make_opt, warmup=None, compressor=None, poison=None, **kwargs):
     model = make_model()
-    opt = acc.OneBitAdam(model, make_opt(model), freeze_step=FREEZE, warmup=warmup, compressor=compressor)
+    opt = acc.OneBitAdam(model, make_opt(model), freeze_step=FREEZE, warmup=warmup, compressor=compressor, **kwargs)
     after, losses, took = [], [], []
     for i in range(STEPS):
         losses.append(backward(model, i))
@@ -134,15 +138,20 @@ adamw = lambda model: torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=
 adam_l2 = lambda model: torch.optim.Adam(model.parameters(), lr=LR, weight_decay=WD)  # noqa: E731
 
 if mode == "reference":
-    for name, make_opt, decoupled in (("adamw", adamw, True), ("adam-l2", adam_l2, False)):
-        expected = reference_run(make_opt, decoupled)
-        got, _, _, opt = ours(make_opt, lossless(), sign())
+    clipped = 0
+    for name, make_opt, decoupled, max_update in (("adamw", adamw, True, None), ("adamw-clip", adamw, True, 0.3),
+                                                  ("adam-l2", adam_l2, False, 1.0)):
+        expected = reference_run(make_opt, decoupled, max_update)
+        got, _, _, opt = ours(make_opt, lossless(), sign(), max_update=max_update)
+        if max_update == 0.3:
+            clipped = (got[-1] - reference_run(make_opt, decoupled, None)[-1]).abs().max()
         for i, (a, b) in enumerate(zip(got, expected)):
             # (Sign's scales may differ from the reference's in their last bit: the order of a sum)
             check(torch.allclose(a, b, rtol=1e-5, atol=1e-6),
                   f"{name} step {i + 1}: max |ours - reference| {(a - b).abs().max():.3g}")
             check(same_everywhere(a), f"{name} step {i + 1}: the ranks' parameters differ")
         check(opt.frozen and opt.stats()["steps"] == STEPS, f"{name}: {opt.stats()}")
+    check(clipped > 1e-4, f"max_update=0.3 clipped nothing (differs from unclipped by {clipped:.3g})")
     say(f"rank {rank}: OK reference")
 elif mode == "default":
     got, losses, _, opt = ours(adamw)
@@ -197,6 +206,8 @@ elif mode == "bad-input":
          "exactly the model's trainable parameters"),
         (lambda: acc.OneBitAdam(model, adamw(model), freeze_step=4, warmup=acc.TopK(0.1)), TypeError,
          "warmup must be an acc.AccordionCompressor"),
+        (lambda: acc.OneBitAdam(model, adamw(model), freeze_step=4, max_update=0), ValueError,
+         "max_update must be a positive number or None"),
     ]
     for make, kind, text in cases:
         try:
