@@ -50,6 +50,7 @@ Every rank must start from the same parameters (checked at construction).
 
 from __future__ import annotations
 
+import io
 import logging
 import math
 import numbers
@@ -238,31 +239,44 @@ class OneBitAdam:
     def state_dict(self) -> dict:
         """What resumes training bit for bit on the same world: the optimizer's state, the
         frozen stage's momentum and denominator, the step count, both compressors' state
-        (their error feedback: this rank's). Call it between steps, on every rank."""
-        return {"format": FORMAT, "steps": self.steps, "freeze_step": self.freeze_step, "skipped": self.skipped,
-                "optimizer": self.optimizer.state_dict(),
-                "momentum": None if self.momentum is None else [m.clone() for m in self.momentum],
-                "denom": None if self.denom is None else [d.clone() for d in self.denom],
-                "warmup": self.warmup.state_dict(), "compressor": self.compressor.state_dict()}
+        (their error feedback: this rank's). Call it between steps, on every rank. Its form
+        suits ``torch.save`` (one file per rank) and ``torch.distributed.checkpoint`` alike
+        (``dcp.save({"model": ..., "optim": opt})``): this rank's state serialized under a key
+        of its rank, as ``compress_hsdp``'s hook keeps its own, since DCP would keep one copy
+        of a tensor every rank names alike, and the error feedback differs."""
+        plain = {"steps": self.steps, "freeze_step": self.freeze_step, "skipped": self.skipped,
+                 "optimizer": self.optimizer.state_dict(), "momentum": self.momentum, "denom": self.denom,
+                 "warmup": self.warmup.state_dict(), "compressor": self.compressor.state_dict()}
+        buffer = io.BytesIO()
+        torch.save(plain, buffer)
+        return {"accordion.onebit_adam": FORMAT, "accordion.onebit_adam.world": self.size,
+                self._rank_key: buffer.getvalue()}
+
+    @property
+    def _rank_key(self) -> str:
+        return f"accordion.onebit_adam.rank{self.warmup.control.rank}"
 
     def load_state_dict(self, state: dict) -> None:
-        """Restore a ``state_dict()`` (on every rank, each its own)."""
-        if not isinstance(state, dict) or state.get("format") != FORMAT:
+        """Restore a ``state_dict()`` (on every rank, each its own) of a job with as many ranks."""
+        if not isinstance(state, dict) or state.get("accordion.onebit_adam") != FORMAT:
             raise ValueError(f"state is not a OneBitAdam state_dict (format {FORMAT!r})")
-        if state["freeze_step"] != self.freeze_step:
-            raise ValueError(f"state was saved with freeze_step={state['freeze_step']}, this OneBitAdam has "
+        if state.get("accordion.onebit_adam.world") != self.size or not isinstance(state.get(self._rank_key), bytes):
+            raise ValueError(f"state was saved by a job of {state.get('accordion.onebit_adam.world')} ranks, without "
+                             f"this rank's part ({self._rank_key}); this job has {self.size}")
+        plain = torch.load(io.BytesIO(state[self._rank_key]), map_location=self.params[0][1].device,
+                           weights_only=True)
+        if plain["freeze_step"] != self.freeze_step:
+            raise ValueError(f"state was saved with freeze_step={plain['freeze_step']}, this OneBitAdam has "
                              f"freeze_step={self.freeze_step}")
-        frozen = state["momentum"]
+        frozen = plain["momentum"]
         if frozen is not None and (len(frozen) != len(self.params) or any(
                 m.shape != p.shape for m, (_, p) in zip(frozen, self.params))):
             raise ValueError("state's momentum does not fit this model's trainable parameters")
-        self.warmup.load_state_dict(state["warmup"])
-        self.compressor.load_state_dict(state["compressor"])
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.steps, self.skipped = int(state["steps"]), int(state["skipped"])
-        devices = [p.device for _, p in self.params]
-        self.momentum = None if frozen is None else [m.to(d).clone() for m, d in zip(frozen, devices)]
-        self.denom = None if frozen is None else [v.to(d).clone() for v, d in zip(state["denom"], devices)]
+        self.warmup.load_state_dict(plain["warmup"])
+        self.compressor.load_state_dict(plain["compressor"])
+        self.optimizer.load_state_dict(plain["optimizer"])
+        self.steps, self.skipped = int(plain["steps"]), int(plain["skipped"])
+        self.momentum, self.denom = frozen, plain["denom"]
 
 
 __all__ = ["OneBitAdam"]

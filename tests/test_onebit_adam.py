@@ -1,10 +1,11 @@
 """``acc.OneBitAdam`` (accordion_hvd/onebit_adam.py) under real torchrun and horovodrun jobs:
 step by step against a plain-torch 1-bit Adam (AdamW, and Adam with L2 decay), the defaults
 training with the ranks in agreement, resume bit for bit before and after the freeze, a
-non-finite gradient skipped on every rank, bad input refused on every rank
+non-finite gradient skipped on every rank, resume through torch.distributed.checkpoint too, bad input refused on every rank
 (tests/workers/onebit_adam_check.py)."""
 
 import csv
+import io
 
 import pytest
 import torch
@@ -14,7 +15,7 @@ from launch import run_ddp_module, run_ddp_worker, run_worker
 
 @pytest.mark.torchrun
 @pytest.mark.parametrize("mode,np", [("reference", 2), ("reference", 3), ("default", 2), ("resume", 2),
-                                     ("nonfinite", 2), ("bad-input", 2)])
+                                     ("dcp", 2), ("nonfinite", 2), ("bad-input", 2)])
 def test_onebit_adam(mode, np):
     out = run_ddp_worker("onebit_adam_check.py", mode, np=np)
     assert out.count(f": OK {mode}") == np, out
@@ -54,4 +55,6 @@ def test_the_cli_trains_with_it_counts_its_wire_and_resumes_bit_for_bit(tmp_path
         b = torch.load(f"{resumed}.rank{rank}", weights_only=False)
         for name in a["model"]:
             assert torch.equal(a["model"][name], b["model"][name]), f"rank {rank}: {name} differs"
-        assert all(torch.equal(x, y) for x, y in zip(a["sync"]["momentum"], b["sync"]["momentum"]))
+        key = f"accordion.onebit_adam.rank{rank}"  # (its state_dict's form: acc.OneBitAdam.state_dict)
+        x, y = (torch.load(io.BytesIO(c["sync"][key]), weights_only=True) for c in (a, b))
+        assert x["steps"] == y["steps"] == 44 and all(torch.equal(m, n) for m, n in zip(x["momentum"], y["momentum"]))

@@ -12,6 +12,8 @@ MODE "default": the defaults (8-bit sparse-chunk warm-up, Sign after it): the ra
 every step, the loss falls, and the bits per parameter per step are what the codecs send.
 MODE "resume": a state_dict taken before the freeze and one after, each loaded into a fresh
 OneBitAdam (and optimizer and model), continue bit for bit as the run that saved them.
+MODE "dcp": the same through torch.distributed.checkpoint (the model and OneBitAdam, a Stateful
+holding each rank's part under its own key), saved after the freeze, loaded into fresh ones.
 MODE "nonfinite": a NaN in rank 1's gradient at a frozen step: the step is skipped on every
 rank (parameters unchanged), and the steps after it go on.
 MODE "bad-input": each bad argument refused with an error naming it, on every rank; a
@@ -185,6 +187,37 @@ elif mode == "resume":
         resumed, _ = run(state)
         check(torch.equal(whole, resumed), f"resumed from step {at}: differs by {(whole - resumed).abs().max():.3g}")
     say(f"rank {rank}: OK resume")
+elif mode == "dcp":
+    import os
+    import shutil
+
+    import torch.distributed.checkpoint as dcp
+
+    where = f"/tmp/onebit_adam_dcp_{os.environ['MASTER_PORT']}"
+
+    def run(load=False, save_at=None):
+        model = make_model()
+        opt = acc.OneBitAdam(model, adamw(model), freeze_step=FREEZE, compressor=sign())
+        first = 0
+        if load:
+            state = {"model": model.state_dict(), "optim": opt}
+            dcp.load(state, checkpoint_id=where)
+            model.load_state_dict(state["model"])
+            first = opt.steps
+        for i in range(first, STEPS):
+            backward(model, i)
+            opt.step()
+            if i + 1 == save_at:
+                dcp.save({"model": model.state_dict(), "optim": opt}, checkpoint_id=where)
+        return flat(model), opt
+
+    whole, _ = run(save_at=FREEZE + 3)
+    resumed, opt = run(load=True)
+    check(torch.equal(whole, resumed), f"resumed through DCP: differs by {(whole - resumed).abs().max():.3g}")
+    sum_(torch.zeros(1))  # every rank done reading before rank 0 removes the checkpoint
+    if rank == 0:
+        shutil.rmtree(where, ignore_errors=True)
+    say(f"rank {rank}: OK dcp")
 elif mode == "nonfinite":
     poison = FREEZE + 2
     got, _, took, opt = ours(adamw, compressor=sign(), poison=poison)
