@@ -81,6 +81,13 @@ PILOTS = {  # name -> (why it runs, CLI flags)
                         "warm-up ended 30.00 and a freeze at 20 after an 8-bit one diverged; if the clip keeps "
                         "quality, the warm-up's cost falls about 4x (about 1.2 bits/param/step in all)",
                         ["--codec", "none", "--sync", "ours-onebit-adam", "--freeze-step", "34"]),
+    "ours-onebit-f134-noclip": ("ours-onebit-f134 without the clip (--max-update none), the method as the pilot "
+                                "onebit-adam-q8-f134 ran it: the library's run trailed that pilot's at every epoch's "
+                                "end so far (53.32 / 38.23 against 50.40 / 36.59 after epochs 1 / 2); the clip, or "
+                                "the library's warm-up (its chunk count the last step's, 1-d tensors of 1024 or more "
+                                "compressed too)?",
+                                ["--codec", "none", "--sync", "ours-onebit-adam", "--freeze-step", "134",
+                                 "--max-update", "none"]),
     "ours-topk3-h1": ("our own path for the same idea: acc.DiLoCo with our TopK codec (3%, float32 values, error "
                       "feedback without decay), plain averaging every step: does SparseLoCo's decay and 2-bit add "
                       "or cost quality against ours?",
@@ -134,13 +141,14 @@ def run(name: str, timeout: float) -> dict:
     args = [*TASK, *flags, "--seed", str(SEED), "--logdir", str(where)]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29577",
            "-m", "accordion_hvd.train", *args]
+    # the code that runs is the checkout's at the start (the ranks import it then)
+    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout
+    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO, capture_output=True,
+                           text=True).stdout.strip()
     started = time.monotonic()
     out = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout,
                          env={**os.environ, "OMP_NUM_THREADS": "1"})
     (where / "log.txt").write_text((out.stdout + out.stderr)[-20000:])
-    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout
-    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO, capture_output=True,
-                           text=True).stdout.strip()
     record = {"pilot": name, "why": why, "seed": SEED, "exit": out.returncode,
               "seconds": round(time.monotonic() - started, 1),
               "command": "torchrun --nproc_per_node 2 -m accordion_hvd.train " + " ".join(args[:-1]) + " DIR",

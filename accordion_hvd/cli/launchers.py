@@ -25,7 +25,7 @@ def make_front_end(args, device_type: str, ours: bool = False):
         if args.sync == "onebit-adam" and args.warmup_bits == 8:
             return Quantized8WarmupOneBitAdamFrontEnd(device_type, args.freeze_step)
         if args.sync == "ours-onebit-adam":
-            return OursOneBitAdamFrontEnd(device_type, args.freeze_step)
+            return OursOneBitAdamFrontEnd(device_type, args.freeze_step, args.max_update)
         if args.sync == "onebit-adam":
             return OneBitAdamFrontEnd(device_type, args.freeze_step)
         if args.sync in ("sparseloco", "signloco"):

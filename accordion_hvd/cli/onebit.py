@@ -16,15 +16,15 @@ class OursOneBitAdamFrontEnd(DDPFrontEnd):
 
     name = sync = "ours-onebit-adam"
 
-    def __init__(self, device_type: str, freeze_step: int) -> None:
+    def __init__(self, device_type: str, freeze_step: int, max_update: float | None) -> None:
         super().__init__(device_type)
-        self.freeze_step = freeze_step
-        self.label = f"torchrun, acc.OneBitAdam (freeze_step={freeze_step})"
+        self.freeze_step, self.max_update = freeze_step, max_update
+        self.label = f"torchrun, acc.OneBitAdam (freeze_step={freeze_step}, max_update={max_update})"
         self.onebit = None
 
     def wrap(self, model, opt, compression, device):
         broadcast_model(model, self.dist)  # every rank starts from rank 0's model, as DDP would
-        self.onebit = OneBitAdam(model, opt, freeze_step=self.freeze_step)
+        self.onebit = OneBitAdam(model, opt, freeze_step=self.freeze_step, max_update=self.max_update)
         self.numel = sum(p.numel() for p in model.parameters() if p.requires_grad)
         return model, opt
 

@@ -53,6 +53,8 @@ def check_published(p, args, flags: dict) -> None:
             "the published method in plain torch"
         p.error(f"--sync {args.sync} is {what}: --codec none, got --codec {args.codec}")
     if args.sync == "ours-onebit-adam":
+        if args.max_update is not None and not args.max_update > 0:
+            p.error(f"--max-update must be a positive number or none, got {args.max_update}")
         if args.optimizer != "adamw" or args.freeze_step is None or args.freeze_step < 1:
             p.error(f"--sync ours-onebit-adam is acc.OneBitAdam: --optimizer adamw and --freeze-step N (N >= 1), got "
                     f"--optimizer {args.optimizer} --freeze-step {args.freeze_step}")
@@ -91,6 +93,9 @@ def add_published_flags(p) -> None:
                         "sparseloco, 1 for signloco)")
     p.add_argument("--freeze-step", type=int, default=None,
                    help="--sync onebit-adam / ours-onebit-adam: warm-up steps before the second moment freezes")
+    p.add_argument("--max-update", type=lambda v: None if v == "none" else float(v), default=1.0,
+                   help="--sync ours-onebit-adam: the frozen stage's update of an entry clipped to this many learning "
+                        "rates (acc.OneBitAdam max_update), or none")
     p.add_argument("--warmup-bits", type=int, choices=(8, 16), default=16,
                    help="--sync onebit-adam --freeze-step N, issue 80's pilot variant (onebit_shared.py): 8 sends the "
                         "warm-up's gradients as the per-step default's 8-bit sparse chunks, with error feedback")
