@@ -17,7 +17,8 @@ holding each rank's part under its own key), saved after the freeze, loaded into
 MODE "nonfinite": a NaN in rank 1's gradient at a frozen step: the step is skipped on every
 rank (parameters unchanged), and the steps after it go on.
 MODE "bad-input": each bad argument refused with an error naming it, on every rank; a
-freeze_step that differs across ranks refused on every rank at the first step.
+freeze_step, or betas, that differ across ranks refused on every rank at the first step; a
+state of a job with another number of ranks refused.
 """
 
 import copy
@@ -265,6 +266,23 @@ elif mode == "bad-input":
         check(False, "different freeze_step on the ranks was accepted")
     except ValueError as exc:
         check("'onebit_adam_freeze_step': 4 (process 0) vs 5 (process 1)" in str(exc), f"unclear: {exc}")
+    apart = make_model()  # betas that differ across ranks: refused on every rank at the first step
+    opt = acc.OneBitAdam(apart, torch.optim.AdamW(apart.parameters(), betas=(0.9, 0.999 if rank == 0 else 0.99)),
+                         freeze_step=4)
+    backward(apart, 0)
+    try:
+        opt.step()
+        check(False, "different betas on the ranks were accepted")
+    except ValueError as exc:
+        check("'onebit_adam_groups'" in str(exc) and "0.999" in str(exc), f"unclear: {exc}")
+    fresh = make_model()
+    state = acc.OneBitAdam(fresh, adamw(fresh), freeze_step=4).state_dict()
+    try:  # a state from a job of another number of ranks
+        acc.OneBitAdam(fresh, adamw(fresh), freeze_step=4).load_state_dict(
+            {**state, "accordion.onebit_adam.world": size + 1})
+        check(False, "a state of another world was accepted")
+    except ValueError as exc:
+        check(f"saved by a job of {size + 1} ranks" in str(exc), f"unclear: {exc}")
     say(f"rank {rank}: OK bad-input")
 if launcher != "horovod":
     import torch.distributed as dist
