@@ -88,6 +88,13 @@ PILOTS = {  # name -> (why it runs, CLI flags)
                                 "compressed too)?",
                                 ["--codec", "none", "--sync", "ours-onebit-adam", "--freeze-step", "134",
                                  "--max-update", "none"]),
+    "ours-onebit-f134-clip3": ("ours-onebit-f134 with the frozen update clipped at 3 learning rates per entry "
+                               "(--max-update 3): clipped at 1 it ended 27.59, unclipped 27.17; on the digits CNN "
+                               "a clip at 3 still prevented the divergence of a freeze at step 10 (0.947, NaN "
+                               "unclipped). If it keeps the transformer's quality, 3 becomes the default; if not, "
+                               "the default is no clip with a documented warning",
+                               ["--codec", "none", "--sync", "ours-onebit-adam", "--freeze-step", "134",
+                                "--max-update", "3"]),
     "ours-topk3-h1": ("our own path for the same idea: acc.DiLoCo with our TopK codec (3%, float32 values, error "
                       "feedback without decay), plain averaging every step: does SparseLoCo's decay and 2-bit add "
                       "or cost quality against ours?",
