@@ -8,6 +8,7 @@ import torch
 
 import accordion_hvd as acc
 from accordion_hvd.comm import SimulatedWorld
+from accordion_hvd.costmodel import Link
 from accordion_hvd.levels import CRITICAL, DENSE16, NORMAL
 from accordion_hvd.policies import Accordion, GraVAC, LinkGate, NetworkAware, NetworkReport, Static, WindowReport
 from launch import run_ddp_worker, run_worker
@@ -15,9 +16,10 @@ from launch import run_ddp_worker, run_worker
 LAYERS = ("a", "b")
 
 
-def window(step_s, norms=(1.0, 1.0), lr_decreased=False):
-    network = None if step_s == "none" else NetworkReport(link=None, world=2, backward_s=0.0, ready_s={}, buckets=(),
-                                                          wire={}, step_s=step_s)
+def window(step_s, norms=(1.0, 1.0), lr_decreased=False, link=None):
+    wire = {layer: {DENSE16: (("dense", 2_000_000),)} for layer in LAYERS}  # 1M entries each
+    network = None if step_s == "none" else NetworkReport(link=link, world=2, backward_s=0.0, ready_s={}, buckets=(),
+                                                          wire=wire, step_s=step_s)
     return WindowReport(norms=dict(zip(LAYERS, norms)), steps=10, lr_decreased=lr_decreased, network=network)
 
 
@@ -27,12 +29,12 @@ def levels_of(levels):
 
 @pytest.mark.parametrize("dense_s, compressed_s, pays", [(0.534, 0.275, True), (0.317, 0.29, False),
                                                           (0.5, 0.4, False), (0.5, 0.39, True)])
-def test_dense_trial_then_compressed_trial_then_the_measured_choice(dense_s, compressed_s, pays):
+def test_compressed_trial_then_dense_trial_then_the_measured_choice(dense_s, compressed_s, pays):
     gate = LinkGate(Accordion(0.5))
-    assert [gate.initial_level(layer) for layer in LAYERS] == [DENSE16, DENSE16]
-    assert levels_of(gate.end_window(window(dense_s))) == [NORMAL, NORMAL]  # the compressed trial: aggressive
+    assert [gate.initial_level(layer) for layer in LAYERS] == [NORMAL, NORMAL]  # the compressed trial: aggressive
+    assert levels_of(gate.end_window(window(compressed_s))) == [DENSE16, DENSE16]  # no link: the dense trial
     assert gate.settled_level is None  # trials
-    decided = gate.end_window(window(compressed_s, norms=(1.0, 3.0)))
+    decided = gate.end_window(window(dense_s, norms=(1.0, 3.0)))
     assert gate.compressing == pays
     assert gate.settled_level == (None if pays else DENSE16)
     # compression pays: Accordion's own levels (b's norm tripled: critical); else dense16 for good
@@ -40,17 +42,58 @@ def test_dense_trial_then_compressed_trial_then_the_measured_choice(dense_s, com
     later = gate.end_window(window(0.01, norms=(1.0, 3.0)))
     assert levels_of(later) == ([NORMAL, NORMAL] if pays else [DENSE16, DENSE16])
     assert gate.lr_decreased(list(LAYERS)) == ({"a": CRITICAL, "b": CRITICAL} if pays else None)
+    assert gate.verdict()["priced"] is None
+
+
+@pytest.mark.parametrize("mbit, priced", [(10.0, True), (25.0, True), (40.0, False), (1000.0, False)])
+def test_a_slow_link_prices_the_dense_step_and_skips_its_trial(mbit, priced, caplog):
+    """4 MB of float16 over 2 ranks cross the link once (ring allreduce: 2 (p-1)/p of it):
+    3.2 s at 10 Mbit/s, 1.28 s at 25, 0.8 s at 40; the compressed step took 0.5 s, so the bound
+    clears 2 x 1.25 x 0.5 = 1.25 s at 25 Mbit/s and below, and 40 Mbit/s needs a dense trial."""
+    gate = LinkGate(Static())
+    link = Link.from_rate(mbit * 1e6, latency_s=0.01)  # latency is left out of the bound
+    decided = gate.end_window(window(0.5, link=link))
+    assert gate.phase == ("compressed" if priced else "dense-trial")
+    assert levels_of(decided) == ([NORMAL, NORMAL] if priced else [DENSE16, DENSE16])
+    verdict = gate.verdict()
+    if priced:
+        assert verdict["verdict"] == "compress" and verdict["dense_step_s"] == pytest.approx(32 / mbit)
+        assert verdict["priced"] == f"{mbit:.1f} Mbit/s"
+        assert verdict["summary"] == (f"link-gate: a compressed step took 0.500 s; on the link its rounds measured "
+                                      f"({mbit:.1f} Mbit/s) a dense 16-bit step's bytes alone take {32 / mbit:.3f} s "
+                                      f"({64 / mbit:.2f}x, more than 2 x 1.25): compression pays, compressing from now "
+                                      f"on without a dense trial")
+    else:
+        assert verdict["verdict"] == "pending" and gate.dense_s is None
+        gate.end_window(window(0.7))
+        assert gate.verdict()["verdict"] == "compress" and gate.verdict()["priced"] is None
+
+
+def test_a_layer_without_a_dense_price_is_not_priced():
+    gate = LinkGate(Static())
+    report = window(0.5, link=Link.from_rate(1e6))
+    del report.network.wire["b"][DENSE16]
+    gate.end_window(report)
+    assert gate.phase == "dense-trial"
+
+
+def test_a_state_saved_when_the_dense_trial_came_first_finishes_that_order():
+    gate = LinkGate(Static())
+    gate.load_state_dict({"phase": "dense-trial", "dense_s": None, "compressed_s": None, "inner": {}})
+    assert levels_of(gate.end_window(window(0.5))) == [NORMAL, NORMAL] and gate.phase == "compressed-trial"
+    gate.end_window(window(0.2))
+    assert gate.verdict()["verdict"] == "compress" and (gate.dense_s, gate.compressed_s) == (0.5, 0.2)
 
 
 @pytest.mark.parametrize("missing", ["none", None, float("nan"), 0.0])
 def test_a_window_without_a_measured_step_repeats_its_trial(missing, caplog):
     gate = LinkGate(Static())
     caplog.set_level("INFO", logger="accordion_hvd.policies")
-    assert levels_of(gate.end_window(window(missing))) == [DENSE16, DENSE16]
-    assert gate.phase == "dense-trial" and "no measured step" in caplog.text
-    gate.end_window(window(0.5))
-    assert levels_of(gate.end_window(window(missing))) == [NORMAL, NORMAL] and gate.phase == "compressed-trial"
+    assert levels_of(gate.end_window(window(missing))) == [NORMAL, NORMAL]
+    assert gate.phase == "compressed-trial" and "no measured step" in caplog.text
     gate.end_window(window(0.2))
+    assert levels_of(gate.end_window(window(missing))) == [DENSE16, DENSE16] and gate.phase == "dense-trial"
+    gate.end_window(window(0.5))
     assert gate.phase == "compressed" and gate.verdict()["verdict"] == "compress"
     assert gate.verdict()["summary"] == ("link-gate: a dense 16-bit step took 0.500 s, a compressed one 0.200 s "
                                          "(2.50x): compression pays (more than 1.25x), compressing from now on")
@@ -64,16 +107,16 @@ def test_no_learning_rate_reaction_before_compression_is_found_to_pay():
 def test_the_inner_policy_sees_every_window():
     """Accordion's norms are current when it takes over: the dense windows' norms count."""
     gate = LinkGate(Accordion(0.5))
-    gate.end_window(window(0.5, norms=(1.0, 1.0)))
-    gate.end_window(window(0.1, norms=(1.0, 1.2)))  # relative change 0.2 < eta: normal
+    gate.end_window(window(0.1, norms=(1.0, 1.0)))
+    gate.end_window(window(0.5, norms=(1.0, 1.2)))  # relative change 0.2 < eta: normal
     assert levels_of(gate.end_window(window(0.1, norms=(1.0, 1.2)))) == [NORMAL, NORMAL]
     assert gate.inner.state_dict()["prev"] == {"a": 1.0, "b": 1.2}
 
 
 def test_state_round_trip_resumes_without_new_trials_and_bad_input():
     gate = LinkGate(Accordion(0.5))
-    gate.end_window(window(0.5))
     gate.end_window(window(0.2))
+    gate.end_window(window(0.5))
     again = LinkGate(Accordion(0.5))
     again.load_state_dict(gate.state_dict())
     assert again.state_dict() == gate.state_dict() and again.compressing
@@ -128,7 +171,7 @@ def test_through_the_compressor_every_rank_takes_the_same_decision(codec):
     results = SimulatedWorld(2).run(worker)
     assert results[0] == results[1]
     seen, state = results[0]
-    assert seen[:2] == [["dense16"]] * 2 and seen[3:5] == [["normal"]] * 2
+    assert seen[:2] == [["normal"]] * 2 and seen[3:5] == [["dense16"]] * 2  # the simulated link is fast
     assert state["phase"] in ("dense", "compressed") and state["dense_s"] > 0 and state["compressed_s"] > 0
     assert all(s == ["dense16"] for s in seen[6:]) if state["phase"] == "dense" else \
         all("dense16" not in s for s in seen[6:])
@@ -158,7 +201,7 @@ def test_the_verdict_is_in_stats_and_said_once_by_rank_0(caplog):
     for rank in (0, 1):
         assert got[rank][0] == "pending"
         assert {k: v for k, v in got[rank][1].items() if k != "summary"} == {
-            "verdict": "dense16", "dense_step_s": 1.0, "compressed_step_s": 1.0, "pays": 1.05}
+            "verdict": "dense16", "dense_step_s": 1.0, "compressed_step_s": 1.0, "pays": 1.05, "priced": None}
     said = [r.getMessage() for r in caplog.records if "link-gate:" in r.getMessage()]
     assert said == ["after step 1: link-gate: a dense 16-bit step took 1.000 s, a compressed one 1.000 s (1.00x): "
                     "compression does not pay (at most 1.05x), every layer 16-bit dense from now on"], said
@@ -177,7 +220,7 @@ def test_a_codec_class_instead_of_an_instance_is_refused_naming_what_to_pass():
 def test_once_settled_flat_buffers_go_whole_in_float16_with_error_feedback():
     """engine/whole.py on the simulated world, against the same math written out: each
     buffer's average is the mean of float16(g), g = flat + e, and e keeps what float16 rounded
-    away, seeded from the layers' own error feedback (a.weight's from the gate's dense trial);
+    away, seeded from the layers' own error feedback (a.weight's from a dense trial);
     a step with a rank's NaN is skipped, its results zero, each finite rank's g kept in e; the
     buffers' error feedback is in the checkpoint. And add_whole's bad input."""
     layers = [("a.weight", 12), ("a.bias", 4)]
@@ -194,7 +237,9 @@ def test_once_settled_flat_buffers_go_whole_in_float16_with_error_feedback():
         engine = comp.engine
         with pytest.raises(RuntimeError, match="add_whole before the policy settled"):
             engine.add_whole("m", torch.zeros(16), layers)
-        out, ctx = comp.compress_named("a.weight", torch.full((3, 4), 0.1 * (rank + 1)))  # the dense trial
+        gate = engine.policy  # a dense trial (the second window where the link does not price it)
+        gate.load_state_dict({**gate.state_dict(), "phase": "dense-trial"})
+        out, ctx = comp.compress_named("a.weight", torch.full((3, 4), 0.1 * (rank + 1)))
         comp.decompress(out, ctx)
         seed = comp.state_dict()["layers"]["a.weight"]["residual"].clone()
         settle(comp)

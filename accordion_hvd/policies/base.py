@@ -23,9 +23,10 @@ class NetworkReport:
         when it has the compressor's math clock).
     ready_s: per compressed layer, when its gradient was ready, in seconds after the first.
     buckets: the exchange's agreed buckets of layers, in the order they are issued.
-    wire: per layer and level, the collectives the layer costs, (kind, bytes per rank), in
-        round order: "allreduce" or "allgather" in its bucket's round, or "dense" (sent alone,
-        outside the buckets, by an allreduce issued when the layer is ready).
+    wire: per layer and level (the codec's, and the policy's whole-layer level), the
+        collectives the layer costs, (kind, bytes per rank), in round order: "allreduce" or
+        "allgather" in its bucket's round, or "dense" (sent alone, outside the buckets, by an
+        allreduce issued when the layer is ready).
     step_s: the window's measured step, from one step's end to the next (the median over the
         window's steps, mean over ranks), or None when some rank measured none.
     kernel_s: per layer and level, the seconds of the codec's math: before each of the

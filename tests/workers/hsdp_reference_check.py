@@ -20,8 +20,9 @@ has 13 rows (shards of 7 and 6 rows: a padding row), ``b.frozen`` does not train
 ``b.sometimes`` is unused on rank 1 in even steps (FSDP then reduces zeros for it). Parameters must
 match within rtol=atol=1e-4 (PowerSGD) or 1e-5, TopK's and Quantize's updates bit for bit,
 the parameters be identical on the ranks of every node pair, the frozen one unchanged.
-Mode ``settled``: the quantization codec under the link gate, whose dense trial sends every
-layer whole in float16 (a layer too small to compress in float32), until before step 2 the gate
+Mode ``settled``: the quantization codec under the link gate, set in its dense trial (the
+second window, where the link did not price the dense step), which sends every layer whole in
+float16 (a layer too small to compress in float32), until before step 2 the gate
 is set as it decides when compression does not pay: from then on each module's buffer goes
 whole in float16 with its own error feedback (accordion_hvd/engine/whole.py), seeded from its
 layers'; bit for bit. In step 5 rank 1's gradient has a NaN, as in mode accordion: the step is
@@ -134,6 +135,9 @@ opt = torch.optim.SGD(model.parameters(), lr=1.0)
 policy = dict(interval=2, eta=0.5) if mode == "accordion" else dict(policy="link-gate") if SETTLED else {}
 compression = acc.AccordionCompressor(codec, **policy)
 hook = acc.compress_hsdp(model, compression, mesh, optimizer=opt)
+if SETTLED:  # the dense trial, as the gate runs it after a compressed window on a fast link
+    compression.engine.policy.load_state_dict({**compression.engine.policy.state_dict(), "phase": "dense-trial",
+                                               "compressed_s": 1.0})
 params = dict(model.named_parameters())
 
 
