@@ -93,7 +93,7 @@ PERIODIC_FLAGS = {"sync_every": (None, "diloco or torch-localsgd or sparseloco o
                   "topk_chunk": (4096, "sparseloco"), "value_bits": (2, "sparseloco"),
                   "ef_decay": (None, "sparseloco or signloco"), "freeze_step": (None, "onebit-adam or ours-onebit-adam"),
                   "variance_every": (None, "onebit-adam"), "warmup_bits": (16, "onebit-adam"),
-                  "max_update": (1.0, "ours-onebit-adam")}
+                  "max_update": (3.0, "ours-onebit-adam")}
 
 def _check_sync(p, args) -> None:
     """--sync and its flags: refused where they do not apply, defaults resolved."""

@@ -93,7 +93,7 @@ def add_published_flags(p) -> None:
                         "sparseloco, 1 for signloco)")
     p.add_argument("--freeze-step", type=int, default=None,
                    help="--sync onebit-adam / ours-onebit-adam: warm-up steps before the second moment freezes")
-    p.add_argument("--max-update", type=lambda v: None if v == "none" else float(v), default=1.0,
+    p.add_argument("--max-update", type=lambda v: None if v == "none" else float(v), default=3.0,
                    help="--sync ours-onebit-adam: the frozen stage's update of an entry clipped to this many learning "
                         "rates (acc.OneBitAdam max_update), or none")
     p.add_argument("--warmup-bits", type=int, choices=(8, 16), default=16,
