@@ -146,6 +146,18 @@ FINDINGS = [
     "trained to 0.947 clipped at 3 or at 10 (0.958 at 1, NaN unclipped). Clipped at 3 (ours-onebit-f134-clip3) "
     "the transformer ended at 27.18, 27.90 first reached at step 1008, as unclipped: 3 is the library default "
     "since (it keeps the digits run's early freeze from diverging and costs nothing here).",
+    "- **Rounds of local steps, overlapped or with averaged moments (Streaming DiLoCo with eager updates, "
+    "DES-LOC): dropped by arithmetic, no pilot.** Both keep DiLoCo's rounds and change what a round sends or when "
+    "it lands; neither can shorten the rounds below what the budget allows. Fully overlapped, 10 Mbit/s affords "
+    "about 1.7 bits/param/step: 16-bit pseudo-gradients every 16 steps (1.0), 4-bit every 4 (1.0), plus "
+    "DES-LOC's moments (2 tensors per parameter every 3H and 6H: +0.5 at 16-bit, H 16). The lossless H-sweep "
+    "on this seed (evidence-v4's diagnosis, docs/api.md) bounds their quality from above: plain float32 "
+    "averaging every 4 steps ended 28.37 and every 16 29.18, against dense's 27.90, with nothing compressed, "
+    "nothing stale and nothing of ours in the way. At H 4 a 4-bit round costs 1.0 bit/param/step, about what "
+    "acc.OneBitAdam's frozen stage costs (1.12), and could match its quality (27.18) only by beating lossless "
+    "averaging at the same H (28.37). "
+    "Averaging the moments (DES-LOC) is the remaining lever, and H 1 with each rank's own moments (28.00) "
+    "shows they are not what costs quality here.",
 ]
 
 

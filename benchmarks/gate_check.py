@@ -49,7 +49,7 @@ def one(cluster: Cluster, method: str, steps: int, where: Path) -> dict:
                     and "trials under way" not in line), None)
     levels = [r.get("level/embedding.weight") or "" for r in rows]
     dense_steps = sum(level == "dense16" for level in levels)
-    bits = [float(r["wire_bits"]) for r in rows]
+    bits = [float(r["wire_bits"]) if r.get("wire_bits") else 8 * float(r["bytes_sent"]) for r in rows]  # cumulative
     per_step = [b - a for a, b in zip([0.0] + bits[:-1], bits)]
     return {"method": method, "rate": cluster.rate, "exit": code, "steps": len(rows), "verdict": verdict,
             "embedding_steps_in_dense16": dense_steps, "embedding_levels_seen": sorted(set(levels)),
