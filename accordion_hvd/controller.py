@@ -9,8 +9,8 @@ decision logic), the controller
   the window's measure is the norm of the *mean* gradient over the window (or the root mean
   square of the step norms), so windows of different lengths (epochs of another size, or
   another batch size) still compare like for like;
-* ends a window every ``interval`` optimizer steps, or at ``epoch_end()`` when ``interval``
-  is None;
+* ends a window every ``interval`` optimizer steps (fewer where the policy asks for a short
+  one: ``Policy.window_steps``), or at ``epoch_end()`` when ``interval`` is None;
 * reduces the inputs of every decision over the control plane (MPI when its world is
   Horovod's, else Horovod's own collectives): the window norms (mean over ranks of each
   rank's local norm) and, every step, the learning rates (minimum and maximum over ranks:
@@ -114,7 +114,7 @@ class RegimeController:
         self._window_steps += 1
         lr_down = lrs is not None and self.policy.reacts_to_lr and self._lr_decreased(control, lrs, gathered)
         decided = None
-        if self.interval is not None and self._window_steps >= self.interval:
+        if self.interval is not None and self._window_steps >= self.policy.window_steps(self.interval):
             decided = self._end_window(control, layers)
         if lr_down:  # wins over a detection in the same step: critical until the next one
             decided = self.policy.lr_decreased(layers) or decided
@@ -129,7 +129,7 @@ class RegimeController:
             return False
         if epoch_end:
             return self.interval is None and self._window_steps > 0
-        return self.interval is not None and self._window_steps + 1 >= self.interval
+        return self.interval is not None and self._window_steps + 1 >= self.policy.window_steps(self.interval)
 
     def epoch_end(self, control: Any, layers: list[str]) -> dict[str, Level] | None:
         """An explicit detection point (windows are epochs when ``interval`` is None)."""

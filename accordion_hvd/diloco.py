@@ -53,9 +53,7 @@ scored; benchmarks/results/explore-diloco.md) and scored by protocol evidence-v4
 
 The default compressor's windows are 16 rounds (``acc.AccordionCompressor(interval=16)``), not
 the per-step default's 100: a round is up to 64 inner steps, and the link gate's trials take
-one or two windows (at 10 Mbit/s, when the first window sent dense 16-bit, the LSTM's start
-took 520 s to the target with windows of 100, 371 s with 16; the gate now compresses from the
-first round and skips its dense trial where the link it measured is that slow).
+a window and 8 rounds (docs/api.md gives the measurements behind the 16).
 
 **Overlap** (``overlap=True``, Streaming DiLoCo's overlapping of communication, Douillard et
 al. 2025, here one whole round late): a round of more than one inner step is launched and

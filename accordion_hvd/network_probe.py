@@ -67,9 +67,6 @@ class NetworkProbe:
         self._buckets: tuple = ()
         # the codec's levels, with its whole-layer one sent as the policy asks (DENSE or DENSE16)
         self.levels: tuple[Level, ...] = tuple(dense_level if lv == DENSE else lv for lv in codec.levels)
-        # what the wire is priced at: those and the whole-layer level itself, which a policy may
-        # price without having run it (the link gate's dense step, policies/link_gate.py)
-        self.wire_levels = self.levels + (() if dense_level in self.levels else (dense_level,))
         self._marks: dict[str, float] = {}   # this step: seconds after its first compressed gradient
         self._first: float | None = None     # (less the math done since), and the clocks at it
         self._first_math = 0.0
@@ -150,7 +147,7 @@ class NetworkProbe:
         # a policy that predicts from buckets finds them empty and says so.
         states = self.states
         wire = {n: {level: self.codec.wire(states[n].shape, level, states[n].residual.element_size())
-                    for level in self.wire_levels} for n in layers}
+                    for level in self.levels} for n in layers}
         return NetworkReport(link=link, world=control.size, backward_s=float(mean[-1]),
                              ready_s={n: float(v) for n, v in zip(layers, mean[:-1])},
                              buckets=buckets, wire=wire, step_s=step,

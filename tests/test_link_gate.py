@@ -8,7 +8,6 @@ import torch
 
 import accordion_hvd as acc
 from accordion_hvd.comm import SimulatedWorld
-from accordion_hvd.costmodel import Link
 from accordion_hvd.levels import CRITICAL, DENSE16, NORMAL
 from accordion_hvd.policies import Accordion, GraVAC, LinkGate, NetworkAware, NetworkReport, Static, WindowReport
 from launch import run_ddp_worker, run_worker
@@ -16,10 +15,9 @@ from launch import run_ddp_worker, run_worker
 LAYERS = ("a", "b")
 
 
-def window(step_s, norms=(1.0, 1.0), lr_decreased=False, link=None):
-    wire = {layer: {DENSE16: (("dense", 2_000_000),)} for layer in LAYERS}  # 1M entries each
-    network = None if step_s == "none" else NetworkReport(link=link, world=2, backward_s=0.0, ready_s={}, buckets=(),
-                                                          wire=wire, step_s=step_s)
+def window(step_s, norms=(1.0, 1.0), lr_decreased=False):
+    network = None if step_s == "none" else NetworkReport(link=None, world=2, backward_s=0.0, ready_s={}, buckets=(),
+                                                          wire={}, step_s=step_s)
     return WindowReport(norms=dict(zip(LAYERS, norms)), steps=10, lr_decreased=lr_decreased, network=network)
 
 
@@ -32,7 +30,7 @@ def levels_of(levels):
 def test_compressed_trial_then_dense_trial_then_the_measured_choice(dense_s, compressed_s, pays):
     gate = LinkGate(Accordion(0.5))
     assert [gate.initial_level(layer) for layer in LAYERS] == [NORMAL, NORMAL]  # the compressed trial: aggressive
-    assert levels_of(gate.end_window(window(compressed_s))) == [DENSE16, DENSE16]  # no link: the dense trial
+    assert levels_of(gate.end_window(window(compressed_s))) == [DENSE16, DENSE16]  # the dense trial
     assert gate.settled_level is None  # trials
     decided = gate.end_window(window(dense_s, norms=(1.0, 3.0)))
     assert gate.compressing == pays
@@ -42,39 +40,36 @@ def test_compressed_trial_then_dense_trial_then_the_measured_choice(dense_s, com
     later = gate.end_window(window(0.01, norms=(1.0, 3.0)))
     assert levels_of(later) == ([NORMAL, NORMAL] if pays else [DENSE16, DENSE16])
     assert gate.lr_decreased(list(LAYERS)) == ({"a": CRITICAL, "b": CRITICAL} if pays else None)
-    assert gate.verdict()["priced"] is None
 
 
-@pytest.mark.parametrize("mbit, priced", [(10.0, True), (25.0, True), (40.0, False), (1000.0, False)])
-def test_a_slow_link_prices_the_dense_step_and_skips_its_trial(mbit, priced, caplog):
-    """4 MB of float16 over 2 ranks cross the link once (ring allreduce: 2 (p-1)/p of it):
-    3.2 s at 10 Mbit/s, 1.28 s at 25, 0.8 s at 40; the compressed step took 0.5 s, so the bound
-    clears 2 x 1.25 x 0.5 = 1.25 s at 25 Mbit/s and below, and 40 Mbit/s needs a dense trial."""
-    gate = LinkGate(Static())
-    link = Link.from_rate(mbit * 1e6, latency_s=0.01)  # latency is left out of the bound
-    decided = gate.end_window(window(0.5, link=link))
-    assert gate.phase == ("compressed" if priced else "dense-trial")
-    assert levels_of(decided) == ([NORMAL, NORMAL] if priced else [DENSE16, DENSE16])
-    verdict = gate.verdict()
-    if priced:
-        assert verdict["verdict"] == "compress" and verdict["dense_step_s"] == pytest.approx(32 / mbit)
-        assert verdict["priced"] == f"{mbit:.1f} Mbit/s"
-        assert verdict["summary"] == (f"link-gate: a compressed step took 0.500 s; on the link its rounds measured "
-                                      f"({mbit:.1f} Mbit/s) a dense 16-bit step's bytes alone take {32 / mbit:.3f} s "
-                                      f"({64 / mbit:.2f}x, more than 2 x 1.25): compression pays, compressing from now "
-                                      f"on without a dense trial")
-    else:
-        assert verdict["verdict"] == "pending" and gate.dense_s is None
-        gate.end_window(window(0.7))
-        assert gate.verdict()["verdict"] == "compress" and gate.verdict()["priced"] is None
+def test_the_dense_trial_is_a_short_window():
+    gate = LinkGate(Static(), trial_steps=5)
+    assert gate.window_steps(100) == 100  # the compressed trial: the job's window
+    gate.end_window(window(0.5))
+    assert gate.phase == "dense-trial" and gate.window_steps(100) == 5 and gate.window_steps(4) == 4
+    gate.end_window(window(2.0))
+    assert gate.phase == "compressed" and gate.window_steps(100) == 100
+    assert LinkGate(Static()).trial_steps == 8 and gate.config()["trial_steps"] == 5
+    for bad in (2, 0, 3.5, "8", True):
+        with pytest.raises((TypeError, ValueError), match="trial_steps"):
+            LinkGate(Static(), trial_steps=bad)
 
 
-def test_a_layer_without_a_dense_price_is_not_priced():
-    gate = LinkGate(Static())
-    report = window(0.5, link=Link.from_rate(1e6))
-    del report.network.wire["b"][DENSE16]
-    gate.end_window(report)
-    assert gate.phase == "dense-trial"
+def test_through_the_compressor_the_dense_trial_lasts_trial_steps():
+    def worker(rank, channel):
+        comp = acc.AccordionCompressor(acc.Quantize(8, min_numel=8), policy=LinkGate(Static(), trial_steps=3),
+                                       interval=6, channel=channel)
+        seen = []
+        for _ in range(12):
+            out, ctx = comp.compress_named("a.weight", torch.randn(16, 8))
+            comp.decompress(out, ctx)
+            seen.append(str(comp.controller.levels["a.weight"]))
+        return seen, comp.policy.phase
+
+    for seen, phase in SimulatedWorld(2).run(worker):
+        # (seen[i]: the level after step i + 1, for the next step) 6 compressed steps, then 3 dense
+        assert seen[:5] == ["normal"] * 5 and seen[5:8] == ["dense16"] * 3, seen
+        assert phase in ("dense", "compressed") and seen[8:] == ["dense16" if phase == "dense" else "normal"] * 4, seen
 
 
 def test_a_state_saved_when_the_dense_trial_came_first_finishes_that_order():
@@ -201,7 +196,7 @@ def test_the_verdict_is_in_stats_and_said_once_by_rank_0(caplog):
     for rank in (0, 1):
         assert got[rank][0] == "pending"
         assert {k: v for k, v in got[rank][1].items() if k != "summary"} == {
-            "verdict": "dense16", "dense_step_s": 1.0, "compressed_step_s": 1.0, "pays": 1.05, "priced": None}
+            "verdict": "dense16", "dense_step_s": 1.0, "compressed_step_s": 1.0, "pays": 1.05}
     said = [r.getMessage() for r in caplog.records if "link-gate:" in r.getMessage()]
     assert said == ["after step 1: link-gate: a dense 16-bit step took 1.000 s, a compressed one 1.000 s (1.00x): "
                     "compression does not pay (at most 1.05x), every layer 16-bit dense from now on"], said

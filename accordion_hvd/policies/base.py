@@ -23,10 +23,9 @@ class NetworkReport:
         when it has the compressor's math clock).
     ready_s: per compressed layer, when its gradient was ready, in seconds after the first.
     buckets: the exchange's agreed buckets of layers, in the order they are issued.
-    wire: per layer and level (the codec's, and the policy's whole-layer level), the
-        collectives the layer costs, (kind, bytes per rank), in round order: "allreduce" or
-        "allgather" in its bucket's round, or "dense" (sent alone, outside the buckets, by an
-        allreduce issued when the layer is ready).
+    wire: per layer and level, the collectives the layer costs, (kind, bytes per rank), in
+        round order: "allreduce" or "allgather" in its bucket's round, or "dense" (sent alone,
+        outside the buckets, by an allreduce issued when the layer is ready).
     step_s: the window's measured step, from one step's end to the next (the median over the
         window's steps, mean over ranks), or None when some rank measured none.
     kernel_s: per layer and level, the seconds of the codec's math: before each of the
@@ -133,6 +132,12 @@ class Policy:
 
     def lr_decreased(self, layers: list[str]) -> dict[str, Level] | None:
         return None
+
+    def window_steps(self, interval: int) -> int:
+        """How many steps the window now open lasts, given the job's ``interval``: that, unless
+        the policy needs a shorter one (the link gate's dense trial: a few steps price a dense
+        step as well as a whole window, at a fraction of its cost on a slow link)."""
+        return interval
 
     def step_levels(self) -> tuple[Level, ...]:
         """Per-step policies: the levels whose gains this step's choice needs."""

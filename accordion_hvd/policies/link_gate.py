@@ -7,23 +7,20 @@ quality per step (error feedback recovers most of it, not all; measured: docs/de
 dense training is nearly as fast per step as any compressed method, and then compression can
 only lose time to quality. This policy measures that on the job's own link and model, rather
 than predicting it, the lesson of network_aware.py's verification (a prediction right about the
-link can still be wrong about the machine), except where the link alone settles it:
+link can still be wrong about the machine):
 
 1. **Window 1, compressed trial**: every layer at the codec's aggressive (normal) level, where
    Accordion keeps a layer most of the time. Its measured step (``NetworkReport.step_s``: the
    median time between steps' ends, mean over ranks) is the compressed step.
-2. **Priced where the link settles it**: the window's own collectives give the link
-   (``NetworkReport.link``, comm/link.py, the same on every rank). A dense 16-bit step cannot
-   be shorter than its bytes' time on that link (one allreduce of every compressed layer in
-   float16: latency, compute and the uncompressed layers left out, all of which only lengthen
-   it). When that bound alone exceeds ``pays`` x the compressed step twice over (``MARGIN``:
-   the bound rests on a fitted link), compression pays and no dense window is run: on a slow
-   link the first window of training costs the codec's bits, not 16 per parameter (issue 80's
-   critical windows; at 10 Mbit/s the transformer's 16-bit round is about 2.2 s, its compute
-   step 0.34 s).
-3. **Otherwise window 2, dense trial**: every layer at ``DENSE16`` (float16 through the front
-   end's allreduce, its rounding kept in error feedback). Its measured step is the dense step.
-4. **The decision**, once, the same on every rank (the timings are reduced over ranks):
+2. **Window 2, a short dense trial** (``trial_steps``, 8 by default, or the job's window if
+   shorter): every layer at ``DENSE16`` (float16 through the front end's allreduce, its
+   rounding kept in error feedback). Its measured step is the dense step. A few steps price
+   it as well as a whole window (the median of their times) and cost a fraction of one where
+   the link is slow, where a dense step is several compressed ones. Why measured, not priced
+   from the link that the compressed window's collectives fit: a compressed message can fit
+   in the sockets' buffers, its collective then completes once it is written there, and the
+   fit reads the link many times faster than it is (docs/time-to-quality.md gives the run).
+3. **The decision**, once, the same on every rank (the timings are reduced over ranks):
    compression pays when ``dense step > pays x compressed step``; then the inner policy
    decides every later window as it would alone. Otherwise every layer stays at
    ``DENSE16`` for the rest of training. A window without a measured step (some rank timed
@@ -34,14 +31,14 @@ quality per step: with it, compression is kept only if it reaches the target in 
 the dense run's steps and still arrives sooner. The inner policy sees every window's norms,
 trial ones included, so its regime detection is current whenever it takes over.
 
-Until 2026-12 the dense trial came first (the first window of training is critical in
-Accordion's sense, and the gentlest level is what Accordion wants there); evidence-v2 to -v4
-scored that order. It made every slow-link job pay its first window in 16 bits: a gate
-restored from such a state (phase "dense-trial" with no compressed step yet) finishes the old
-order.
+Until 2026-12 the dense trial came first and lasted a whole window (the first window of
+training is critical in Accordion's sense, and the gentlest level is what Accordion wants
+there); evidence-v2 to -v4 scored that order. It made every slow-link job pay a window in 16
+bits (issue 80's critical windows). A gate restored from such a state (phase "dense-trial",
+no compressed step yet) finishes the old order.
 
 The decision is not revisited (a network that changes during training is
-network_aware.py's case). Rank 0 says it in one line with both timings (or the bound), shown
+network_aware.py's case). Rank 0 says it in one line with both timings, shown
 by default like every level change (logger ``accordion_hvd.levels``: ``verdict()``,
 engine/announce.py); ``stats()["gate"]`` holds it; it is kept in ``state_dict``, so a resumed
 job does not run its trials again.
@@ -52,28 +49,13 @@ from __future__ import annotations
 import logging
 import math
 
-from ..costmodel import Link
 from ..levels import DENSE16, NORMAL, Level, positive_number
-from .base import NetworkReport, Policy, WindowReport
+from .base import Policy, WindowReport
 
 log = logging.getLogger("accordion_hvd.policies")
 
 _DENSE_TRIAL, _COMPRESSED_TRIAL, _DENSE, _COMPRESSED = "dense-trial", "compressed-trial", "dense", "compressed"
 _PHASES = (_DENSE_TRIAL, _COMPRESSED_TRIAL, _DENSE, _COMPRESSED)
-MARGIN = 2.0  # how far the priced bound must clear ``pays`` to stand in for a measured dense step
-
-
-def dense_wire_s(network: NetworkReport | None, layers) -> float | None:
-    """The least time a dense 16-bit step of ``layers`` spends on the window's link: one
-    allreduce of their float16 bytes, no latency (module doc, 2); None when the window has no
-    link or some layer no price at ``DENSE16``."""
-    if network is None or network.link is None or not layers:
-        return None
-    try:
-        nbytes = sum(size for n in layers for _, size in network.wire[n][DENSE16])
-    except KeyError:
-        return None
-    return Link(alpha=0.0, beta=network.link.beta).collective_s("allreduce", nbytes, network.world)
 
 
 class LinkGate(Policy):
@@ -82,13 +64,15 @@ class LinkGate(Policy):
             ``Static``; not a per-step or network-aware one).
         pays: compression is kept only if the dense step is longer than this times the
             compressed step (1.25; above 1).
+        trial_steps: steps of the dense trial (8; at least 3, for a median), or the job's
+            window if it is shorter.
     """
 
     name = "link-gate"
-    uses_network = True   # for the measured step and link of each window (NetworkReport)
+    uses_network = True   # for the measured step of each window (NetworkReport.step_s)
     dense_level = DENSE16
 
-    def __init__(self, inner: Policy, pays: float = 1.25) -> None:
+    def __init__(self, inner: Policy, pays: float = 1.25, trial_steps: int = 8) -> None:
         if not isinstance(inner, Policy):
             raise TypeError(f"inner must be an accordion_hvd.policies.Policy, got {type(inner).__name__}")
         if inner.per_step or inner.uses_network:
@@ -96,20 +80,22 @@ class LinkGate(Policy):
         pays = float(positive_number("pays", pays))
         if pays <= 1.0:
             raise ValueError(f"pays must be a number > 1 (the factor a compressed step must be shorter by), got {pays}")
-        self.inner, self.pays = inner, pays
+        trial_steps = positive_number("trial_steps", trial_steps, integer=True)
+        if trial_steps < 3:
+            raise ValueError(f"trial_steps must be an integer >= 3 (the dense step is their median), got {trial_steps}")
+        self.inner, self.pays, self.trial_steps = inner, pays, trial_steps
         self.uses_norms = inner.uses_norms
         self.reacts_to_lr = inner.reacts_to_lr
         self.needs_two_levels = inner.needs_two_levels
         self.phase = _COMPRESSED_TRIAL
-        self.dense_s: float | None = None       # the measured dense step, or the priced bound
+        self.dense_s: float | None = None
         self.compressed_s: float | None = None
-        self.priced: str | None = None          # the link that priced the dense step, if it was priced
 
     def __repr__(self) -> str:
         return f"LinkGate({self.inner!r}, pays={self.pays})"
 
     def config(self) -> dict:
-        return {"policy": self.name, "pays": self.pays, "inner": self.inner.config()}
+        return {"policy": self.name, "pays": self.pays, "trial_steps": self.trial_steps, "inner": self.inner.config()}
 
     @property
     def compressing(self) -> bool:
@@ -127,6 +113,9 @@ class LinkGate(Policy):
     def initial_level(self, layer: str) -> Level:
         return self._level(self.inner.initial_level(layer))
 
+    def window_steps(self, interval: int) -> int:
+        return min(interval, self.trial_steps) if self.phase == _DENSE_TRIAL else interval
+
     def end_window(self, report: WindowReport) -> dict[str, Level]:
         inner = self.inner.end_window(report)  # always: its regime detection stays current
         step = None if report.network is None else report.network.step_s
@@ -136,9 +125,6 @@ class LinkGate(Policy):
                      report.steps, self.phase)
         elif self.phase == _COMPRESSED_TRIAL:
             self.compressed_s = float(step)
-            bound = dense_wire_s(report.network, list(inner))
-            if self.dense_s is None and bound is not None and bound > MARGIN * self.pays * self.compressed_s:
-                self.dense_s, self.priced = bound, f"{8e-6 / report.network.link.beta:.1f} Mbit/s"
             self._decide_or(_DENSE_TRIAL)
         elif self.phase == _DENSE_TRIAL:
             self.dense_s = float(step)
@@ -152,25 +138,19 @@ class LinkGate(Policy):
             self.phase = _COMPRESSED if self.dense_s > self.pays * self.compressed_s else _DENSE
 
     def verdict(self) -> dict:
-        """``{"verdict", "dense_step_s", "compressed_step_s", "pays", "priced", "summary"}``:
-        the verdict is "pending" during the trials, then "compress" or "dense16";
-        ``dense_step_s`` is the measured dense step, or, where ``priced`` names the link that
-        priced it, the bound on it; the summary is the one line rank 0 logs when it is taken."""
+        """``{"verdict", "dense_step_s", "compressed_step_s", "pays", "summary"}``: the
+        verdict is "pending" during the trials, then "compress" or "dense16"; the summary is
+        the one line rank 0 logs when it is taken."""
         verdict = {_COMPRESSED: "compress", _DENSE: "dense16"}.get(self.phase, "pending")
         if verdict == "pending":
             summary = f"link-gate: trials under way ({self.phase})"
-        elif self.priced is not None:
-            summary = (f"link-gate: a compressed step took {self.compressed_s:.3f} s; on the link its rounds "
-                       f"measured ({self.priced}) a dense 16-bit step's bytes alone take {self.dense_s:.3f} s "
-                       f"({self.dense_s / self.compressed_s:.2f}x, more than {MARGIN:g} x {self.pays}): compression "
-                       f"pays, compressing from now on without a dense trial")
         else:
             summary = (f"link-gate: a dense 16-bit step took {self.dense_s:.3f} s, a compressed one "
                        f"{self.compressed_s:.3f} s ({self.dense_s / self.compressed_s:.2f}x): " +
                        (f"compression pays (more than {self.pays}x), compressing from now on" if verdict == "compress"
                         else f"compression does not pay (at most {self.pays}x), every layer 16-bit dense from now on"))
         return {"verdict": verdict, "dense_step_s": self.dense_s, "compressed_step_s": self.compressed_s,
-                "pays": self.pays, "priced": self.priced, "summary": summary}
+                "pays": self.pays, "summary": summary}
 
     def lr_decreased(self, layers: list[str]) -> dict[str, Level] | None:
         levels = self.inner.lr_decreased(layers)
@@ -178,12 +158,11 @@ class LinkGate(Policy):
 
     def state_dict(self) -> dict:
         return {"phase": self.phase, "dense_s": self.dense_s, "compressed_s": self.compressed_s,
-                "priced": self.priced, "inner": self.inner.state_dict()}
+                "inner": self.inner.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
         if state.get("phase") not in _PHASES:
             raise ValueError(f"link-gate state: phase must be one of {_PHASES}, got {state.get('phase')!r}")
         self.phase = state["phase"]
         self.dense_s, self.compressed_s = state.get("dense_s"), state.get("compressed_s")
-        self.priced = state.get("priced")
         self.inner.load_state_dict(state["inner"])

@@ -165,12 +165,13 @@ class Cluster:
                                 env=self.job_env(env), cwd=cwd)
 
     def exec_everywhere(self, argv_of: Callable[[int], Sequence[str]], *, timeout: float,
-                        env: Mapping[str, str] | None = None) -> dict[int, subprocess.CompletedProcess]:
+                        env: Mapping[str, str] | None = None, cwd: str | os.PathLike | None = REPO
+                        ) -> dict[int, subprocess.CompletedProcess]:
         """Run ``argv_of(k)`` inside node k+1, on every node at once; the results by k."""
         results: dict[int, subprocess.CompletedProcess] = {}
 
         def launch(k: int) -> None:
-            results[k] = self.exec(argv_of(k), node=f"node{k + 1}", timeout=timeout, env=env)
+            results[k] = self.exec(argv_of(k), node=f"node{k + 1}", timeout=timeout, env=env, cwd=cwd)
 
         threads = [threading.Thread(target=launch, args=(k,)) for k in range(self.nodes)]
         for t in threads:
@@ -179,7 +180,8 @@ class Cluster:
             t.join()
         return results
 
-    def torchrun(self, args: Sequence[str], *, timeout: float, port: int = 29533, per_node: int = 1
+    def torchrun(self, args: Sequence[str], *, timeout: float, port: int = 29533, per_node: int = 1,
+                 env: Mapping[str, str] | None = None, cwd: str | os.PathLike | None = REPO
                  ) -> dict[int, subprocess.CompletedProcess]:
         """``torchrun ARGS...`` on every node, ``per_node`` processes each, static rendezvous at
         node1, Gloo on the cluster's interface; the results by node index."""
@@ -187,12 +189,12 @@ class Cluster:
         return self.exec_everywhere(lambda k: [torchrun, "--nnodes", str(self.nodes), "--nproc_per_node", str(per_node),
                                                "--node_rank", str(k), "--master_addr", "node1",
                                                "--master_port", str(port), *args],
-                                    timeout=timeout, env={"GLOO_SOCKET_IFNAME": IFACE})
+                                    timeout=timeout, env={"GLOO_SOCKET_IFNAME": IFACE, **(env or {})}, cwd=cwd)
 
     def horovodrun(self, args: Sequence[str], *, np: int | None = None, backend: str = "gloo",
                    hosts: str | None = None, elastic: bool = False, timeout: float,
-                   env: Mapping[str, str] | None = None, extra: Sequence[str] = ()
-                   ) -> subprocess.CompletedProcess:
+                   env: Mapping[str, str] | None = None, extra: Sequence[str] = (),
+                   cwd: str | os.PathLike | None = REPO) -> subprocess.CompletedProcess:
         """``horovodrun`` on node1 across the nodes: ``python ARGS...`` with NP ranks.
 
         Default hosts: one slot per node. ``elastic=True`` uses discover_hosts.sh with
@@ -209,7 +211,7 @@ class Cluster:
         if backend == "mpi":
             cmd.append(f"--mpi-args={MPI_ARGS}")
         cmd += [*extra, self.python, *args]
-        return self.exec(cmd, timeout=timeout, env=env)
+        return self.exec(cmd, timeout=timeout, env=env, cwd=cwd)
 
 
 def _exit_on_sigterm(signum, frame) -> None:

@@ -4,8 +4,7 @@ ddp), on every rank.
 Trains an MLP with ``acc.AccordionCompressor()`` as a user gets it (the default codec and the
 link-gate policy), detection every INTERVAL steps, through the stock hvd.DistributedOptimizer
 or as a DDP comm hook. Checks: the first window sends every compressed layer at the codec's
-aggressive level, the second whole in float16 (unless the link measured in the first priced the
-dense step: then the gate decided after one window), and from then on the gate has decided
+aggressive level, the next ``trial_steps`` steps whole in float16, and from then on the gate has decided
 (every layer dense16, or the inner Accordion's levels); every rank took the same decision from
 the same timings and holds the same parameters; the loss fell.
 Usage: default_check.py [FRONT]   (FRONT: horovod (default) | ddp)
@@ -64,13 +63,12 @@ for step in range(STEPS):
 
 gate = compression.policy.state_dict()
 check(isinstance(compression.policy, acc.policies.LinkGate), f"the default policy is {compression.policy!r}")
+TRIAL = min(INTERVAL, compression.policy.trial_steps)  # the dense trial's steps (levels[i]: for step i + 2)
 check(all(lv == ["normal"] for lv in levels[:INTERVAL - 1]), f"first window not normal: {levels[:INTERVAL]}")
-trials = 1 if gate["priced"] else 2
-if trials == 2:
-    check(all(lv == ["dense16"] for lv in levels[INTERVAL:2 * INTERVAL - 1]), f"second window not dense16: {levels}")
+check(all(lv == ["dense16"] for lv in levels[INTERVAL - 1:INTERVAL - 1 + TRIAL]), f"no dense trial: {levels}")
 check(gate["phase"] in ("dense", "compressed") and gate["dense_s"] > 0 and gate["compressed_s"] > 0,
       f"no decision after the trials: {gate}")
-after = levels[trials * INTERVAL:]
+after = levels[INTERVAL + TRIAL:]
 check(all(lv == ["dense16"] for lv in after) if gate["phase"] == "dense" else "dense16" not in sum(after, []),
       f"levels after the decision ({gate['phase']}): {after}")
 params = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
