@@ -1,4 +1,4 @@
-"""The link gate's trials on a shaped link: which windows each rate pays in 16 bits.
+"""The link gate's trials on a shaped link: how many steps each rate pays in 16 bits.
 
 A check of issue 80's item 0, not a scored run: the transformer (the v5 task, pilot seed 3) on
 2 emulated nodes (benchmarks/cluster, needs root) at each rate, under the per-step default

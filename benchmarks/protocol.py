@@ -90,11 +90,18 @@ class Protocol:
         return runs
 
 
-def _set_flag(flags: list[str], name: str, value: str) -> list[str]:
+def set_flag(flags: list[str], name: str, value: str) -> list[str]:
     if name in flags:
         i = flags.index(name)
         return [*flags[:i + 1], value, *flags[i + 2:]]
     return [*flags, name, value]
+
+
+def one_node(flags: list[str], ranks: int) -> list[str]:
+    """One process with the whole global batch, the same step size: batch size and learning
+    rate times the ranks (the CLI scales the learning rate by its world size, here 1)."""
+    flags = set_flag(flags, "--batch-size", str(int(flags[flags.index("--batch-size") + 1]) * ranks))
+    return set_flag(flags, "--lr", f"{float(flags[flags.index('--lr') + 1]) * ranks:g}")
 
 
 def schedule_steps(proto: Protocol, task: str) -> tuple[int, int]:
@@ -111,10 +118,8 @@ def cli_args(proto: Protocol, task: str, method: str, seed: int) -> list[str]:
     """The CLI's arguments of one run (without --logdir)."""
     spec, frozen = proto.methods[method], proto.frozen(task)
     flags = [*proto.tasks[task]["flags"], *proto.data["common"], *spec["flags"], "--seed", str(seed)]
-    if spec["launcher"] == "one-node":  # the whole global batch in one process, the same step size
-        ranks = proto.data["ranks"]
-        flags = _set_flag(flags, "--batch-size", str(int(flags[flags.index("--batch-size") + 1]) * ranks))
-        flags = _set_flag(flags, "--lr", f"{float(flags[flags.index('--lr') + 1]) * ranks:g}")
+    if method == "one-node":
+        flags = one_node(flags, proto.data["ranks"])
     if method == proto.data["baseline"]:  # the schedule, then on at the final learning rate (module doc)
         extended = math.ceil(proto.data["extend"] * schedule_steps(proto, task)[1])
         return [*flags, "--target", "1e-9", "--max-steps", str(extended)]

@@ -1,0 +1,96 @@
+"""The protocol runner (benchmarks/protocol.py) and its costs (benchmarks/protocol_costs.py) on
+evidence-v5's data: the plan's order, each run's command, the freeze of target and cap from the
+baseline's runs, and the computed time of a run from a sitting's costs, on written trajectories."""
+
+import csv
+import json
+import math
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+import protocol  # noqa: E402
+import protocol_costs  # noqa: E402
+
+
+@pytest.fixture
+def proto(tmp_path, monkeypatch):
+    p = protocol.Protocol("evidence-v5")
+    monkeypatch.setattr(p, "results", tmp_path / "evidence-v5")  # runs written here, not into the tree
+    return p
+
+
+def write_run(where: Path, evals, sent_bytes, wall=None):
+    where.mkdir(parents=True, exist_ok=True)
+    with open(where / "steps.csv", "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["step", "epoch", "wall_s", "bytes_sent"])
+        total, clock = 0, 0.0
+        for k, b in enumerate(sent_bytes, start=1):
+            total += b
+            clock += wall[k - 1] if wall else 1.0
+            w.writerow([k, 1, clock, total])
+    with open(where / "eval.csv", "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["step", "epoch", "accuracy", "perplexity", "floats_sent", "wall_s"])
+        for step, ppl in evals:
+            w.writerow([step, 1, "", ppl, 0, 0])
+    (where / "run.json").write_text(json.dumps({"exit": 0}))
+
+
+def test_the_plan_runs_the_baseline_first_and_clock_free_methods_once(proto):
+    plan = proto.plan("transformer")
+    assert plan[:3] == [("ddp-fp16", "any", 0), ("ddp-fp16", "any", 1), ("ddp-fp16", "any", 2)]
+    assert ("default", "10mbit", 0) in plan and ("default", "1gbit", 2) in plan  # reads a clock: every rate
+    assert [r for r in plan if r[0] == "ours-adamw"] == [("ours-adamw", "any", s) for s in (0, 1, 2)]
+    assert len(plan) == len(set(plan))
+
+
+def test_commands_before_and_after_the_freeze(proto):
+    base = protocol.cli_args(proto, "transformer", "ddp-fp16", 1)
+    assert base[-4:] == ["--target", "1e-9", "--max-steps", "2016"]  # 1.5 x the 1344 steps of the schedule
+    with pytest.raises(SystemExit, match="run the baseline's seeds and `freeze` before ours-adamw"):
+        protocol.cli_args(proto, "transformer", "ours-adamw", 0)
+    proto.results.mkdir(parents=True)
+    proto.frozen_path("transformer").write_text(json.dumps(
+        {"target": 27.9, "cap_steps": 5000, "freeze_steps": {"ours-adamw": 134, "onebit-adam": 269}}))
+    ours = protocol.cli_args(proto, "transformer", "ours-adamw", 0)
+    assert ours[-6:] == ["--freeze-step", "134", "--target", "27.900000", "--max-steps", "5000"]
+    one = protocol.cli_args(proto, "transformer", "one-node", 2)
+    assert one[one.index("--batch-size") + 1] == "64" and one[one.index("--lr") + 1] == "0.002"
+
+
+def test_freeze_reads_target_and_cap_from_the_baseline(proto):
+    for seed, final in enumerate((27.5, 28.0, 28.5)):
+        write_run(proto.run_dir("transformer", "ddp-fp16", "any", seed),
+                  [(1344, final), (1400, final - 0.5), (1456, final - 1.5)], [0] * 1456)
+    frozen = protocol.freeze(proto, "transformer")
+    assert frozen["target"] == pytest.approx(28.0) and frozen["target_rule"] == "mean final"
+    assert frozen["baseline_steps_to_target"] == [1344, 1344, 1400] and frozen["schedule_steps"] == 1344
+    assert frozen["cap_steps"] == math.ceil(4 * (1344 * 2 + 1400) / 3)
+    assert frozen["freeze_steps"] == {"onebit-adam": 269, "ours-adamw": 134}
+    assert json.loads(proto.frozen_path("transformer").read_text()) == frozen
+    write_run(proto.run_dir("transformer", "ddp-fp16", "any", 0), [(1344, 20.0)], [0] * 1344)
+    assert protocol.freeze(proto, "transformer")["target_rule"] == "worst final (spread above 5%)"
+    write_run(proto.run_dir("transformer", "ddp-fp16", "any", 0), [(1344, 27.9)], [0] * 1344)
+    write_run(proto.run_dir("transformer", "ddp-fp16", "any", 2), [(1344, 28.6)], [0] * 1344)
+    with pytest.raises(SystemExit, match="a baseline seed never reached the target 28.1"):
+        protocol.freeze(proto, "transformer")
+
+
+def test_costs_and_a_computed_time(tmp_path):
+    # a sitting cell: 5 inner steps of 0.3 s, then rounds of 1000 bytes taking 0.3 + 0.5 s
+    sit = tmp_path / "cell"
+    write_run(sit, [], [0] * 15 + [1000, 0] * 10, wall=[0.3] * 15 + [0.8, 0.3] * 10)
+    costs = protocol_costs.cell_costs(sit, floor_step=0.25)
+    assert costs["a"] == pytest.approx(0.3) and costs["b"] == pytest.approx(0.0005)
+    always = tmp_path / "always"  # a method that sends every step: a is the floor's step
+    write_run(always, [], [2000] * 20, wall=[1.25] * 20)
+    assert protocol_costs.cell_costs(always, floor_step=0.25)["b"] == pytest.approx(0.0005)
+    run = tmp_path / "run"
+    write_run(run, [(2, 50.0), (4, 30.0), (6, 20.0)], [1000, 0, 1000, 0, 1000, 0])
+    seconds, reach = protocol_costs.run_time(run, {"a": 0.3, "b": 0.0005}, eval_s=2.0, target=30.0)
+    assert reach == 4 and seconds == pytest.approx(4 * 0.3 + 2 * 0.5 + 2 * 2.0)
+    assert protocol_costs.run_time(run, {"a": 0.3, "b": 0.0}, eval_s=2.0, target=10.0) == (None, None)
