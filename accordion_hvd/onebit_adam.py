@@ -32,9 +32,8 @@ step of an entry, ``m / sqrt(v)``, rarely exceeds 1 (in units of the learning ra
 gives every entry of a layer the layer's RMS: an entry whose frozen ``v`` is small (a unit
 that was quiet during the warm-up, a row the sparse chunks rarely sent) then steps by that
 RMS over its small ``sqrt(v)``, and a short warm-up diverged within a few steps. Clipping each
-entry's update to ``max_update`` restores Adam's trust region; at 3 it cost the pilot
-transformer nothing where the freeze was safe (at 1 it cost 0.4 perplexity). (docs/api.md
-gives the runs.)
+entry's update to ``max_update`` restores Adam's trust region; at 3 it barely binds where
+the freeze was safe, while a clip at 1 cost quality (docs/api.md gives the runs).
 
 The learning rate, betas, eps and weight decay are read from the optimizer's param groups
 at every step (a learning-rate scheduler on it works as usual). ``torch.optim.Adam`` with
