@@ -20,8 +20,10 @@ import re
 import sys
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent / "cluster"))
 from cluster import Cluster  # noqa: E402
+from protocol_costs import per_step  # noqa: E402
 
 PARAMS = 1_405_287  # the transformer's parameters
 TASK = ["--dataset", "text", "--model", "transformer", "--optimizer", "adamw", "--epochs", "6", "--lr", "0.001",
@@ -49,13 +51,12 @@ def one(cluster: Cluster, method: str, steps: int, where: Path) -> dict:
                     and "trials under way" not in line), None)
     levels = [r.get("level/embedding.weight") or "" for r in rows]
     dense_steps = sum(level == "dense16" for level in levels)
-    bits = [float(r["wire_bits"]) if r.get("wire_bits") else 8 * float(r["bytes_sent"]) for r in rows]  # cumulative
-    per_step = [b - a for a, b in zip([0.0] + bits[:-1], bits)]
+    per_step_bits = [8 * b for b in per_step(where)[1]]
     return {"method": method, "rate": cluster.rate, "exit": code, "steps": len(rows), "verdict": verdict,
             "embedding_steps_in_dense16": dense_steps, "embedding_levels_seen": sorted(set(levels)),
-            "bits_per_param_step": sum(per_step) / PARAMS / max(len(rows), 1),
-            "bits_per_param_step_by_100": [round(sum(per_step[i:i + 100]) / PARAMS / len(per_step[i:i + 100]), 3)
-                                           for i in range(0, len(per_step), 100)],
+            "bits_per_param_step": sum(per_step_bits) / PARAMS / max(len(rows), 1),
+            "bits_per_param_step_by_100": [round(sum(per_step_bits[i:i + 100]) / PARAMS / len(per_step_bits[i:i + 100]), 3)
+                                           for i in range(0, len(per_step_bits), 100)],
             "seconds": float(rows[-1]["wall_s"]) if rows else None}
 
 

@@ -32,7 +32,6 @@ import argparse
 import csv
 import datetime
 import json
-import platform
 import re
 import statistics
 import sys
@@ -40,15 +39,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import protocol as runs  # noqa: E402
+from machine import cpu_model  # noqa: E402
 
 SIT_STEPS, SKIP, ROUNDS, SIT_FREEZE, SIT_ROUND = 60, 10, 3, 20, 16
-
-
-def cpu_model() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines() if Path("/proc/cpuinfo").exists() else []:
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return platform.processor() or platform.machine()
 
 
 def per_step(where: Path) -> tuple[list[float], list[float]]:
@@ -144,8 +137,7 @@ def sit(proto: runs.Protocol, task: str) -> Path:
 def run_time(where: Path, cost: dict, eval_s: float, target: float) -> tuple[float | None, int | None]:
     """(computed seconds to the target or None, the step it was reached at) of one run."""
     _, sent = per_step(where)
-    with open(where / "eval.csv", newline="") as f:
-        evals = [(int(r["step"]), float(r["perplexity"] or "inf")) for r in csv.DictReader(f)]
+    evals = runs.evals(where)
     reach = next((s for s, v in evals if v <= target), None)
     if reach is None:
         return None, None
