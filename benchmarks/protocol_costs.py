@@ -6,20 +6,26 @@
 every rate it is scored at, plus ``floor`` (one process, the per-rank batch: the compute of a
 step with no communication) and ``one-node`` (one process, the whole global batch), each a
 short wall-clock run of the same CLI command as its trajectory (``SIT_STEPS`` steps, the pilot
-seed; a ``freeze`` method frozen at step ``SIT_FREEZE``, rounds longer than ``SIT_ROUND`` steps
-shortened to it, so that every kind of step the method takes occurs), on the emulated cluster
-at the rate (``floor`` and ``one-node`` on the loopback), **interleaved**: ``ROUNDS`` rounds, in
-each every cell once. A cell's costs, from its steps after the first ``SKIP`` (the median over
-the rounds of each):
+seed; a ``freeze`` method frozen at step ``SIT_FREEZE``, rounds and windows longer than
+``SIT_ROUND`` steps shortened to it, so that every kind of step the method takes occurs: the
+link gate's compressed window and dense trial, a warm-up and the frozen steps), on the emulated
+cluster at the rate (``floor`` and ``one-node`` on the loopback), **interleaved**: ``ROUNDS``
+rounds, in each every cell once. A cell's costs, from its steps after the first ``SKIP`` and
+without the step that holds an evaluation, pooled over the rounds:
 
 - ``a``: the median step with nothing on the wire (the floor's step where the method sends
   something every step);
-- ``b``: seconds per byte sent by a rank, the median over its steps that sent something of
-  (step - a) / bytes, at least 0;
+- ``points``: per kind of sending step (steps whose bytes sent by a rank agree within ``KIND``:
+  a dense step, a compressed one, a round), its median bytes and median seconds. A step that
+  sends ``B`` bytes costs the piecewise-linear line through (0, ``a``) and the points, past the
+  largest point the line from (0, ``a``) through it (``step_seconds``). One straight line
+  ``a + b x bytes`` priced a 16-bit step of a cell by its compressed steps' seconds per byte,
+  and on an emulated link small messages cost less per byte than large ones (they fit in the
+  sockets' buffers);
 - ``eval_s``: one evaluation's seconds (the floor cell's step across its evaluation, less a step).
 
 **A run's time** (its trajectory, machine-free, from benchmarks/protocol.py) = the sum over its
-steps of ``a + b x bytes`` that step, plus ``eval_s`` per evaluation, up to the first evaluation
+steps of its step's seconds at the bytes it sent, plus ``eval_s`` per evaluation, up to the first evaluation
 at or below the target; past ``cap_floors`` x the floor it has not reached it. The floor is the
 baseline's mean steps to the target at the floor's step, plus its evaluations; one node alone,
 its own runs at one-node's step. Figures of two sittings are never mixed: each sitting has
@@ -41,7 +47,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import protocol as runs  # noqa: E402
 from machine import cpu_model  # noqa: E402
 
-SIT_STEPS, SKIP, ROUNDS, SIT_FREEZE, SIT_ROUND = 60, 10, 3, 20, 16
+SIT_STEPS, SKIP, ROUNDS, SIT_FREEZE, SIT_ROUND, KIND = 60, 10, 3, 20, 16, 0.05
 
 
 def per_step(where: Path) -> tuple[list[float], list[float]]:
@@ -67,23 +73,52 @@ def sitting_args(proto: runs.Protocol, task: str, method: str) -> tuple[str, lis
         flags = runs.one_node(flags, proto.data["ranks"])
     if "freeze" in spec:
         flags += ["--freeze-step", str(SIT_FREEZE)]
-    if "--sync-every" in flags and flags[flags.index("--sync-every") + 1].isdigit() \
-            and int(flags[flags.index("--sync-every") + 1]) > SIT_ROUND:
-        flags = runs.set_flag(flags, "--sync-every", str(SIT_ROUND))
+    for name in ("--sync-every", "--interval"):  # rounds and windows: the last one given counts
+        at = len(flags) - 1 - flags[::-1].index(name) if name in flags else None
+        if at is not None and flags[at + 1].isdigit() and int(flags[at + 1]) > SIT_ROUND:
+            flags = [*flags[:at + 1], str(SIT_ROUND), *flags[at + 2:]]
     return spec["launcher"], flags
 
 
-def cell_costs(where: Path, floor_step: float | None) -> dict:
+def clean_steps(where: Path) -> list[tuple[float, float]]:
+    """(seconds, bytes sent) of a sitting cell's steps after the first ``SKIP``, leaving out the
+    step that holds an evaluation."""
     seconds, sent = per_step(where)
-    seconds, sent = seconds[SKIP:], sent[SKIP:]
     with open(where / "eval.csv", newline="") as f:
         evals = {int(r["step"]) for r in csv.DictReader(f)}
-    clean = [(s, b) for k, (s, b) in enumerate(zip(seconds, sent), start=SKIP + 1) if k - 1 not in evals]
-    idle = [s for s, b in clean if b == 0]
+    return [(s, b) for k, (s, b) in enumerate(zip(seconds, sent), start=1) if k > SKIP and k - 1 not in evals]
+
+
+def cell_costs(rounds: list[Path], floor_step: float | None) -> dict:
+    """A cell's costs from its rounds' steps, pooled: ``a`` and the ``points`` (bytes, seconds)
+    of each kind of sending step (steps whose bytes agree within ``KIND``; module doc)."""
+    steps = [step for where in rounds for step in clean_steps(where)]
+    idle = [s for s, b in steps if b == 0]
     a = statistics.median(idle) if len(idle) >= 5 else floor_step
-    busy = [(s - a) / b for s, b in clean if b > 0] if a is not None else []
-    return {"a": a, "b": max(statistics.median(busy), 0.0) if busy else 0.0, "steps": len(clean),
-            "sending_steps": len(busy)}
+    busy = sorted((b, s) for s, b in steps if b > 0)
+    kinds: list[list[tuple[float, float]]] = []
+    for b, s in busy:
+        if kinds and b <= kinds[-1][0][0] * (1 + KIND):
+            kinds[-1].append((b, s))
+        else:
+            kinds.append([(b, s)])
+    points = [[statistics.median(b for b, _ in k), statistics.median(s for _, s in k), len(k)] for k in kinds]
+    return {"a": a, "points": points, "steps": len(steps)}
+
+
+def step_seconds(cost: dict, sent: float) -> float:
+    """One step's seconds when a rank sends ``sent`` bytes: piecewise linear through (0, a) and
+    the cell's points, the last segment's line from (0, a) through the largest point extended."""
+    xs = [0.0] + [p[0] for p in cost["points"]]
+    ys = [cost["a"]] + [max(p[1], cost["a"]) for p in cost["points"]]
+    if sent <= 0:
+        return cost["a"]
+    for (x0, y0), (x1, y1) in zip(zip(xs, ys), zip(xs[1:], ys[1:])):
+        if sent <= x1:
+            return y0 + (y1 - y0) * (sent - x0) / (x1 - x0)
+    if len(xs) == 1:
+        raise ValueError("a step sent bytes where the sitting's cell saw no sending step")
+    return cost["a"] + (ys[-1] - cost["a"]) * sent / xs[-1]
 
 
 def eval_seconds(where: Path) -> float | None:
@@ -121,15 +156,12 @@ def sit(proto: runs.Protocol, task: str) -> Path:
                                                         "commit": runs.commit_of(cwd), "cpu": cpu_model()}) + "\n")
             print(f"sitting {task} round {rnd} {method} {rate}: exit {code}", flush=True)
     costs: dict = {"task": task, "cpu": cpu_model(), "rounds": ROUNDS, "cells": {}}
-    floors = [cell_costs(out / f"round{r}" / "floor" / "any", None)["a"] for r in range(ROUNDS)]
-    costs["floor_step"] = statistics.median(floors)
+    costs["floor_step"] = cell_costs([out / f"round{r}" / "floor" / "any" for r in range(ROUNDS)], None)["a"]
     costs["eval_s"] = statistics.median(e for r in range(ROUNDS)
                                         if (e := eval_seconds(out / f"round{r}" / "floor" / "any")) is not None)
     for method, rate in cells:
-        got = [cell_costs(out / f"round{r}" / method / rate, costs["floor_step"]) for r in range(ROUNDS)]
-        costs["cells"][f"{method}@{rate}"] = {"a": statistics.median(g["a"] for g in got),
-                                              "b": statistics.median(g["b"] for g in got),
-                                              "a_rounds": [g["a"] for g in got], "b_rounds": [g["b"] for g in got]}
+        costs["cells"][f"{method}@{rate}"] = cell_costs([out / f"round{r}" / method / rate for r in range(ROUNDS)],
+                                                        costs["floor_step"])
     (out / "costs.json").write_text(json.dumps(costs, indent=1) + "\n")
     return out / "costs.json"
 
@@ -141,7 +173,7 @@ def run_time(where: Path, cost: dict, eval_s: float, target: float) -> tuple[flo
     reach = next((s for s, v in evals if v <= target), None)
     if reach is None:
         return None, None
-    steps = sum(cost["a"] + cost["b"] * b for b in sent[:reach])
+    steps = sum(step_seconds(cost, b) for b in sent[:reach])
     return steps + eval_s * sum(1 for s, _ in evals if s <= reach), reach
 
 

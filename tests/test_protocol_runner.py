@@ -81,16 +81,38 @@ def test_freeze_reads_target_and_cap_from_the_baseline(proto):
 
 
 def test_costs_and_a_computed_time(tmp_path):
-    # a sitting cell: 5 inner steps of 0.3 s, then rounds of 1000 bytes taking 0.3 + 0.5 s
-    sit = tmp_path / "cell"
-    write_run(sit, [], [0] * 15 + [1000, 0] * 10, wall=[0.3] * 15 + [0.8, 0.3] * 10)
-    costs = protocol_costs.cell_costs(sit, floor_step=0.25)
-    assert costs["a"] == pytest.approx(0.3) and costs["b"] == pytest.approx(0.0005)
+    # a sitting cell over two rounds: inner steps of 0.3 s, rounds of 1000 bytes taking 0.8 s,
+    # and in the second round two dense steps of 10000 bytes taking 2.3 s
+    rounds = [tmp_path / "round0", tmp_path / "round1"]
+    write_run(rounds[0], [], [0] * 15 + [1000, 0] * 10, wall=[0.3] * 15 + [0.8, 0.3] * 10)
+    write_run(rounds[1], [], [0] * 12 + [10000] * 2 + [1020, 0] * 3, wall=[0.3] * 12 + [2.3] * 2 + [0.8, 0.3] * 3)
+    costs = protocol_costs.cell_costs(rounds, floor_step=0.25)
+    assert costs["a"] == pytest.approx(0.3)
+    assert [(round(b), round(s, 6), n) for b, s, n in costs["points"]] == [(1000, 0.8, 13), (10000, 2.3, 2)]
+    assert protocol_costs.step_seconds(costs, 0) == pytest.approx(0.3)
+    assert protocol_costs.step_seconds(costs, 500) == pytest.approx(0.55)  # between (0, a) and the round
+    assert protocol_costs.step_seconds(costs, 5500) == pytest.approx(1.55)  # between the two kinds
+    assert protocol_costs.step_seconds(costs, 20000) == pytest.approx(0.3 + 2.0 * 2)  # past the largest kind
     always = tmp_path / "always"  # a method that sends every step: a is the floor's step
     write_run(always, [], [2000] * 20, wall=[1.25] * 20)
-    assert protocol_costs.cell_costs(always, floor_step=0.25)["b"] == pytest.approx(0.0005)
+    got = protocol_costs.cell_costs([always], floor_step=0.25)
+    assert got["a"] == 0.25 and protocol_costs.step_seconds(got, 4000) == pytest.approx(0.25 + 2 * 1.0)
+    quiet = tmp_path / "quiet"
+    write_run(quiet, [], [0] * 20, wall=[0.3] * 20)
+    with pytest.raises(ValueError, match="no sending step"):
+        protocol_costs.step_seconds(protocol_costs.cell_costs([quiet], 0.25), 100)
     run = tmp_path / "run"
     write_run(run, [(2, 50.0), (4, 30.0), (6, 20.0)], [1000, 0, 1000, 0, 1000, 0])
-    seconds, reach = protocol_costs.run_time(run, {"a": 0.3, "b": 0.0005}, eval_s=2.0, target=30.0)
+    cost = {"a": 0.3, "points": [[1000, 0.8, 1]]}
+    seconds, reach = protocol_costs.run_time(run, cost, eval_s=2.0, target=30.0)
     assert reach == 4 and seconds == pytest.approx(4 * 0.3 + 2 * 0.5 + 2 * 2.0)
-    assert protocol_costs.run_time(run, {"a": 0.3, "b": 0.0}, eval_s=2.0, target=10.0) == (None, None)
+    assert protocol_costs.run_time(run, cost, eval_s=2.0, target=10.0) == (None, None)
+
+
+def test_the_sitting_shortens_rounds_and_windows(proto):
+    _, default = protocol_costs.sitting_args(proto, "transformer", "default")
+    assert default[len(default) - 1 - default[::-1].index("--interval") + 1] == "16"
+    _, paper = protocol_costs.sitting_args(proto, "transformer", "diloco-paper")
+    assert paper[paper.index("--sync-every") + 1] == "16" and "--max-steps" in paper
+    _, frozen = protocol_costs.sitting_args(proto, "transformer", "ours-adamw")
+    assert frozen[frozen.index("--freeze-step") + 1] == "20"
