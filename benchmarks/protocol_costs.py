@@ -71,6 +71,9 @@ def sitting_args(proto: runs.Protocol, task: str, method: str) -> tuple[str, lis
              "--max-steps", str(SIT_STEPS)]
     if method == "one-node":
         flags = runs.one_node(flags, proto.data["ranks"])
+    if method == "floor":  # its epoch is `ranks` times the steps: evaluate as often in steps
+        at = flags.index("--evals-per-epoch") + 1
+        flags = [*flags[:at], str(int(flags[at]) * proto.data["ranks"]), *flags[at + 1:]]
     if "freeze" in spec:
         flags += ["--freeze-step", str(SIT_FREEZE)]
     for name in ("--sync-every", "--interval"):  # rounds and windows: the last one given counts
@@ -91,8 +94,11 @@ def clean_steps(where: Path) -> list[tuple[float, float]]:
 
 def cell_costs(rounds: list[Path], floor_step: float | None) -> dict:
     """A cell's costs from its rounds' steps, pooled: ``a`` and the ``points`` (bytes, seconds)
-    of each kind of sending step (steps whose bytes agree within ``KIND``; module doc)."""
+    of each kind of sending step (steps whose bytes agree within ``KIND``; module doc). A cell
+    on no link (``floor_step`` None: one process, whose bytes cross nothing) has only ``a``."""
     steps = [step for where in rounds for step in clean_steps(where)]
+    if floor_step is None:
+        return {"a": statistics.median(s for s, _ in steps), "points": [], "steps": len(steps)}
     idle = [s for s, b in steps if b == 0]
     a = statistics.median(idle) if len(idle) >= 5 else floor_step
     busy = sorted((b, s) for s, b in steps if b > 0)
@@ -161,7 +167,7 @@ def sit(proto: runs.Protocol, task: str) -> Path:
                                         if (e := eval_seconds(out / f"round{r}" / "floor" / "any")) is not None)
     for method, rate in cells:
         costs["cells"][f"{method}@{rate}"] = cell_costs([out / f"round{r}" / method / rate for r in range(ROUNDS)],
-                                                        costs["floor_step"])
+                                                        None if rate == "any" else costs["floor_step"])
     (out / "costs.json").write_text(json.dumps(costs, indent=1) + "\n")
     return out / "costs.json"
 

@@ -97,6 +97,8 @@ def test_costs_and_a_computed_time(tmp_path):
     write_run(always, [], [2000] * 20, wall=[1.25] * 20)
     got = protocol_costs.cell_costs([always], floor_step=0.25)
     assert got["a"] == 0.25 and protocol_costs.step_seconds(got, 4000) == pytest.approx(0.25 + 2 * 1.0)
+    alone = protocol_costs.cell_costs([always], floor_step=None)  # one process: its bytes cross nothing
+    assert alone == {"a": pytest.approx(1.25), "points": [], "steps": 10}
     quiet = tmp_path / "quiet"
     write_run(quiet, [], [0] * 20, wall=[0.3] * 20)
     with pytest.raises(ValueError, match="no sending step"):
@@ -116,3 +118,5 @@ def test_the_sitting_shortens_rounds_and_windows(proto):
     assert paper[paper.index("--sync-every") + 1] == "16" and "--max-steps" in paper
     _, frozen = protocol_costs.sitting_args(proto, "transformer", "ours-adamw")
     assert frozen[frozen.index("--freeze-step") + 1] == "20"
+    _, floor = protocol_costs.sitting_args(proto, "transformer", "floor")  # twice the steps per epoch
+    assert floor[floor.index("--evals-per-epoch") + 1] == "8" and "--max-steps" in floor
