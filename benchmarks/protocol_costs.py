@@ -61,6 +61,12 @@ def per_step(where: Path) -> tuple[list[float], list[float]]:
     return seconds, sent
 
 
+def parameters(where: Path) -> int:
+    """The model's parameters: the dense floats of a run's first step."""
+    with open(where / "steps.csv", newline="") as f:
+        return int(float(next(csv.DictReader(f))["floats_dense"]))
+
+
 def sitting_args(proto: runs.Protocol, task: str, method: str) -> tuple[str, list[str]]:
     """(launcher, CLI arguments) of one sitting cell: its trajectory's command, shortened."""
     if method == "floor":
@@ -98,7 +104,7 @@ def cell_costs(rounds: list[Path], floor_step: float | None) -> dict:
     on no link (``floor_step`` None: one process, whose bytes cross nothing) has only ``a``."""
     steps = [step for where in rounds for step in clean_steps(where)]
     if floor_step is None:
-        return {"a": statistics.median(s for s, _ in steps), "points": [], "steps": len(steps)}
+        return {"a": statistics.median(s for s, _ in steps), "points": None, "steps": len(steps)}
     idle = [s for s, b in steps if b == 0]
     a = statistics.median(idle) if len(idle) >= 5 else floor_step
     busy = sorted((b, s) for s, b in steps if b > 0)
@@ -114,7 +120,10 @@ def cell_costs(rounds: list[Path], floor_step: float | None) -> dict:
 
 def step_seconds(cost: dict, sent: float) -> float:
     """One step's seconds when a rank sends ``sent`` bytes: piecewise linear through (0, a) and
-    the cell's points, the last segment's line from (0, a) through the largest point extended."""
+    the cell's points, the last segment's line from (0, a) through the largest point extended;
+    ``a`` on no link (points None)."""
+    if cost["points"] is None:
+        return cost["a"]
     xs = [0.0] + [p[0] for p in cost["points"]]
     ys = [cost["a"]] + [max(p[1], cost["a"]) for p in cost["points"]]
     if sent <= 0:

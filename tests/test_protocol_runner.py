@@ -13,6 +13,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 import protocol  # noqa: E402
 import protocol_costs  # noqa: E402
+import protocol_report  # noqa: E402
 
 
 @pytest.fixture
@@ -26,12 +27,12 @@ def write_run(where: Path, evals, sent_bytes, wall=None):
     where.mkdir(parents=True, exist_ok=True)
     with open(where / "steps.csv", "w", newline="") as f:
         w = csv.writer(f)
-        w.writerow(["step", "epoch", "wall_s", "bytes_sent"])
+        w.writerow(["step", "epoch", "wall_s", "bytes_sent", "floats_dense"])
         total, clock = 0, 0.0
         for k, b in enumerate(sent_bytes, start=1):
             total += b
             clock += wall[k - 1] if wall else 1.0
-            w.writerow([k, 1, clock, total])
+            w.writerow([k, 1, clock, total, 1000 * k])
     with open(where / "eval.csv", "w", newline="") as f:
         w = csv.writer(f)
         w.writerow(["step", "epoch", "accuracy", "perplexity", "floats_sent", "wall_s"])
@@ -98,7 +99,8 @@ def test_costs_and_a_computed_time(tmp_path):
     got = protocol_costs.cell_costs([always], floor_step=0.25)
     assert got["a"] == 0.25 and protocol_costs.step_seconds(got, 4000) == pytest.approx(0.25 + 2 * 1.0)
     alone = protocol_costs.cell_costs([always], floor_step=None)  # one process: its bytes cross nothing
-    assert alone == {"a": pytest.approx(1.25), "points": [], "steps": 10}
+    assert alone == {"a": pytest.approx(1.25), "points": None, "steps": 10}
+    assert protocol_costs.step_seconds(alone, 4000) == pytest.approx(1.25)
     quiet = tmp_path / "quiet"
     write_run(quiet, [], [0] * 20, wall=[0.3] * 20)
     with pytest.raises(ValueError, match="no sending step"):
@@ -120,3 +122,34 @@ def test_the_sitting_shortens_rounds_and_windows(proto):
     assert frozen[frozen.index("--freeze-step") + 1] == "20"
     _, floor = protocol_costs.sitting_args(proto, "transformer", "floor")  # twice the steps per epoch
     assert floor[floor.index("--evals-per-epoch") + 1] == "8" and "--max-steps" in floor
+
+
+def test_the_report_prices_every_seed_and_gives_ratios_only_where_all_reached(proto):
+    task, seeds = "transformer", proto.data["seeds"]
+    proto.results.mkdir(parents=True)
+    proto.frozen_path(task).write_text(json.dumps({"target": 30.0}))
+    cells = {f"{m}@{r}": {"a": 0.5, "points": [[2000, 1.5, 10]]} for m in proto.methods for r in proto.tasks[task]["rates"]}
+    cells.update({"floor@any": {"a": 0.25, "points": None}, "one-node@any": {"a": 0.4, "points": None}})
+    sitting = proto.results / "sittings" / "today-cpu" / task
+    sitting.mkdir(parents=True)
+    (sitting / "costs.json").write_text(json.dumps({"cpu": "cpu", "eval_s": 1.0, "cells": cells}))
+    for seed in seeds:  # the baseline: 4 steps of 2000 bytes, then the target at step 4
+        write_run(proto.run_dir(task, "ddp-fp16", "any", seed), [(2, 40.0), (4, 29.0)], [2000] * 4)
+        write_run(proto.run_dir(task, "one-node", "any", seed), [(2, 40.0), (4, 29.0)], [2000] * 4)
+    write_run(proto.run_dir(task, "ours-adamw", "any", 0), [(2, 29.0)], [1000, 0])  # one seed only
+    write_run(proto.run_dir(task, "sparseloco", "any", 0), [(2, 31.0)], [0, 0])  # never reaches it
+    rep = protocol_report.report(proto, task, sitting)
+    assert rep["floor_s"] == pytest.approx(4 * 0.25 + 2 * 1.0)  # no link: every step at a, plus evaluations
+    assert rep["one_node_s"] == pytest.approx(4 * 0.4 + 2.0)
+    block = rep["rates"]["10mbit"]
+    dense = block["methods"]["ddp-fp16"]
+    assert dense["mean_s"] == pytest.approx(4 * 1.5 + 2.0) and dense["x_floor"] == pytest.approx(8.0 / 3.0)
+    assert dense["seeds"][0]["bits_per_param_step"] == pytest.approx(16.0)  # 2000 bytes over 1000 parameters
+    assert block["baseline_s"] == pytest.approx(8.0)  # hvd-fp16 has no runs
+    ours = block["methods"]["ours-adamw"]
+    assert ours["seeds"] == [{"seed": 0, "steps": 2, "seconds": pytest.approx(1.0 + 0.5 + 1.0),
+                              "bits_per_param_step": pytest.approx(4.0)}]
+    assert ours["mean_s"] is None and ours["x_floor"] is None  # 1 of 3 seeds: no ratio
+    assert block["methods"]["sparseloco"]["seeds"][0]["seconds"] is None
+    text = protocol_report.markdown(rep, proto)
+    assert "| ours-adamw | 1 of 3 | 2 / . / . |" in text and "| sparseloco | 1 of 3 | cap / . / . |" in text
