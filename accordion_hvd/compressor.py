@@ -89,15 +89,19 @@ class Compressor:
                              f"model's layers)")
         self._owner = weakref.ref(owner)
 
-    def bind(self, owner, *, channel, control, optimizer=None, speaks: bool | None = None) -> None:
-        """Attach this compressor to a front end that brings its own planes (the DDP and HSDP
-        hooks): ``owner`` (``serve``), its data plane and control plane, the optimizer whose
-        learning rates the policy reads (if given), and whether this rank logs for the job
-        (``speaks``; default: rank 0 of the data plane)."""
+    def bind(self, owner, *, channel, control, optimizer=None, speaks: bool | None = None,
+             front_end: str = "AccordionCompressor", settings: dict | None = None,
+             device_type: str | None = None, start: tuple[str, str] | None = None) -> None:
+        """Attach this compressor to a front end (the DDP and HSDP hooks, DiLoCo, OneBitAdam):
+        ``owner`` (``serve``), its data plane and control plane (None: the default planes,
+        Horovod's world), the optimizer whose learning rates the policy reads (if given), and
+        what the front end declares to the engine (``StepEngine.declare``): whether this rank
+        logs for the job (``speaks``; default: rank 0 of the data plane), its name, its settings
+        every rank must share, its gradients' device type and its start check."""
         self.serve(owner)
         if channel is not None:  # else the default planes (comm/planes.py: Horovod's world)
             self.engine.use_planes(channel, control)
-        self.engine.between.speaks_for_job = speaks
+        self.engine.declare(front_end, settings=settings, device_type=device_type, speaks=speaks, start=start)
         if optimizer is not None:
             self.engine.lrs.watch(optimizer)
 

@@ -96,7 +96,7 @@ from .comm.control import new_control_plane
 from .comm.mesh import column_channel, node_channel
 from .compressor import Compressor
 from . import diloco_state
-from .diloco_checks import agree_start, check_arguments, check_sharding
+from .diloco_checks import InnerSteps, agree_start, check_arguments, check_sharding
 from .diloco_window import WindowStatistic
 from .job import bind_to_job
 from .policies import SyncInterval
@@ -166,14 +166,15 @@ class DiLoCo:
         self.interval = self.policy.interval if self.policy is not None else int(sync_every)  # inner steps per round now
         self.plain_below = int(plain_below) if plain_below is not None else PLAIN_BELOW if self.policy is not None else 1
         self.inner = inner_optimizer
+        self.inner_counted = InnerSteps(inner_optimizer)
         # compared across ranks with the compressor's settings, at the first round
-        self.compressor.engine.front_end = {
+        settings = {
             "diloco_sync_every": repr(self.policy) if self.policy is not None else self.interval,
             "diloco_outer_lr": self.outer_lr, "diloco_outer_momentum": self.outer_momentum,
             "diloco_nesterov": self.nesterov, "diloco_overlap": self.overlap,
             "diloco_reset_momentum": self.reset_momentum, "diloco_plain_below": self.plain_below}
         self.node_faults = None  # HSDP: this node's ranks, to agree on a skipped round (buffered_step.py)
-        self.size = self._bind(model, inner_optimizer, collective_timeout(timeout))  # ranks of the control plane
+        self.size = self._bind(model, inner_optimizer, collective_timeout(timeout), settings)  # ranks of the control plane
         self.control = self.compressor.engine.control
         self.round = BufferedStep(self.compressor.engine, "acc.diloco")  # one round: one step of it
         agree_start(self.params, self.local, self.mesh, self.control)
@@ -188,26 +189,29 @@ class DiLoCo:
         self.plain = False    # the round in flight is a plain average (launched at an interval below plain_below)
         self.window = None if self.policy is None else WindowStatistic(inner_optimizer)
 
-    def _bind(self, model, optimizer, timeout: float) -> int:
-        """The compressor bound to the job's planes; returns the number of ranks (job.py;
-        under HSDP the data plane is this rank's column)."""
+    def _bind(self, model, optimizer, timeout: float, settings: dict) -> int:
+        """The compressor bound to the job's planes, DiLoCo's ``settings`` declared to its
+        engine; returns the number of ranks (job.py; under HSDP the data plane is this rank's
+        column)."""
         import torch.distributed as dist
 
         if self.mesh is None:
-            return bind_to_job(self.compressor, model, optimizer, self.params[0][1].device.type, timeout, "DiLoCo")
+            return bind_to_job(self.compressor, model, optimizer, self.params[0][1].device.type, timeout, "DiLoCo",
+                               settings=settings)
         if not (dist.is_available() and dist.is_initialized()):
             raise RuntimeError("DiLoCo with mesh= (HSDP) needs torch.distributed initialized (torchrun)")
         ranks = list(range(dist.get_world_size()))
         channel = column_channel(self.mesh, timeout, lanes=("q", "dense"))
         self.node_faults = node_channel(self.mesh, timeout)
-        self.compressor.bind(model, channel=channel, control=new_control_plane(ranks, timeout),
-                             optimizer=optimizer, speaks=dist.get_rank() == 0)
+        self.compressor.bind(model, channel=channel, control=new_control_plane(ranks, timeout), optimizer=optimizer,
+                             speaks=dist.get_rank() == 0, front_end="acc.DiLoCo", settings=settings)
         return len(ranks)
 
     def step(self) -> bool:
         """Count one inner step; when a round is due, run it. Returns whether one ran. Call it
         on every rank after each step of the inner optimizer (its gradients still there)."""
         started = time.perf_counter()
+        self.inner_counted.check([local_tensor(p.grad) for _, p in self.params if p.grad is not None])
         self.inner_steps += 1
         self.since_sync += 1
         if self.window is not None:  # (HSDP: each rank's shard of the gradients)

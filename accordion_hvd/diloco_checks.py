@@ -80,3 +80,26 @@ def agree_start(params: list[tuple], shards: list[torch.Tensor], mesh, control, 
     if not np.array_equal(high, low):
         raise ValueError(f"{who}: the model's parameters differ across ranks at the start; start every rank from "
                          f"the same model (seed it alike, or broadcast rank 0's parameters first)")
+
+
+class InnerSteps:
+    """Counts the inner optimizer's steps (a post-step hook, holding nothing of DiLoCo), so
+    that ``DiLoCo.step()`` called with no inner step since its last call is refused:
+    called before ``opt.step()``, every round would start one inner step late and the ranks'
+    models drift apart with no word."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+        self.steps, self.seen = 0, 0
+        self.handle = optimizer.register_step_post_hook(self._count)
+
+    def _count(self, *_args) -> None:
+        self.steps += 1
+
+    def check(self, gradients: list[torch.Tensor]) -> None:
+        """At ``DiLoCo.step()``: an inner step since the last call, or gradients that are not
+        all finite (an AMP GradScaler skipped the step), or a ValueError (every rank running
+        the same loop raises it, before any collective)."""
+        stepped, self.seen = self.steps > self.seen, self.steps
+        if not stepped and all(bool(torch.isfinite(g).all()) for g in gradients):
+            raise ValueError("DiLoCo.step(): the inner optimizer has not stepped since the last call; call "
+                             "diloco.step() right after each inner_optimizer.step(), on every rank")

@@ -14,23 +14,24 @@ from .comm.process_group import new_channel
 
 
 def bind_to_job(compressor, owner, optimizer, device_type: str, timeout: float, who: str,
-                lanes: tuple[str, ...] = ("q", "dense")) -> int:
+                lanes: tuple[str, ...] = ("q", "dense"), settings: dict | None = None) -> int:
     """Bind ``compressor`` to ``owner`` over every rank of the job; returns the number of
-    ranks. ``who`` names the front end in the error when no job is running."""
+    ranks. ``who`` names the front end (``acc.WHO`` in refusals; alone in the error when no
+    job is running); ``settings``, the front end's own that every rank must share."""
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():
         ranks = list(range(dist.get_world_size()))
         channel = new_channel(ranks, timeout, dist.get_backend(), lanes=lanes)
         compressor.bind(owner, channel=channel, control=new_control_plane(ranks, timeout), optimizer=optimizer,
-                        speaks=dist.get_rank() == 0)
+                        speaks=dist.get_rank() == 0, front_end=f"acc.{who}", settings=settings)
         return len(ranks)
     size = horovod_size()
     if size is None:
         raise RuntimeError(f"{who} needs torch.distributed initialized (dist.init_process_group, under torchrun) "
                            f"or Horovod (hvd.init(), under horovodrun)")
-    compressor.engine.planes.device_type = device_type  # picks the default data plane
-    compressor.bind(owner, channel=None, control=None, optimizer=optimizer)
+    compressor.bind(owner, channel=None, control=None, optimizer=optimizer, front_end=f"acc.{who}", settings=settings,
+                    device_type=device_type)  # the device picks the default data plane
     return size
 
 

@@ -122,14 +122,14 @@ class OneBitAdam:
         self.max_update = None if max_update is None else float(max_update)
         self.group_of = {id(p): group for group in optimizer.param_groups for p in group["params"]}
         # compared across ranks with the compressor's settings, at the first step
-        self.warmup.engine.front_end = {
+        settings = {
             "onebit_adam_freeze_step": self.freeze_step, "onebit_adam_max_update": self.max_update,
             "onebit_adam_optimizer": type(optimizer).__name__,
             "onebit_adam_groups": [[list(group["betas"]), group["eps"], group["weight_decay"], group["lr"]]
                                    for group in optimizer.param_groups]}
         timeout = collective_timeout(timeout)
         device_type = self.params[0][1].device.type
-        self.size = bind_to_job(self.warmup, model, optimizer, device_type, timeout, "OneBitAdam")
+        self.size = bind_to_job(self.warmup, model, optimizer, device_type, timeout, "OneBitAdam", settings=settings)
         bind_to_job(self.compressor, model, optimizer, device_type, timeout, "OneBitAdam")
         agree_start(self.params, [p for _, p in self.params], None, self.warmup.control, who="OneBitAdam")
         self.warm_round = BufferedStep(self.warmup.engine, "acc.onebit.warmup")

@@ -138,9 +138,9 @@ class StepFaults:
         self.poll(wait=True)
         return int(self._count)
 
-    @count.setter
-    def count(self, value: int) -> None:
-        self._count = int(value)
+    def load(self, skipped: int) -> None:
+        """The skipped-step count of a loaded state."""
+        self._count = int(skipped)
 
     def forget(self) -> None:
         """Drop the step in flight (an aborted step: its collectives never completed)."""

@@ -125,7 +125,10 @@ def test_benchmarks_import_nothing_from_the_tests():
 
 
 # Files and classes small enough to read in one sitting (issues 46 and 64: 400 and 250 lines).
-MAX_FILE_LINES, MAX_CLASS_LINES = 400, 250
+# Issue 81 found the class cap of 250 producing contortions (free functions writing a class's
+# fields from another file, to stay under it); the engine's one door (``declare``) took it to
+# 273 lines, so classes may have 300: a limit to notice, not one to split a class for.
+MAX_FILE_LINES, MAX_CLASS_LINES = 400, 300
 
 
 def package_classes() -> dict[str, list[tuple[Path, ast.ClassDef]]]:
@@ -197,3 +200,29 @@ def test_no_file_reads_another_files_private_names():
                     and not (isinstance(node.value, ast.Name) and node.value.id in ("self", "cls")):
                 reads.append(f"{path.relative_to(PACKAGE.parent)}:{node.lineno} reads .{node.attr}")
     assert not reads, "; ".join(reads)
+
+
+# An attribute of an attribute assigned on purpose, with why: tied weights are PyTorch's idiom
+# (the decoder shares the embedding's Parameter; the module owns both).
+TIED = {("cli/models.py", "self.decoder.weight")}
+
+
+def test_no_object_assigns_into_another_objects_parts():
+    """Each object owns its state (issue 81): outside the engine's own files no assignment has
+    a target like ``a.b.c`` (into the part ``b`` of ``a``), and none anywhere goes through an
+    engine (``x.engine.y = ...``): a front end tells the engine what it is through
+    ``StepEngine.declare``, and a loaded state goes in through its objects' ``load`` methods."""
+    found = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        where = path.relative_to(PACKAGE).as_posix()
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            targets = node.targets if isinstance(node, ast.Assign) else \
+                [node.target] if isinstance(node, (ast.AugAssign, ast.AnnAssign)) else []
+            for target in (t for group in targets for t in (group.elts if isinstance(group, ast.Tuple) else [group])):
+                if not (isinstance(target, ast.Attribute) and isinstance(target.value, ast.Attribute)):
+                    continue
+                text = ast.unparse(target)
+                through_engine = ".engine." in f".{text}"
+                if through_engine or not where.startswith("engine/") and (where, text) not in TIED:
+                    found.append(f"{where}:{node.lineno} assigns {text}")
+    assert not found, "; ".join(found)

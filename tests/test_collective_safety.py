@@ -13,7 +13,7 @@ from accordion_hvd.comm import SimulatedWorld
 from accordion_hvd.comm.channel import DEFAULT_TIMEOUT, TIMEOUT_ENV, Channel, collective_timeout
 from launch import horovodrun
 
-CONFIG_ERROR = "ValueError: AccordionCompressor: ranks were started with different compressor settings"
+CONFIG_ERROR = "ValueError: AccordionCompressor: ranks were started with different settings"
 
 
 # --- under horovodrun -----------------------------------------------------------------------
@@ -75,6 +75,32 @@ def test_a_layer_only_one_rank_has_fails_on_every_rank_naming_it(backend, mode, 
     assert elapsed < 60, f"took {elapsed:.0f} s"
 
 
+@pytest.mark.horovod
+def test_ranks_that_start_from_different_parameters_are_refused_naming_the_broadcast():
+    # A Horovod user who forgets hvd.broadcast_parameters would train diverging replicas with
+    # no word: the first step's settings agreement compares a digest of the parameters.
+    result, elapsed = run_mismatch("parameters", "gloo")
+    assert result.returncode != 0, result.stdout
+    messages = messages_by_rank(result.stdout)
+    assert sorted(messages) == [0, 1] and messages[0] == messages[1], result.stdout
+    assert messages[0].startswith("ValueError: AccordionCompressor: the model's parameters differ across ranks at "
+                                  "the first step"), result.stdout
+    assert "(process 0) vs" in messages[0] and "hvd.broadcast_parameters(model.state_dict(), root_rank=0)" \
+        in messages[0], result.stdout
+    assert elapsed < 60, f"took {elapsed:.0f} s"
+
+
+@pytest.mark.horovod
+def test_a_codec_passed_as_compression_says_to_wrap_it_on_every_rank():
+    result, elapsed = run_mismatch("codec-as-compression", "gloo")
+    assert result.returncode != 0, result.stdout
+    messages = messages_by_rank(result.stdout)
+    assert sorted(messages) == [0, 1] and messages[0] == messages[1], result.stdout
+    assert messages[0] == ("TypeError: PowerSGD is a codec, not a Horovod compressor: pass compression="
+                           "acc.AccordionCompressor(acc.PowerSGD(...)) to hvd.DistributedOptimizer"), result.stdout
+    assert elapsed < 60, f"took {elapsed:.0f} s"
+
+
 # --- on the simulated world ----------------------------------------------------------------
 def first_step_errors(world_size, make_codec, args=lambda rank: {}):
     """Every simulated rank compresses one layer; returns each rank's error message (or None)."""
@@ -91,8 +117,8 @@ def test_simulated_different_rank_raises_the_same_error_on_every_rank():
     errors = first_step_errors(3, lambda r: acc.PowerSGD(rank=4 if r == 1 else 2))
     assert errors[0] == errors[1] == errors[2]
     assert errors[0] == (
-        "AccordionCompressor: ranks were started with different compressor settings; every process must create "
-        "AccordionCompressor with the same codec and arguments. Differing (process N is the job's rank N): 'critical_rank': 2 (processes 0, 2) "
+        "AccordionCompressor: ranks were started with different settings; every process must create "
+        "AccordionCompressor with the same arguments. Differing (process N is the job's rank N): 'critical_rank': 2 (processes 0, 2) "
         "vs 4 (process 1); 'rank': 2 (processes 0, 2) vs 4 (process 1).")
 
 

@@ -36,7 +36,8 @@ def test_training_cli_learns_digits(codec):
     assert match, result.stdout
     assert float(match.group(1)) >= 0.9, result.stdout
     if codec in ("powersgd", "topk"):
-        assert re.search(r"floats sent by rank 0: [0-9,]+ of [0-9,]+ \(([0-9.]+)x less", result.stdout), result.stdout
+        assert re.search(r"sent by rank 0: [0-9,.]+ MB of [0-9,.]+ MB dense \(([0-9.]+)x less on the wire\); floats "
+                         r"[0-9,]+ of [0-9,]+", result.stdout), result.stdout
 
 
 @pytest.mark.parametrize("args,message", [

@@ -37,7 +37,7 @@ BAD = {  # case -> (exception, what the message must say)
     "reduce-dtype": ("ValueError", "reduce dtype torch.float16; the compressed all-reduce needs float32 or bfloat16"),
     "not-a-compressor": ("TypeError", "compressor must be an acc.AccordionCompressor, got str"),
     "bound-elsewhere": ("ValueError", "already bound to another model"),
-    "settings-differ": ("ValueError", "ranks were started with different compressor settings"),
+    "settings-differ": ("ValueError", "AccordionCompressor: ranks were started with different settings"),
 }
 
 

@@ -32,6 +32,7 @@ class Uncompressed(HorovodCompressor):
         self._floats = 0
         self._dense = 0  # what a dense step each time would have sent (the periodic front ends send less)
         self._bytes = 0  # on the wire: 2 a float in fp16 and bf16, else the tensor's own (float32: 4)
+        self._dense_bytes = 0  # the dense floats' own bytes
 
     def __repr__(self) -> str:
         return f"uncompressed ({self.kind})"
@@ -46,6 +47,7 @@ class Uncompressed(HorovodCompressor):
         a float's size before this kind's conversion (the CLI's models: float32)."""
         self._floats += floats
         self._dense += floats if dense is None else dense
+        self._dense_bytes += (floats if dense is None else dense) * element_bytes
         self._bytes += floats * (2 if self.kind in ("fp16", "bf16") else element_bytes)
 
     @property
@@ -73,14 +75,15 @@ class Uncompressed(HorovodCompressor):
         return hook
 
     def stats(self) -> dict:
-        return {"floats_sent": self._floats, "floats_dense": self._dense, "bytes_sent": self._bytes, "layers": {}}
+        return {"floats_sent": self._floats, "floats_dense": self._dense, "bytes_sent": self._bytes,
+                "bytes_dense": self._dense_bytes, "layers": {}}
 
     def epoch_end(self) -> None:
         pass
 
     def state_dict(self) -> dict:
         return {"format": _STATE_FORMAT, "kind": self.kind, "floats": self._floats, "dense": self._dense,
-                "bytes": self._bytes}
+                "bytes": self._bytes, "dense_bytes": self._dense_bytes}
 
     def load_state_dict(self, state: dict, error_feedback: bool = True) -> None:  # none to keep
         if not isinstance(state, dict) or state.get("format") != _STATE_FORMAT or state.get("kind") != self.kind:
@@ -89,3 +92,4 @@ class Uncompressed(HorovodCompressor):
         self._floats = int(state["floats"])
         self._dense = int(state.get("dense", self._floats))  # (checkpoints from before it: as many)
         self._bytes = int(state.get("bytes", self._floats * (2 if self.kind in ("fp16", "bf16") else 4)))
+        self._dense_bytes = int(state.get("dense_bytes", self._dense * 4))

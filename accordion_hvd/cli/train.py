@@ -312,10 +312,11 @@ def finish(run: Run, acc: float) -> None:
               f"{time.perf_counter() - run.started:.1f} s)", flush=True)
         stats = run.compression.stats()
         if not stats["floats_sent"]:
-            print("floats sent by rank 0: none (nothing was exchanged)", flush=True)
-        else:
-            print(f"floats sent by rank 0: {stats['floats_sent']:,} of {stats['floats_dense']:,} "
-                  f"({stats['floats_dense'] / stats['floats_sent']:.1f}x less than dense)", flush=True)
+            print("sent by rank 0: nothing (nothing was exchanged)", flush=True)
+        else:  # bytes first: a 16-bit step sends every float at half the bytes
+            print(f"sent by rank 0: {stats['bytes_sent'] / 1e6:,.2f} MB of {stats['bytes_dense'] / 1e6:,.2f} MB dense "
+                  f"({stats['bytes_dense'] / max(stats['bytes_sent'], 1):.1f}x less on the wire); floats "
+                  f"{stats['floats_sent']:,} of {stats['floats_dense']:,}", flush=True)
     if run.metrics is not None:
         run.metrics.close()
         from .plots import plot_run

@@ -54,6 +54,16 @@ class Codec:
         """Whether a gradient of this shape is compressed (else it is sent as it is)."""
         raise NotImplementedError
 
+    # Passed straight as Horovod's ``compression=``, a codec would fail at the first backward
+    # with "object has no attribute 'compress'": Horovod calls these, on every rank, before
+    # any collective of the step, and they say what to pass instead.
+    @classmethod
+    def compress(cls, *_args, **_kwargs):
+        raise TypeError(f"{cls.__name__} is a codec, not a Horovod compressor: pass "
+                        f"compression=acc.AccordionCompressor(acc.{cls.__name__}(...)) to hvd.DistributedOptimizer")
+
+    decompress = compress
+
     def init_state(self, name: str, grad: torch.Tensor, level: Level):
         """A layer's state at its first gradient (error feedback zero, at ``level``)."""
         raise NotImplementedError

@@ -147,7 +147,7 @@ class GlooChannel(ProcessGroupChannel):
     def note_step(self, step: int) -> None:
         """The optimizer step this rank is in now: published with its heartbeats, so that a
         diagnosis can say where a rank that left was (comm/liveness.py)."""
-        self._heartbeat.step = step
+        self._heartbeat.note_step(step)
 
     def close(self) -> None:
         """Stop the heartbeat (the world was re-formed; a new channel replaces this one)."""

@@ -75,7 +75,7 @@ class Heartbeat:
         for store in (self._beat_store, self._read_store):  # from now on a store that is slow counts as gone
             store.set_timeout(datetime.timedelta(seconds=STORE_TIMEOUT_S))
         self._store_lost: str | None = None  # set once the store stopped answering: never read again
-        self.step = 0  # optimizer steps this rank has completed (the channel's note_step), in its exit record
+        self.step = 0  # optimizer steps this rank has completed (note_step), in its exit record
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._beat, name=f"accordion-heartbeat-{rank}", daemon=True)
         _track(self._thread)
@@ -108,6 +108,10 @@ class Heartbeat:
         writer = threading.Thread(target=write, name="accordion-liveness-exit", daemon=True)
         _track(writer)
         writer.join(STORE_TIMEOUT_S)
+
+    def note_step(self, step: int) -> None:
+        """The optimizer steps this rank has completed, published with its heartbeats."""
+        self.step = step
 
     def close(self, wait: float = 0.0) -> None:
         """Stop beating; ``wait``: seconds to wait for the beating thread to end."""

@@ -82,8 +82,10 @@ class StepEngine:
             checks.check_network(self.policy, self.codec, accumulate)
             self.probe = self.controller.probe = NetworkProbe(self.codec, self.layers, dense_level=self.policy.dense_level,
                                                               seconds=self.counters.seconds)
-        self.front_end: dict = {}             # a front end's settings every rank must share (Horovod's op)
-        self.result_scale = 1.0               # our averages times this (Horovod's op=Sum: the world size)
+        # What the front end declared (``declare``): its name, its settings every rank must share
+        # (Horovod's op, DiLoCo's), our averages' scale (Horovod's op=Sum: the world size) and the
+        # start check of its parameters (``parameters_digest``, the remedy), for the first agreement.
+        self.front_end, self.front_end_settings, self.result_scale, self.start = "AccordionCompressor", {}, 1.0, None
         self.lrs = LearningRates()
         self.faults = StepFaults()            # non-finite gradients, on the device
         self.settings_agreed = False
@@ -117,14 +119,37 @@ class StepEngine:
         return {**self.codec.config(), "eta": self.eta, **self.controller.config(),
                 "bucket_cap_mb": self.bucket_cap / 2**20}  # every rank must cut the same buckets
 
+    def declare(self, front_end: str, *, settings: dict | None = None, device_type: str | None = None,
+                result_scale: float | None = None, speaks: bool | None = None,
+                start: tuple[str, str] | None = None) -> None:
+        """The one door by which a front end tells the engine what it is, before the settings
+        are agreed: its name (``front_end``, the one the user created: refusals name it), its
+        ``settings`` every rank must share (compared with the engine's own), the ``device_type``
+        of its gradients (picks the default data plane), the ``result_scale`` of our averages,
+        whether this rank ``speaks`` for the job in logs (None: rank 0 of the data plane), and
+        ``start``: (``settings.parameters_digest`` of its parameters, what to do if they differ),
+        compared at the first agreement (engine/settings.py). The other arguments left None keep
+        what was declared before."""
+        self.front_end = front_end
+        if settings is not None:
+            self.front_end_settings = dict(settings)
+        if device_type is not None and not self.settings_agreed:
+            self.planes.device_type = device_type
+        if result_scale is not None:
+            self.result_scale = float(result_scale)
+        self.between.speaks_for_job = speaks
+        if start is not None:
+            self.start = start
+
     def agree_settings(self) -> None:
         """Once (again after ``world_changed``): every rank's settings and the front end's
-        compared, one blocking allgather (engine/settings.py)."""
+        compared, one blocking allgather (engine/settings.py); the first one compares the
+        parameters declared too."""
         if self.settings_agreed:
             return
         state.check_loaded_owner(self)
-        agreement.agree(self.channel, {**self.config(), **self.front_end})
-        self.settings_agreed = True
+        agreement.agree(self.channel, {**self.config(), **self.front_end_settings}, self.front_end, self.start)
+        self.settings_agreed, self.start = True, None
 
     def world_changed(self) -> None:
         """The world was re-formed (Elastic): the planes rebuilt, the settings agreed again."""

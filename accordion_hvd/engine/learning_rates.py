@@ -31,6 +31,10 @@ class LearningRates:
             positive_number("lr", v)
         self.reported = [float(v) for v in values]
 
+    def load(self, reported: list[float] | None) -> None:
+        """The reported rates of a loaded state (None: none was reported)."""
+        self.reported = None if reported is None else [float(v) for v in reported]
+
     def current(self) -> list[float] | None:
         if self.reported is not None:
             return self.reported

@@ -76,8 +76,8 @@ def load_state_dict(engine, state: dict, error_feedback: bool = True) -> None:
     engine.layers.update(layers)
     engine.whole.load(whole)
     engine.counters.load(counters)
-    engine.faults.count = skipped
-    engine.lrs.reported = reported
+    engine.faults.load(skipped)
+    engine.lrs.load(reported)
     # Whose error feedback this is, checked against the data plane's rank at the first step
     # when no world was known at load time (loaded before hvd.init()).
     engine.loaded_owner = (state.get("rank"), state.get("world_size")) if error_feedback and world is None else None

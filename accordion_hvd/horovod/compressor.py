@@ -32,6 +32,7 @@ import torch
 
 from ..codecs import Codec
 from ..compressor import Compressor
+from ..engine.settings import parameters_digest
 from ..exchange import BUCKET_BYTES
 from .patches import check_wait, cycle_hint, install_bypass, install_construction_check, install_polite_wait, placeholder
 from .seam import GradientNames, bypass_allowed, find_optimizer, horovod_op_name, horovod_parameter, reduction_scale
@@ -115,9 +116,7 @@ class AccordionCompressor(Compressor, HorovodCompressor):
         if not self._met_horovod:  # an op we cannot honour is refused before the gradient is looked at
             if self._names is not None:
                 optimizer = find_optimizer()
-            if isinstance(tensor, torch.Tensor) and not engine.settings_agreed:
-                engine.planes.device_type = tensor.device.type  # picks the data plane the check runs on
-            self._meet_horovod(optimizer)
+            self._meet_horovod(optimizer, tensor.device.type if isinstance(tensor, torch.Tensor) else None)
         if self._names is not None:
             name = self._names.name_of(tensor)
         if not engine.lrs.watching and optimizer is not None:
@@ -129,15 +128,21 @@ class AccordionCompressor(Compressor, HorovodCompressor):
         out, route = engine.add(name, tensor, uncompressed_here=self._bypass)
         return (placeholder(tensor) if out is None else out), (route, name)
 
-    def _meet_horovod(self, optimizer) -> None:
+    def _meet_horovod(self, optimizer, device_type: str | None) -> None:
         """The first ``compress`` from Horovod's optimizer: honour its ``op`` or refuse it
         (seam.reduction_scale: before any collective, so a refusal never leaves a rank
-        waiting), agree on the settings, Horovod's op among them, with every rank, and take
-        the uncompressed gradients off Horovod."""
-        self.engine.result_scale = reduction_scale(optimizer)
-        # Kept: every later check (a world re-formed by Elastic) compares it again, also with a
-        # worker that joined and meets Horovod for the first time.
-        self.engine.front_end = {"horovod_op": None if optimizer is None else horovod_op_name(optimizer)}
+        waiting), agree on the settings, Horovod's op among them, and on the parameters the
+        optimizer starts from, with every rank, and take the uncompressed gradients off Horovod."""
+        scale = reduction_scale(optimizer)
+        start = None
+        if optimizer is not None and self.engine.counters.steps == 0:  # (a joiner of Elastic: not compared)
+            start = (parameters_digest(p for group in optimizer.param_groups for p in group["params"]),
+                     "broadcast rank 0's before the first step: hvd.broadcast_parameters(model.state_dict(), "
+                     "root_rank=0), as Horovod's examples do")
+        # The settings are kept: every later check (a world re-formed by Elastic) compares them
+        # again, also with a worker that joined and meets Horovod for the first time.
+        self.engine.declare("AccordionCompressor", device_type=device_type, result_scale=scale, start=start,
+                            settings={"horovod_op": None if optimizer is None else horovod_op_name(optimizer)})
         self.engine.agree_settings()
         if optimizer is not None:  # (also checked as Horovod built it, where the wrapper was in place)
             self.serve(optimizer)
@@ -194,6 +199,8 @@ def _built_with(compression, optimizer) -> None:
     """``hvd.DistributedOptimizer`` has just built ``optimizer`` with ``compression``
     (patches.install_construction_check): if it is ours, refuse here, on every rank that built
     it, an op or a process set it cannot honour and a second optimizer for one compressor."""
+    if isinstance(compression, Codec) or isinstance(compression, type) and issubclass(compression, Codec):
+        compression.compress()  # raises: a codec is not a compressor (codecs/base.py)
     if isinstance(compression, type) and issubclass(compression, AccordionCompressor):
         compression = compression.default_instance()
     if isinstance(compression, AccordionCompressor):

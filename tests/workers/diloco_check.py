@@ -347,7 +347,7 @@ elif mode == "bad-input":
         differing.step()
         check(False, "different outer_lr on the ranks was accepted")
     except ValueError as exc:
-        check("different compressor settings" in str(exc)
+        check("acc.DiLoCo: ranks were started with different settings" in str(exc)
               and "'diloco_outer_lr': 0.7 (process 0) vs 0.5 (process 1)" in str(exc), f"unclear: {exc}")
     apart = make_model()
     if rank == 1:
@@ -358,6 +358,24 @@ elif mode == "bad-input":
         check(False, "parameters that differ across ranks were accepted")
     except ValueError as exc:
         check("differ across ranks at the start" in str(exc), f"unclear: {exc}")
+    # diloco.step() before opt.step(): refused at its first call, on every rank, before any
+    # collective (every round would start an inner step late and the ranks drift apart)
+    model_c = make_model()
+    opt_c = torch.optim.SGD(model_c.parameters(), lr=LR)
+    early = acc.DiLoCo(model_c, opt_c, sync_every=2)
+    x, y = DATA[0]
+    torch.nn.functional.cross_entropy(model_c(x), y).backward()
+    try:
+        early.step()
+        check(False, "diloco.step() with no inner step since the last call was accepted")
+    except ValueError as exc:
+        check("DiLoCo.step(): the inner optimizer has not stepped since the last call" in str(exc),
+              f"unclear: {exc}")
+    opt_c.step()
+    check(early.step() is False, "the step after the refusal did not count as an inner step")
+    for p in model_c.parameters():  # an AMP GradScaler skips opt.step() on non-finite gradients
+        p.grad.fill_(float("inf"))
+    check(early.step() is True, "a round after a step a GradScaler skipped was refused")
     say(f"rank {rank}: OK bad-input")
 if launcher != "horovod":
     leave_torch_distributed(dist)

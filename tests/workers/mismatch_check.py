@@ -10,6 +10,9 @@ comm hook) and AccordionCompressor, but the ranks differ on purpose:
   layers : rank 0 has an extra compressed layer the others lack     -> every rank names the layer
   dense-layers: rank 0 has an extra uncompressed layer (a bias)    -> every rank names the layer
              (Horovod only: DDP refuses models of different shapes itself, at construction)
+  parameters: the same model, rank 1's weights moved, no broadcast  -> every rank names
+             hvd.broadcast_parameters (Horovod only: DDP broadcasts at construction)
+  codec-as-compression: a codec passed straight as compression=     -> TypeError on every rank
 A rank that gets our error prints "rank R: <ExceptionType>: <message>" and exits 1.
 Usage: mismatch_check.py MODE [FRONT]    (FRONT: horovod, the default, or ddp)
 """
@@ -62,18 +65,22 @@ elif mode == "codec":
     codec = acc.PowerSGD(rank=2) if rank == 0 else acc.TopK(ratio=0.1)
 elif mode == "ratio":
     codec = acc.TopK(ratio=0.05 if rank == 0 else 0.1, critical_ratio=0.5)
-elif mode in ("layers", "dense-layers"):
+elif mode in ("layers", "dense-layers", "parameters", "codec-as-compression"):
     codec = acc.PowerSGD(rank=2)
 elif mode in ("eta", "policy", "interval"):
     codec = acc.PowerSGD(rank=1, critical_rank=2)
 else:
-    raise SystemExit(f"MODE must be rank, codec, ratio, eta, policy, interval, layers or dense-layers, got {mode!r}")
+    raise SystemExit(f"MODE must be rank, codec, ratio, eta, policy, interval, layers, dense-layers, parameters or "
+                     f"codec-as-compression, got {mode!r}")
 settings = {"eta": {"eta": 0.5 if rank == 0 else 0.3},
             "policy": {"policy": "accordion" if rank == 0 else "static"},
             "interval": {"interval": 100 if rank == 0 else None}}.get(mode, {})
 
 model = Model(extra={"layers": "weight", "dense-layers": "bias"}.get(mode) if rank == 0 else None)
-compression = acc.AccordionCompressor(codec, **settings)
+if mode == "parameters" and rank == 1:
+    with torch.no_grad():
+        model.a.weight[0, 0] += 1.0
+compression = codec if mode == "codec-as-compression" else acc.AccordionCompressor(codec, **settings)
 opt = torch.optim.SGD(model.parameters(), lr=0.05)
 if front == "ddp":
     net = DistributedDataParallel(model)
@@ -90,7 +97,7 @@ try:
         opt.zero_grad()
         F.cross_entropy(net(x), y).backward()
         opt.step()
-except (ValueError, TimeoutError, RuntimeError) as exc:
+except (ValueError, TypeError, TimeoutError, RuntimeError) as exc:
     if front == "horovod":
         say(f"rank {rank}: {type(exc).__name__}: {exc}")
     else:  # the hook's error reaches backward() through DDP's reducer, perhaps wrapped: our line of it
