@@ -104,6 +104,7 @@ from .policies import SyncInterval
 log = logging.getLogger("accordion_hvd.diloco")
 
 PLAIN_BELOW = 64   # under an interval policy: shorter rounds are plain averages (module doc)
+GROWTH = 1.5       # an outer step that grows the model's norm more than this is named (_warn_if_grown)
 ROUND_WINDOW = 16  # the default compressor's windows, in rounds (module doc)
 
 
@@ -188,6 +189,10 @@ class DiLoCo:
         self.launched = None  # overlap: each local parameter when the round in flight was launched
         self.plain = False    # the round in flight is a plain average (launched at an interval below plain_below)
         self.window = None if self.policy is None else WindowStatistic(inner_optimizer)
+        if self.policy is not None and self.interval == 1:  # said, or a short trial looks like no saving
+            log.info("DiLoCo: a round every inner step for the first %d inner steps (the start of training is a "
+                     "critical regime: two windows of %d), then one rung up %s per calm window", 2 * self.policy.window,
+                     self.policy.window, self.policy.ladder)
 
     def _bind(self, model, optimizer, timeout: float, settings: dict) -> int:
         """The compressor bound to the job's planes, DiLoCo's ``settings`` declared to its
@@ -296,13 +301,25 @@ class DiLoCo:
             if self.plain:
                 torch._foreach_sub_(self.start, [start.grad for start in self.start])
             else:
+                before = norm_of(self.start)
                 self.outer.step()
+                self._warn_if_grown(before, norm_of(self.start))
         if launched is None:
             for local, start in zip(self.local, self.start):
                 local.copy_(start)
         else:
             for local, start, then in zip(self.local, self.start, launched):
                 local.copy_(start + (local.float() - then.float()))
+
+    def _warn_if_grown(self, before: float, after: float) -> None:
+        """A round whose outer step grew the model's norm more than ``GROWTH`` times is named,
+        on every rank (each computes it from the same start-of-round model; under HSDP from
+        its own shards): an outer step that overshoots diverges with no other word."""
+        if after > GROWTH * before:
+            log.warning("DiLoCo: round %d's outer step grew the parameters' norm %.1fx (%.4g to %.4g): the outer "
+                        "optimizer overshoots (Nesterov's momentum at rounds of %d inner steps); use plain averages "
+                        "for short rounds (plain_below=64) or outer_momentum=0", self.syncs, after / max(before, 1e-30),
+                        before, after, self.interval)
 
     def _drop_nonfinite_inner_state(self) -> None:
         """After a skipped round: this rank's inner optimizer state of each parameter whose
@@ -360,6 +377,11 @@ def swapped_in(params: list[torch.Tensor], values: list[torch.Tensor]):
         with torch.no_grad():
             for p, mine in zip(params, own):
                 p.copy_(mine)
+
+
+def norm_of(tensors: list[torch.Tensor]) -> float:
+    """The L2 norm of the tensors together (one host sync)."""
+    return float(torch.linalg.vector_norm(torch.stack(torch._foreach_norm(tensors))))
 
 
 def local_tensor(tensor: torch.Tensor) -> torch.Tensor:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import csv
 import logging
+import os
 import sys
 from pathlib import Path
 
@@ -247,7 +248,8 @@ def main(argv=None) -> list[Path]:
     p = argparse.ArgumentParser(prog="python -m accordion_hvd.cli.plots", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("logdir", nargs="?", help="a run's logdir: draw its figures")
-    p.add_argument("--out", help="where to write the PNGs (default: LOGDIR; with only --compare: .)")
+    p.add_argument("--out", help="where to write the PNGs (default: LOGDIR; with only --compare: the folder that "
+                                 "holds the compared runs)")
     p.add_argument("--compare", nargs="+", metavar="LABEL=DIR", help="runs to draw side by side")
     args = p.parse_args(argv)
     if args.logdir is None and not args.compare:
@@ -264,7 +266,8 @@ def main(argv=None) -> list[Path]:
         if args.logdir is not None:
             written += plot_run(args.logdir, args.out)
         if runs:
-            written += compare_runs(runs, args.out or args.logdir or ".")
+            written += compare_runs(runs, args.out or args.logdir or os.path.commonpath(
+                [str(Path(d).resolve().parent) for d in runs.values()]))
     except (OSError, ValueError) as exc:
         p.exit(1, f"{p.prog}: error: {exc}\n")
     for path in written:

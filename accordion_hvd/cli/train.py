@@ -288,7 +288,7 @@ def end_epoch(run: Run, epoch: int, loss: torch.Tensor, bar) -> float:
     metric = run.task.metric
     # A run stopped inside the epoch (--time-cap, diverged) was scored just then, at this step.
     score = run.last_score if run.stop is not None else score_now(run, epoch + 1)
-    bar.set_postfix(loss=f"{loss.item():.3f}", **{metric[:3]: f"{score:.4f}"})
+    bar.set_postfix(loss=f"{loss.item():.3f}", **{{"perplexity": "ppl"}.get(metric, metric[:3]): f"{score:.4f}"})
     log.info("epoch %d/%d  loss %.4f  %s %s %.4f", epoch + 1, run.args.epochs, loss.item(),
              "test" if run.task.valid is None else "validation", metric, score)
     periodic = run.front.record()  # --sync diloco / torch-localsgd: the rounds this epoch

@@ -20,19 +20,21 @@ ACCORDION_PEER_MODE picks the compressor:
   horovod      Horovod's own compression, untouched (the reference column)
   imported     the same, in a process that imported accordion_hvd after horovod.torch (as a
                script using both does) and never makes a compressor: what importing changes
-  lossless     AccordionCompressor(TopK(ratio=1.0)): lossless, default size rule (TopK
-               compresses a layer with >= 2 dims and numel >= min_compression_rate * 2k;
-               at ratio 1.0, k = numel, so with the default rate 2 no layer qualifies and
-               every gradient is averaged uncompressed on our own data plane)
-  default      AccordionCompressor(): the library default (8-bit sparse chunks under the
-               link gate), lossy
-  every-layer  AccordionCompressor(TopK(ratio=1.0, min_compression_rate=0.5)): lossless,
-               with the rule lowered so that every layer of >= 2 dims goes through the codec
-               (numel >= 0.5 * 2 * numel always holds). A layer keeping half its entries or
-               more is sent whole, so at ratio 1.0 the codec's step is its dense route
+  lossless     AccordionCompressor(TopK(ratio=1.0, min_compression_rate=0.5)): lossless,
+               with the size rule lowered so that every layer of >= 2 dims goes through the
+               codec (numel >= 0.5 * 2 * numel always holds). A layer keeping half its entries
+               or more is sent whole, so at ratio 1.0 the codec's step is its dense route
                (error feedback, NaN check, flushed into Horovod's allreduce: TopK.sends_dense),
                never the top-k selection. A 1-D tensor (a bias) is never compressed by TopK,
                whatever the settings (``len(shape) >= 2`` in TopK.compressible).
+  default      the library default's codec and policy (8-bit sparse chunks under the link
+               gate), lossy, with the size rule lowered to every layer (``min_numel=1``: the
+               default sends a layer of fewer than 1024 entries whole, and these tests' layers
+               are smaller)
+  size-rule    AccordionCompressor(TopK(ratio=1.0)): lossless at the codec's own size rule
+               (TopK compresses a layer with >= 2 dims and numel >= min_compression_rate * 2k;
+               at ratio 1.0, k = numel, so with the default rate 2 no layer qualifies and
+               every gradient is averaged uncompressed on our own data plane)
 
 ACCORDION_PEER_RESULTS (a directory): each rank writes ``rank<R>.json`` with each test's
 outcome and, for our modes, each optimizer's layers (shape, and the level our compressor's
@@ -52,7 +54,7 @@ from pathlib import Path
 import pytest
 import torch
 
-MODES = ("horovod", "imported", "lossless", "default", "every-layer")
+MODES = ("horovod", "imported", "lossless", "default", "size-rule")
 MODE = os.environ.get("ACCORDION_PEER_MODE", "horovod")
 if MODE not in MODES:
     raise ValueError(f"ACCORDION_PEER_MODE must be one of {MODES}, got {MODE!r}")
@@ -66,11 +68,11 @@ except ImportError:
 def make_compressor():
     """A new compressor of this run's mode."""
     import accordion_hvd as acc
-    if MODE == "lossless":
+    if MODE == "size-rule":
         return acc.AccordionCompressor(acc.TopK(ratio=1.0))
     if MODE == "default":
-        return acc.AccordionCompressor()
-    return acc.AccordionCompressor(acc.TopK(ratio=1.0, min_compression_rate=0.5))  # every-layer
+        return acc.AccordionCompressor(acc.Quantize(8, skip_energy=0.05, min_numel=1), policy="link-gate")
+    return acc.AccordionCompressor(acc.TopK(ratio=1.0, min_compression_rate=0.5))  # lossless, every layer
 
 
 _optimizers: list = []  # (Horovod's optimizer, our compressor) built in the current test

@@ -30,6 +30,7 @@ MODE "bad-input": each bad argument refused with a ValueError/TypeError naming i
 
 import copy
 import math
+import logging
 import sys
 
 import torch
@@ -376,6 +377,20 @@ elif mode == "bad-input":
     for p in model_c.parameters():  # an AMP GradScaler skips opt.step() on non-finite gradients
         p.grad.fill_(float("inf"))
     check(early.step() is True, "a round after a step a GradScaler skipped was refused")
+    # an outer step that overshoots (here an outer learning rate of 500) is named on every rank
+    model_d = make_model()
+    opt_d = torch.optim.SGD(model_d.parameters(), lr=LR)
+    wild = acc.DiLoCo(model_d, opt_d, sync_every=2, outer_lr=500.0)
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logging.getLogger("accordion_hvd.diloco").addHandler(handler)
+    for i in range(4):
+        inner_step(model_d, opt_d, i)
+        wild.step()
+    logging.getLogger("accordion_hvd.diloco").removeHandler(handler)
+    check(any("outer step grew the parameters' norm" in r.getMessage() for r in records),
+          f"no warning of the outer step's growth: {[r.getMessage() for r in records]}")
     say(f"rank {rank}: OK bad-input")
 if launcher != "horovod":
     leave_torch_distributed(dist)
