@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 NP     ?= 2
 
-.PHONY: setup build test test-fast demo cuda-check peer-tests clean help
+.PHONY: setup build test test-fast demo cuda-check peer-tests install-check wheel clean help
 
 help:
 	@echo "make setup       install Open MPI, .venv (torch, Horovod 0.28.1 with MPI+Gloo) and build accordion_hvd"
@@ -12,6 +12,8 @@ help:
 	@echo "make demo        set up, then train $(NP) ranks with Accordion under horovodrun on digits (runs/demo: CSV, TensorBoard, PNGs)"
 	@echo "make build       rebuild the C++/CUDA extension (incremental)"
 	@echo "make cuda-check  compile every CUDA kernel for sm_80 and sm_90 (skips without nvcc)"
+	@echo "make install-check  install as the README says in a fresh venv with torch only, then DDP hook and DiLoCo runs"
+	@echo "make wheel       a wheel in dist/, tagged with the torch it was built against"
 	@echo "make peer-tests  Horovod 0.28.1's own optimizer tests with our compressor, 2 ranks (HOROVOD_SRC=<clone of horovod>, else GitHub)"
 
 setup:
@@ -34,6 +36,15 @@ demo: setup
 
 cuda-check:
 	@scripts/cuda_check.sh
+
+# A torch user's install as the README says it, in a fresh venv with torch only (no Horovod),
+# then the DDP hook and DiLoCo under torchrun (scripts/install_check.sh; CI runs it).
+install-check: setup
+	@scripts/install_check.sh
+
+# A wheel tagged with the torch its extension was built against (0.1.0+torch<version>), in dist/.
+wheel: setup
+	ACCORDION_WHEEL_TORCH_TAG=1 $(PY) -m pip wheel --no-build-isolation --no-deps -w dist .
 
 # Horovod's own optimizer tests (test/parallel/test_torch.py of v0.28.1, the tests that build
 # hvd.DistributedOptimizer) with our compressor injected, 2 ranks under horovodrun --gloo; the

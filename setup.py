@@ -1,6 +1,7 @@
 """Builds accordion_hvd and its extension module accordion_hvd._C with CMake and Ninja.
 
     pip install --no-build-isolation -e .      # what `make setup` does
+    pip install --no-build-isolation .         # a torch user's install (README; `make install-check`)
     python setup.py build_ext --inplace         # incremental rebuild (`make build`)
 
 --no-build-isolation matters: the extension must be compiled against the torch that will
@@ -55,10 +56,35 @@ class CMakeExtension(Extension):
         super().__init__(name, sources=[])
 
 
+INSTALL = "pip install setuptools wheel pybind11 cmake ninja && pip install --no-build-isolation ."
+
+
+def _torch_to_build_against():
+    """The torch this environment runs, or exit saying how to install: pip's isolated build
+    (a plain `pip install .`) has no torch, or one it fetched itself, not the user's."""
+    try:
+        import torch
+    except ImportError:
+        sys.exit(f"error: accordion_hvd's extension is compiled against the torch you run, and this build sees no "
+                 f"torch (pip's isolated build): install torch first, then {INSTALL}")
+    if "pip-build-env" in str(getattr(torch, "__file__", "")):
+        sys.exit(f"error: pip's isolated build brought its own torch {torch.__version__}, not the one you run: {INSTALL}")
+    return torch
+
+
+def _version() -> str:
+    """0.1.0, or with ACCORDION_WHEEL_TORCH_TAG=1 (`make wheel`) 0.1.0+torch<version>: a
+    wheel that says which torch its extension was built against."""
+    if os.environ.get("ACCORDION_WHEEL_TORCH_TAG") != "1":
+        return "0.1.0"
+    import torch
+    return "0.1.0+torch" + re.sub(r"[^0-9a-zA-Z.]", ".", torch.__version__)
+
+
 class CMakeBuild(build_ext):
     def build_extension(self, ext: Extension) -> None:
+        torch = _torch_to_build_against()
         import pybind11
-        import torch
 
         cxx = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
         if not cxx or not shutil.which(cxx):
@@ -121,7 +147,7 @@ class CMakeBuild(build_ext):
 
 setup(
     name="accordion-hvd",
-    version="0.1.0",
+    version=_version(),
     description="Adaptive gradient compression (Accordion: PowerSGD, TopK) for Horovod and PyTorch",
     packages=find_packages(include=["accordion_hvd", "accordion_hvd.*"]),
     ext_modules=[CMakeExtension("accordion_hvd._C")],
