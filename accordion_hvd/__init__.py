@@ -16,15 +16,14 @@ from . import levels, ops, policies  # noqa: E402
 from .batch_size import AccordionBatchSize  # noqa: E402
 from . import codecs  # noqa: E402
 from .codecs import PowerSGD, Quantize, Sign, TopK  # noqa: E402
+from .compressor import Compressor  # noqa: E402
 from .horovod import AccordionCompressor, quiet_horovod_cycle  # noqa: E402
 from .ddp import register_ddp_hook  # noqa: E402
 from .hsdp import compress_hsdp  # noqa: E402
-from .diloco import DiLoCo  # noqa: E402
-from .onebit_adam import OneBitAdam  # noqa: E402
-from .policies import SyncInterval  # noqa: E402
+from .periodic import DiLoCo, OneBitAdam, SyncInterval  # noqa: E402
 
 __version__ = "0.1.0"
 with_cuda: bool = bool(_C.with_cuda)
 
-__all__ = ["AccordionBatchSize", "AccordionCompressor", "DiLoCo", "OneBitAdam", "PowerSGD", "Quantize", "Sign", "TopK", "codecs", "compress_hsdp", "levels", "ops", "policies",
+__all__ = ["AccordionBatchSize", "AccordionCompressor", "Compressor", "DiLoCo", "OneBitAdam", "PowerSGD", "Quantize", "Sign", "TopK", "codecs", "compress_hsdp", "levels", "ops", "policies",
            "quiet_horovod_cycle", "register_ddp_hook", "SyncInterval", "with_cuda", "__version__"]

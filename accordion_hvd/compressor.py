@@ -1,4 +1,6 @@
-"""``Compressor``: the compressor every front end takes, whatever framework drives it.
+"""``acc.Compressor``: the compressor every front end takes, whatever framework drives it (the
+DDP hook, HSDP, DiLoCo, OneBitAdam; Horovod takes ``acc.AccordionCompressor``, this class with
+Horovod's ``compress``/``decompress``).
 
 It holds the step engine (accordion_hvd/engine/) and what a user does with a compressor
 between steps: its settings, statistics and state, explicit detection points, the learning

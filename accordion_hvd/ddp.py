@@ -62,7 +62,8 @@ def register_ddp_hook(ddp_model, compressor: Compressor, *, optimizer=None, proc
     Args:
         ddp_model: a ``torch.nn.parallel.DistributedDataParallel`` model, before its first
             backward.
-        compressor: an ``acc.AccordionCompressor`` not used by any other model.
+        compressor: an ``acc.Compressor`` (or ``acc.AccordionCompressor``, the same with Horovod's
+            interface) not used by any other model.
         optimizer: the model's optimizer, whose learning rates policies that react to them
             read (else call ``compressor.report_lr``).
         process_group: the group to communicate in; default (and only allowed value): the
@@ -76,7 +77,7 @@ def register_ddp_hook(ddp_model, compressor: Compressor, *, optimizer=None, proc
         raise TypeError(f"ddp_model must be a torch.nn.parallel.DistributedDataParallel, got "
                         f"{type(ddp_model).__name__} (wrap the model in DDP first)")
     if not isinstance(compressor, Compressor):
-        raise TypeError(f"compressor must be an acc.AccordionCompressor, got {type(compressor).__name__}")
+        raise TypeError(f"compressor must be an acc.Compressor (or acc.AccordionCompressor), got {type(compressor).__name__}")
     if any(p.grad is not None for p in ddp_model.module.parameters()):
         # A backward has run: DDP has averaged that step its own way, and a hook registered now
         # would start mid-training with no error feedback. (Checked before any collective:

@@ -100,7 +100,8 @@ def compress_hsdp(model, compressor: Compressor, mesh, *, optimizer=None,
     Args:
         model: the root module, after ``fully_shard(..., mesh=mesh["shard"])`` of it and of
             any submodules, before its first backward.
-        compressor: an ``acc.AccordionCompressor`` not bound to another model.
+        compressor: an ``acc.Compressor`` (or ``acc.AccordionCompressor``, the same with Horovod's
+            interface) not bound to another model.
         mesh: the 2-D ``DeviceMesh`` with dimensions ("replicate", "shard") whose ``shard``
             dimension the model was sharded over.
         optimizer: the model's optimizer, whose learning rates policies read (else call
@@ -110,7 +111,7 @@ def compress_hsdp(model, compressor: Compressor, mesh, *, optimizer=None,
     import torch.distributed as dist
 
     if not isinstance(compressor, Compressor):
-        raise TypeError(f"compressor must be an acc.AccordionCompressor, got {type(compressor).__name__}")
+        raise TypeError(f"compressor must be an acc.Compressor (or acc.AccordionCompressor), got {type(compressor).__name__}")
     check_mesh(mesh)
     world = dist.get_world_size()
     if mesh.mesh.numel() != world:

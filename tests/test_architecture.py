@@ -26,16 +26,19 @@ CONCRETE_POLICIES = ("accordion_hvd.policies.accordion", "accordion_hvd.policies
 CONCRETE_CODECS = ("accordion_hvd.codecs.powersgd", "accordion_hvd.codecs.powersgd_bucket",
                    "accordion_hvd.codecs.powersgd_cost", "accordion_hvd.codecs.powersgd_state", "accordion_hvd.codecs.topk", "accordion_hvd.codecs.quantize",
                    "accordion_hvd.codecs.PowerSGD", "accordion_hvd.codecs.TopK", "accordion_hvd.codecs.Quantize")
+# The periodic wing but 1-bit Adam, whose codec (signs, after an 8-bit warm-up) is its method.
+PERIODIC_BUT_ONEBIT = ("accordion_hvd.periodic.diloco", "accordion_hvd.periodic.checks", "accordion_hvd.periodic.window",
+                       "accordion_hvd.periodic.interval", "accordion_hvd.periodic.job")
 # What runs a step without knowing the codec: the front ends, the controller, the probe, and
 # the exchanges' shared parts (each codec's own exchange module pairs itself with its codec).
-ENGINE = ("accordion_hvd.engine", "accordion_hvd.compressor", "accordion_hvd.buffered_step", "accordion_hvd.diloco", "accordion_hvd.diloco_window", "accordion_hvd.diloco_checks", "accordion_hvd.diloco_state", "accordion_hvd.horovod", "accordion_hvd.ddp", "accordion_hvd.hsdp", "accordion_hvd.batch_size",
+ENGINE = ("accordion_hvd.engine", "accordion_hvd.compressor", "accordion_hvd.buffered_step", *PERIODIC_BUT_ONEBIT, "accordion_hvd.horovod", "accordion_hvd.ddp", "accordion_hvd.hsdp", "accordion_hvd.batch_size",
           "accordion_hvd.elastic", "accordion_hvd.controller", "accordion_hvd.network_probe",
           "accordion_hvd.step_faults", "accordion_hvd.checkpoint", "accordion_hvd.exchange.registry",
           "accordion_hvd.exchange.buckets")
 CLI = ("accordion_hvd.train", "accordion_hvd.cli")  # train.py: the `python -m accordion_hvd.train` entry point
 FRONT_ENDS = ("accordion_hvd.horovod", "accordion_hvd.ddp", "accordion_hvd.hsdp", "accordion_hvd.elastic",
-              "accordion_hvd.diloco", "accordion_hvd.diloco_window", "accordion_hvd.diloco_checks", "accordion_hvd.diloco_state")
-ADAPTERS = ("accordion_hvd.engine", "accordion_hvd.compressor", "accordion_hvd.buffered_step", "accordion_hvd.diloco", "accordion_hvd.diloco_window", "accordion_hvd.diloco_checks", "accordion_hvd.diloco_state", "accordion_hvd.horovod", "accordion_hvd.ddp", "accordion_hvd.hsdp", "accordion_hvd.batch_size",
+              "accordion_hvd.periodic")
+ADAPTERS = ("accordion_hvd.engine", "accordion_hvd.compressor", "accordion_hvd.buffered_step", "accordion_hvd.periodic", "accordion_hvd.horovod", "accordion_hvd.ddp", "accordion_hvd.hsdp", "accordion_hvd.batch_size",
             "accordion_hvd.elastic", "accordion_hvd.controller", "accordion_hvd.exchange")
 
 
@@ -99,7 +102,7 @@ def test_the_sources_were_found():
     ("nothing in the library imports the CLI", tuple(m for m in SOURCES if not under(m, CLI)), CLI),
     ("the front door is no front end's: the compressor imports none", ("accordion_hvd.compressor",), FRONT_ENDS),
     ("no front end imports another's wing (each takes the compressor, accordion_hvd/compressor.py)",
-     ("accordion_hvd.ddp", "accordion_hvd.hsdp", "accordion_hvd.diloco"), ("accordion_hvd.horovod", "accordion_hvd.elastic")),
+     ("accordion_hvd.ddp", "accordion_hvd.hsdp", "accordion_hvd.periodic"), ("accordion_hvd.horovod", "accordion_hvd.elastic")),
 ])
 def test_layer_rule(rule, layer, forbidden):
     assert not broken(layer, forbidden), f"{rule}: " + "; ".join(broken(layer, forbidden))

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from accordion_hvd.cli.options import parse_args
-from accordion_hvd.policies import SyncInterval
+from accordion_hvd.periodic import SyncInterval
 from launch import run_ddp_module, torchrun
 
 COMMON = ["--launcher", "ddp", "--no-progress", "--lr-milestones", "2"]

@@ -1,4 +1,4 @@
-"""``acc.DiLoCo`` (accordion_hvd/diloco.py) under real torchrun jobs, 2 and 3 ranks: round by
+"""``acc.DiLoCo`` (accordion_hvd/periodic/diloco.py) under real torchrun jobs, 2 and 3 ranks: round by
 round against a plain-torch DiLoCo (and, overlapped, one round late), with Quantize's error feedback, as local SGD, a
 non-finite round skipped on every rank, resume bit for bit, bad input refused on every rank,
 a rank that dies in a round (tests/workers/diloco_check.py, diloco_overlap_check.py,

@@ -35,7 +35,7 @@ BAD = {  # case -> (exception, what the message must say)
     "one-dim-mesh": ("ValueError", "mesh must be a 2-D DeviceMesh with dimensions ('replicate', 'shard')"),
     "native-hsdp": ("ValueError", "was sharded over the 2-D mesh: FSDP would all-reduce it across nodes itself"),
     "reduce-dtype": ("ValueError", "reduce dtype torch.float16; the compressed all-reduce needs float32 or bfloat16"),
-    "not-a-compressor": ("TypeError", "compressor must be an acc.AccordionCompressor, got str"),
+    "not-a-compressor": ("TypeError", "compressor must be an acc.Compressor (or acc.AccordionCompressor), got str"),
     "bound-elsewhere": ("ValueError", "already bound to another model"),
     "settings-differ": ("ValueError", "AccordionCompressor: ranks were started with different settings"),
 }

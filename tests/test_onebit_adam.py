@@ -1,4 +1,4 @@
-"""``acc.OneBitAdam`` (accordion_hvd/onebit_adam.py) under real torchrun and horovodrun jobs:
+"""``acc.OneBitAdam`` (accordion_hvd/periodic/onebit_adam.py) under real torchrun and horovodrun jobs:
 step by step against a plain-torch 1-bit Adam (AdamW, and Adam with L2 decay), the defaults
 training with the ranks in agreement, resume bit for bit before and after the freeze, a
 non-finite gradient skipped on every rank, resume through torch.distributed.checkpoint too, bad input refused on every rank

@@ -1,4 +1,4 @@
-"""``acc.SyncInterval`` (accordion_hvd/policies/interval.py), the interval rule of
+"""``acc.SyncInterval`` (accordion_hvd/periodic/interval.py), the interval rule of
 ``DiLoCo(sync_every="auto")``, on its own: the ladder climbed while calm, the first rung in a
 critical window, checked arguments, its state. (Under torchrun, step by step against a plain
 DiLoCo: tests/test_diloco.py's "auto".)"""
@@ -8,7 +8,7 @@ import math
 import pytest
 
 import accordion_hvd as acc
-from accordion_hvd.policies import IntervalReport
+from accordion_hvd.periodic import IntervalReport
 
 
 def window(norm, decreased=False, step_s=None, round_s=None):

@@ -6,7 +6,7 @@ is counted by its compressors (``wire_bits`` in steps.csv, this rank's)."""
 
 from __future__ import annotations
 
-from ..onebit_adam import OneBitAdam
+from ..periodic.onebit_adam import OneBitAdam
 from .frontends import DDPFrontEnd
 from .periodic import broadcast_model
 

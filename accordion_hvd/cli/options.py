@@ -9,10 +9,11 @@ from pathlib import Path
 import torch
 
 from ..codecs import PowerSGD, Quantize, TopK
-from ..diloco import ROUND_WINDOW
+from ..periodic.diloco import ROUND_WINDOW
 from ..horovod.compressor import AccordionCompressor
-from ..policies import Accordion, GraVAC, LinkGate, NetworkAware, SyncInterval
-from ..policies.interval import LADDER
+from ..periodic import SyncInterval
+from ..policies import Accordion, GraVAC, LinkGate, NetworkAware
+from ..periodic.interval import LADDER
 from .baselines import Uncompressed
 from .frontends import LAUNCHERS
 from .periodic import SYNCS

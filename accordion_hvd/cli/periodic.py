@@ -4,7 +4,7 @@ copy of the model and the copies meet every so many steps, not every step.
 - ``--sync diloco`` with our compression (``--codec default`` or one of ours):
   ``acc.DiLoCo(model, opt, compressor, **options)``, the options from the flags
   (options.py ``diloco_options``: ``sync_every=--sync-every``, ``outer_lr=--outer-lr``, ...;
-  accordion_hvd/diloco.py), ``--sync-every auto`` its interval policy.
+  accordion_hvd/periodic/diloco.py), ``--sync-every auto`` its interval policy.
 - ``--launcher fsdp --sync diloco`` (ours): each node's ranks shard the model with FSDP2 over
   the mesh's ``shard`` dimension (in step every inner step, inside the node) and the rounds
   cross the nodes (``acc.DiLoCo(..., mesh=mesh)``); its state goes into the
@@ -33,7 +33,7 @@ import os
 import torch
 
 from ..compressor import Compressor
-from ..diloco import DiLoCo, local_tensor, swapped_in
+from ..periodic.diloco import DiLoCo, local_tensor, swapped_in
 from .frontends import DDPFrontEnd, FSDPFrontEnd
 
 log = logging.getLogger("accordion_hvd.train")

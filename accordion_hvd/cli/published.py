@@ -35,7 +35,7 @@ import math
 
 import torch
 
-from ..diloco import swapped_in
+from ..periodic.diloco import swapped_in
 from .frontends import DDPFrontEnd
 from .periodic import broadcast_model
 

@@ -9,12 +9,11 @@ numbers is the controller's job (accordion_hvd/controller.py).
 from .accordion import Accordion
 from .base import NetworkReport, Policy, StepReport, WindowReport
 from .gravac import GraVAC
-from .interval import IntervalReport, SyncInterval
 from .link_gate import LinkGate
 from .network_aware import NetworkAware
 from .static import Static
 
-__all__ = ["Accordion", "GraVAC", "IntervalReport", "LinkGate", "NetworkAware", "NetworkReport", "Policy", "Static", "StepReport", "SyncInterval",
+__all__ = ["Accordion", "GraVAC", "LinkGate", "NetworkAware", "NetworkReport", "Policy", "Static", "StepReport",
            "WindowReport",
            "make_policy"]
 

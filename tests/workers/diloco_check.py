@@ -95,7 +95,7 @@ def reference_rounds(outer_lr=0.7, momentum=0.9, nesterov=True):
 
 
 def reference_auto(steps, decay_at, reset=False, plain_below=2):
-    """Plain DiLoCo with the interval rule of policies/interval.py: (interval, parameters) after
+    """Plain DiLoCo with the interval rule of periodic/interval.py: (interval, parameters) after
     each step; ``reset``: the outer momentum zeroed when a window lowers the interval; rounds of
     fewer than ``plain_below`` inner steps plain averages."""
     model = make_model()

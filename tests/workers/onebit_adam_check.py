@@ -239,7 +239,7 @@ elif mode == "bad-input":
         (lambda: acc.OneBitAdam(model, torch.optim.AdamW(model[0].parameters()), freeze_step=4), ValueError,
          "exactly the model's trainable parameters"),
         (lambda: acc.OneBitAdam(model, adamw(model), freeze_step=4, warmup=acc.TopK(0.1)), TypeError,
-         "warmup must be an acc.AccordionCompressor"),
+         "warmup must be an acc.Compressor (or acc.AccordionCompressor)"),
         (lambda: acc.OneBitAdam(model, adamw(model), freeze_step=4, max_update=0), ValueError,
          "max_update must be a positive number or None"),
     ]

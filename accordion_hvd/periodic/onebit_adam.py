@@ -57,11 +57,11 @@ import numbers
 
 import torch
 
-from .buffered_step import BufferedStep
-from .codecs import Quantize, Sign
-from .comm.channel import collective_timeout
-from .compressor import Compressor
-from .diloco_checks import agree_start
+from ..buffered_step import BufferedStep
+from ..codecs import Quantize, Sign
+from ..comm.channel import collective_timeout
+from ..compressor import Compressor
+from .checks import agree_start
 from .job import bind_to_job
 
 log = logging.getLogger("accordion_hvd.onebit_adam")
@@ -112,7 +112,7 @@ class OneBitAdam:
         self.compressor = Compressor(Sign(), policy="static") if compressor is None else compressor
         for name, value in (("warmup", self.warmup), ("compressor", self.compressor)):
             if not isinstance(value, Compressor):
-                raise TypeError(f"{name} must be an acc.AccordionCompressor, got {type(value).__name__}")
+                raise TypeError(f"{name} must be an acc.Compressor (or acc.AccordionCompressor), got {type(value).__name__}")
         if self.warmup is self.compressor:
             raise ValueError("warmup and compressor must be two compressors: each keeps its own error feedback")
         self.optimizer, self.freeze_step = optimizer, int(freeze_step)

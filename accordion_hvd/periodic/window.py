@@ -11,7 +11,7 @@ import time
 import numpy as np
 import torch
 
-from .policies import IntervalReport
+from .interval import IntervalReport
 
 
 class WindowStatistic:

@@ -11,8 +11,8 @@ import numpy as np
 import torch
 from torch.distributed.tensor import DTensor
 
-from .comm.mesh import check_mesh
-from .policies import SyncInterval
+from ..comm.mesh import check_mesh
+from .interval import SyncInterval
 
 
 def check_arguments(sync_every, outer_lr, outer_momentum, overlap, reset_momentum=None, plain_below=None,

@@ -9,8 +9,8 @@ Gloo one for control. Under horovodrun: the compressor's default planes over Hor
 
 from __future__ import annotations
 
-from .comm.control import new_control_plane
-from .comm.process_group import new_channel
+from ..comm.control import new_control_plane
+from ..comm.process_group import new_channel
 
 
 def bind_to_job(compressor, owner, optimizer, device_type: str, timeout: float, who: str,

@@ -20,65 +20,39 @@ average, identically on every rank; every rank's model continues from them. With
 ``outer_lr=1, outer_momentum=0`` it is plain local SGD (model averaging).
 
 What crosses the network is the per-step path's: each parameter's pseudo-gradient is a layer
-of the compressor (``acc.AccordionCompressor``, by default ``acc.AccordionCompressor()``),
-with its codec, error feedback (what a round did not send goes into the next round's),
-kernels, non-finite skip and statistics; one round is one step of the compressor's engine.
-A round whose pseudo-gradient is not finite on some rank is skipped on every rank: no outer
-step, and every rank returns to the start-of-round parameters.
+of the compressor (``acc.Compressor``, by default ``acc.Compressor(interval=16)``), with its
+codec, error feedback, kernels and statistics; one round is one step of its engine. A round
+whose pseudo-gradient is not finite on some rank is skipped on every rank (no outer step).
 
-``sync_every="auto"`` chooses the interval per window of inner steps (policies/interval.py,
+``sync_every="auto"`` chooses the interval per window of inner steps (interval.py,
 ``acc.SyncInterval``): the first rung (1, a round every step) in critical regimes (the start,
 a learning-rate decay, a window whose gradient norm moved by eta), one rung up (4, 16, 64)
-while training stays calm (with ``SyncInterval(overhead=...)``, no lower than the link
-affords). The window's statistics are each rank's squared gradient norm at every inner step,
-summed on the device (no host sync), and the wall times of its inner steps and rounds,
-reduced once per window on the control plane, so every rank chooses the same interval. A round at interval 1
-is the per-step path: the plain average of the ranks' models (an outer step of lr 1, no
-momentum: the outer momentum, a memory of long rounds' pseudo-gradients, is left as it is).
+while training stays calm. The window's statistics (window.py) are reduced once per window on
+the control plane, so every rank chooses the same interval.
 
-Two defaults under an interval policy, each from exploratory runs on the pilot seed (never
-scored; benchmarks/results/explore-diloco.md) and scored by protocol evidence-v4:
+``plain_below=64`` (the default under an interval policy): a round of fewer inner steps is a
+plain average of the ranks' models (an outer step of lr 1, no momentum, the outer momentum
+left as it is). In a short round the pseudo-gradient is close to the last round's, so
+Nesterov's momentum of 0.9 at lr 0.7 would move the model about 7 times as far as the inner
+steps did (0.7 / (1 - 0.9)), a step the paper's rounds of 500 inner steps never see.
+``reset_momentum=True`` drops the outer momentum whenever a critical window lowers the
+interval: after a learning-rate decay it holds pseudo-gradients taken at the old rate. An
+outer step that grows the model's norm 1.5-fold is named in a warning. The measurements behind
+these defaults and the compressor's window of 16 rounds: docs/api.md ("acc.DiLoCo").
 
-- ``plain_below=64``: every round of fewer than 64 inner steps is such a plain average, the
-  outer optimizer's step is for the long rounds. In a round of a few inner steps the
-  pseudo-gradient is close to the last round's, so Nesterov's momentum of 0.9 at lr 0.7 moves
-  the model about 7 times as far as the inner steps did (0.7 / (1 - 0.9)), a step the paper's
-  rounds of 500 inner steps never see (evidence-v3's pilot of DiLoCo as published on the
-  transformer: 37.3 perplexity at H = 256, 42.3 at 64, 81.6 at 16). With it the transformer
-  ended 6 epochs at 29.4, not 31.3; the LSTM unchanged (30.4 and 30.3).
-- ``reset_momentum=True``: the outer momentum is dropped (zeroed) whenever a critical window
-  lowers the interval: after a learning-rate decay it holds long rounds' pseudo-gradients taken
-  at the old rate, and the first outer steps after the floor would apply them to a model that
-  has moved on (evidence-v3's ``diloco-auto``, without it, lost 5-6 points of perplexity there).
+**Overlap** (``overlap=True``, Streaming DiLoCo's, here one whole round late): a round of more
+than one inner step is launched and not waited for; it lands at the next round's start (the
+outer step on the start-of-round parameters, each rank's model set to that result plus the
+progress it made meanwhile, which the next round sends). Rounds at interval 1 stay
+synchronous. ``flush()`` lands the round in flight; ``state_dict()`` flushes first.
 
-The default compressor's windows are 16 rounds (``acc.AccordionCompressor(interval=16)``), not
-the per-step default's 100: a round is up to 64 inner steps, and the link gate's trials take
-a window and 8 rounds (docs/api.md gives the measurements behind the 16).
-
-**Overlap** (``overlap=True``, Streaming DiLoCo's overlapping of communication, Douillard et
-al. 2025, here one whole round late): a round of more than one inner step is launched and
-not waited for; the inner steps of the next round run while its collectives cross the
-network, and it lands at the next round's start: the outer step on the start-of-round
-parameters, and each rank's model set to that result plus the progress it made while the
-round was in flight (which the next round then sends). A round's time on the wire is hidden
-behind up to ``sync_every`` inner steps' compute; the price is a model one round behind the
-outer step it starts from. Rounds at interval 1 (the critical regimes of ``"auto"``) stay
-synchronous. ``flush()`` lands the round in flight (before evaluating ``synced()``'s model,
-and at the end of training); ``state_dict()`` flushes first.
-
-Communication: process groups of the job's ranks made at construction (every rank constructs
-it, in the same order): one for the data with the default group's backend and lanes for
-PowerSGD's Q rounds and the uncompressed layers, and a Gloo one for control, as the DDP front
-end's (accordion_hvd/ddp.py). The inner optimizer's state (AdamW's moments) stays each rank's
-own, as in the paper.
-
-**Across the nodes of HSDP** (``mesh=``, a ("replicate", "shard") DeviceMesh, the model
-``fully_shard``-ed over ``mesh["shard"]`` alone): FSDP2 keeps the shards of a node in step
-every inner step (its reduce-scatter inside the node, over the fast links), nothing crosses the
-nodes between rounds, and a round averages each rank's shard of the pseudo-gradient with the
-ranks holding the same shard on the other nodes (its *column*, comm/mesh.py), through the
-compressor. Intervals are chosen alike on every rank of the job (the control plane spans them
-all), so every node's ranks synchronise at the same inner step.
+Communication: a data and a control process group of the job's ranks, made at construction
+(job.py), as the DDP front end's. The inner optimizer's state (AdamW's moments) stays each
+rank's own, as in the paper. **Across the nodes of HSDP** (``mesh=``, the model
+``fully_shard``-ed over ``mesh["shard"]`` alone): FSDP2 keeps a node's shards in step every
+inner step, nothing crosses the nodes between rounds, and a round averages each rank's shard
+of the pseudo-gradient with its *column* (the ranks holding the same shard on the other nodes,
+comm/mesh.py); the control plane spans every rank, so every node synchronises at the same step.
 """
 
 from __future__ import annotations
@@ -90,16 +64,15 @@ import time
 import torch
 from torch.distributed.tensor import DTensor
 
-from .comm.channel import collective_timeout
-from .buffered_step import BufferedStep
-from .comm.control import new_control_plane
-from .comm.mesh import column_channel, node_channel
-from .compressor import Compressor
-from . import diloco_state
-from .diloco_checks import InnerSteps, agree_start, check_arguments, check_sharding
-from .diloco_window import WindowStatistic
+from ..comm.channel import collective_timeout
+from ..buffered_step import BufferedStep
+from ..comm.control import new_control_plane
+from ..comm.mesh import column_channel, node_channel
+from ..compressor import Compressor
+from .checks import InnerSteps, agree_start, check_arguments, check_sharding
+from .window import WindowStatistic
 from .job import bind_to_job
-from .policies import SyncInterval
+from .interval import SyncInterval
 
 log = logging.getLogger("accordion_hvd.diloco")
 
@@ -115,7 +88,7 @@ class DiLoCo:
         inner_optimizer: the optimizer the user steps every inner step, over exactly the
             model's trainable parameters.
         compressor: an ``acc.AccordionCompressor`` (or ``Compressor``) not bound to another
-            model; default: ``acc.AccordionCompressor(interval=16)`` (module doc).
+            model; default: ``acc.Compressor(interval=16)`` (module doc).
         sync_every: inner steps per round: a positive integer, "auto" (``acc.SyncInterval()``,
             module doc) or an ``acc.SyncInterval`` with its own ladder.
         outer_lr: the outer optimizer's learning rate (positive).
@@ -159,7 +132,7 @@ class DiLoCo:
                              f"({len(self.params)}); it has {len(optimized)}, not all of the model's")
         self.compressor = Compressor(interval=ROUND_WINDOW) if compressor is None else compressor
         if not isinstance(self.compressor, Compressor):
-            raise TypeError(f"compressor must be an acc.AccordionCompressor, got {type(self.compressor).__name__}")
+            raise TypeError(f"compressor must be an acc.Compressor (or acc.AccordionCompressor), got {type(self.compressor).__name__}")
         self.outer_lr, self.outer_momentum = float(outer_lr), float(outer_momentum)
         self.nesterov = nesterov and self.outer_momentum > 0
         self.overlap = overlap
@@ -335,21 +308,55 @@ class DiLoCo:
             log.warning("DiLoCo: the inner optimizer's state of %d parameter%s was not finite on this rank after the "
                         "skipped round; it starts again", len(bad), "" if len(bad) == 1 else "s")
 
-    # --- state (diloco_state.py) ---------------------------------------------------------------
+    # --- state -------------------------------------------------------------------------------
     def state_dict(self) -> dict:
         """What resumes the outer loop bit for bit on the same world: the start-of-round
-        parameters, the outer optimizer's momentum, the counters, the interval policy and the
-        compressor's state (its error feedback: this rank's). Between inner steps, on every
-        rank: a round in flight (``overlap``) lands first."""
-        return diloco_state.state_dict(self)
+        parameters (float32), the outer optimizer's momentum, the counters, the interval policy
+        and its window's statistics, and the compressor's state (its error feedback: this
+        rank's). Between inner steps, on every rank: a round in flight (``overlap``) lands first."""
+        self.flush()
+        return {"world": self.size, "inner_steps": self.inner_steps, "syncs": self.syncs, "skipped": self.skipped,
+                "start": [t.clone() for t in self.start], "interval": self.interval, "since_sync": self.since_sync,
+                "outer": self.outer.state_dict(), "compressor": self.compressor.state_dict(),
+                **({} if self.policy is None else {"policy": self.policy.state_dict(),
+                                                   "window": self.window.state_dict()})}
 
     def load_state_dict(self, state: dict) -> None:
         """Restore a ``state_dict()``. From a job with another number of ranks the outer state
         restarts (momentum zero, the round starts from the model as loaded) with a warning.
         A round in flight is waited for and dropped (every rank loads at the same step). The
         settings are this object's: a fixed ``sync_every``, ``outer_lr`` and
-        ``outer_momentum`` other than the saved ones take over (with a warning)."""
-        diloco_state.load_state_dict(self, state)
+        ``outer_momentum`` other than the saved ones take over (with a warning). The one
+        refusal (auto against a fixed interval) comes before anything changes."""
+        if (self.policy is None) != ("policy" not in state):
+            raise ValueError("DiLoCo.load_state_dict: the state was saved with sync_every "
+                             f"{'auto' if 'policy' in state else state['interval']}, this DiLoCo has "
+                             f"{'auto' if self.policy is not None else self.interval}; resume with the same")
+        self.drop_in_flight()
+        self.compressor.load_state_dict(state["compressor"])
+        self.inner_steps, self.syncs, self.skipped = state["inner_steps"], state["syncs"], state["skipped"]
+        self.since_sync = state["since_sync"]
+        if self.policy is not None:
+            self.interval = state["interval"]
+            self.policy.load_state_dict(state["policy"])
+            self.window.load_state_dict(state["window"])
+        elif state["interval"] != self.interval:
+            log.warning("DiLoCo: the state was saved with sync_every=%d, this job has %d: rounds every %d inner "
+                        "steps from now on", state["interval"], self.interval, self.interval)
+        if state["world"] != self.size:
+            log.warning("DiLoCo: the state was saved by %d ranks, this job has %d: the outer optimizer restarts "
+                        "(momentum zero) from the model's parameters", state["world"], self.size)
+            return self.restart()
+        with torch.no_grad():
+            for start, saved in zip(self.start, state["start"]):
+                start.copy_(saved)
+        self.outer.load_state_dict(state["outer"])  # its momentum; PyTorch restores the saved lr and momentum too:
+        saved = self.outer.param_groups[0]
+        if (saved["lr"], saved["momentum"]) != (self.outer_lr, self.outer_momentum):
+            log.warning("DiLoCo: the state was saved with outer_lr=%g, outer_momentum=%g; this job's %g, %g from now "
+                        "on", saved["lr"], saved["momentum"], self.outer_lr, self.outer_momentum)
+        for group in self.outer.param_groups:
+            group.update(lr=self.outer_lr, momentum=self.outer_momentum, nesterov=self.nesterov)
 
     @torch.no_grad()
     def restart(self) -> None:

@@ -17,7 +17,7 @@ window always ends on a round of any rung):
 
 **The floor**, the rung of a critical window, is the first rung (1: a round after every
 inner step, which averages the ranks' models plainly, no outer momentum: the per-step path,
-accordion_hvd/diloco.py). With ``overhead`` set it is where the link allows: the smallest rung
+accordion_hvd/periodic/diloco.py). With ``overhead`` set it is where the link allows: the smallest rung
 at which a round, spread over the rung's inner steps, costs at most ``overhead`` of an inner
 step, both measured on this job over the last window (``IntervalReport.round_s`` and
 ``step_s``), or the top rung where none is that cheap: where a round takes as long as ten
