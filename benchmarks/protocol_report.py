@@ -13,12 +13,14 @@ costs.json (benchmarks/protocol_costs.py ``sit``) and every run's trajectory, an
 - per method, each seed's steps and computed seconds to the target (``cap`` past ``cap_floors``
   x the floor, or never reached), the mean and spread over the seeds that reached it, the mean's
   ratio to the floor, to one node and to the baseline (a ratio only where every seed reached it),
-  and the bits per parameter per step a rank sent up to the target.
+  the bits per parameter per step a rank sent and the rounds up to the target, and each seed's
+  quality at the schedule's end (equal epochs).
 """
 
 from __future__ import annotations
 
 import argparse
+import csv
 import json
 import statistics
 import sys
@@ -31,6 +33,18 @@ import protocol_costs as costs_of  # noqa: E402
 DENSE = ("ddp-fp16", "hvd-fp16")
 
 
+def at_schedule_end(where: Path, schedule: int) -> float | None:
+    """The last evaluation at or before the schedule's end (quality at equal epochs)."""
+    return next((v for s, v in reversed(runs.evals(where)) if s <= schedule), None)
+
+
+def rounds_by(where: Path, reach: int) -> int | None:
+    """Rounds (synchronisations) in the first ``reach`` steps, where the run records them."""
+    with open(where / "steps.csv", newline="") as f:
+        rows = [r for r in csv.DictReader(f)][:reach]
+    return int(float(rows[-1]["syncs"])) if rows and rows[-1].get("syncs") not in (None, "") else None
+
+
 def bits_per_param(where: Path, reach: int) -> float:
     """Bits a rank sent per parameter per step over the first ``reach`` steps."""
     _, sent = costs_of.per_step(where)
@@ -39,7 +53,7 @@ def bits_per_param(where: Path, reach: int) -> float:
 
 
 def seed_rows(proto: runs.Protocol, task: str, method: str, rate: str, cost: dict, eval_s: float,
-              target: float, cap_s: float | None) -> list[dict]:
+              target: float, cap_s: float | None, schedule: int = 0) -> list[dict]:
     """One row per seed whose run is done: its steps and seconds to the target, or None."""
     rows = []
     run_rate = rate if proto.methods[method]["clock"] else "any"
@@ -51,7 +65,9 @@ def seed_rows(proto: runs.Protocol, task: str, method: str, rate: str, cost: dic
         if seconds is not None and cap_s is not None and seconds > cap_s:
             seconds, reach = None, None
         rows.append({"seed": seed, "steps": reach, "seconds": seconds,
-                     "bits_per_param_step": bits_per_param(where, reach) if reach else None})
+                     "bits_per_param_step": bits_per_param(where, reach) if reach else None,
+                     "rounds": rounds_by(where, reach) if reach else None,
+                     "at_schedule_end": at_schedule_end(where, schedule)})
     return rows
 
 
@@ -81,7 +97,8 @@ def report(proto: runs.Protocol, task: str, sitting: Path) -> dict:
         for method in proto.tasks[task]["methods"]:
             if method == "one-node":
                 continue
-            rows = seed_rows(proto, task, method, rate, costs["cells"][f"{method}@{rate}"], eval_s, target, cap_s)
+            rows = seed_rows(proto, task, method, rate, costs["cells"][f"{method}@{rate}"], eval_s, target, cap_s,
+                             frozen["schedule_steps"])
             methods[method] = {"seeds": rows, "mean_s": mean_of(rows, seeds)}
         dense = [methods[m]["mean_s"] for m in DENSE if methods.get(m, {}).get("mean_s") is not None]
         baseline = min(dense) if dense else None
@@ -109,7 +126,8 @@ def markdown(rep: dict, proto: runs.Protocol) -> str:
     for rate, block in rep["rates"].items():
         lines += [f"## {rate}", "", f"Baseline (the faster 16-bit dense): {fmt(block['baseline_s'], '.1f')} s.", "",
                   "| method | runs | steps to target per seed | seconds per seed | mean ± sd | x floor | x one node "
-                  "| x baseline | bits/param/step |", "|---|---|---|---|---|---|---|---|---|"]
+                  "| x baseline | bits/param/step | rounds | at the schedule's end |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|"]
         for name, m in block["methods"].items():
             rows = {r["seed"]: r for r in m["seeds"]}
             steps = " / ".join(str(rows[s]["steps"] or "cap") if s in rows else "." for s in seeds)
@@ -118,9 +136,13 @@ def markdown(rep: dict, proto: runs.Protocol) -> str:
             got = [r["seconds"] for r in m["seeds"] if r["seconds"] is not None]
             spread = f"{statistics.mean(got):.0f} ± {statistics.stdev(got):.0f}" if len(got) > 1 else "-"
             bits = [r["bits_per_param_step"] for r in m["seeds"] if r["bits_per_param_step"] is not None]
+            rounds = [r["rounds"] for r in m["seeds"] if r["rounds"] is not None]
+            ends = [r["at_schedule_end"] for r in m["seeds"] if r["at_schedule_end"] is not None]
             lines.append(f"| {name} | {len(m['seeds'])} of {len(seeds)} | {steps} | {secs} | {spread} | "
                          f"{fmt(m['x_floor'])} | {fmt(m['x_one_node'])} | {fmt(m['x_baseline'])} | "
-                         f"{fmt(statistics.mean(bits) if bits else None)} |")
+                         f"{fmt(statistics.mean(bits) if bits else None)} | "
+                         f"{fmt(statistics.mean(rounds) if rounds else None, '.0f')} | "
+                         f"{' / '.join(f'{e:.2f}' for e in ends) or '-'} |")
         lines.append("")
     lines.append("A ratio is given only where every seed reached the target within the cap; `.` is a run not "
                  "done yet.")

@@ -127,7 +127,7 @@ def test_the_sitting_shortens_rounds_and_windows(proto):
 def test_the_report_prices_every_seed_and_gives_ratios_only_where_all_reached(proto):
     task, seeds = "transformer", proto.data["seeds"]
     proto.results.mkdir(parents=True)
-    proto.frozen_path(task).write_text(json.dumps({"target": 30.0}))
+    proto.frozen_path(task).write_text(json.dumps({"target": 30.0, "schedule_steps": 3}))
     cells = {f"{m}@{r}": {"a": 0.5, "points": [[2000, 1.5, 10]]} for m in proto.methods for r in proto.tasks[task]["rates"]}
     cells.update({"floor@any": {"a": 0.25, "points": None}, "one-node@any": {"a": 0.4, "points": None}})
     sitting = proto.results / "sittings" / "today-cpu" / task
@@ -148,8 +148,9 @@ def test_the_report_prices_every_seed_and_gives_ratios_only_where_all_reached(pr
     assert block["baseline_s"] == pytest.approx(8.0)  # hvd-fp16 has no runs
     ours = block["methods"]["ours-adamw"]
     assert ours["seeds"] == [{"seed": 0, "steps": 2, "seconds": pytest.approx(1.0 + 0.5 + 1.0),
-                              "bits_per_param_step": pytest.approx(4.0)}]
+                              "bits_per_param_step": pytest.approx(4.0), "rounds": None, "at_schedule_end": 29.0}]
     assert ours["mean_s"] is None and ours["x_floor"] is None  # 1 of 3 seeds: no ratio
     assert block["methods"]["sparseloco"]["seeds"][0]["seconds"] is None
     text = protocol_report.markdown(rep, proto)
+    assert dense["seeds"][0]["at_schedule_end"] == 40.0  # the evaluation at step 2, before the schedule's end
     assert "| ours-adamw | 1 of 3 | 2 / . / . |" in text and "| sparseloco | 1 of 3 | cap / . / . |" in text
