@@ -33,7 +33,8 @@ import os
 import torch
 
 from ..compressor import Compressor
-from ..periodic.diloco import DiLoCo, local_tensor, swapped_in
+from ..periodic.diloco import DiLoCo
+from ..periodic.tensors import local_tensor, swapped_in
 from .frontends import DDPFrontEnd, FSDPFrontEnd
 
 log = logging.getLogger("accordion_hvd.train")

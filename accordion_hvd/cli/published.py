@@ -35,7 +35,7 @@ import math
 
 import torch
 
-from ..periodic.diloco import swapped_in
+from ..periodic.tensors import swapped_in
 from .frontends import DDPFrontEnd
 from .periodic import broadcast_model
 

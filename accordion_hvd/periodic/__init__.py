@@ -9,13 +9,15 @@
 - ``OneBitAdam`` (onebit_adam.py): Adam's step exchanged every step, after a warm-up, as the
   signs of its momentum with a scale and error feedback (the second moment frozen).
 - checks.py (arguments, sharding, the same start on every rank, the inner step before each
-  ``step()``) and job.py (a compressor bound to every rank of the job), shared by both.
+  ``step()``), job.py (a compressor bound to every rank of the job) and tensors.py (a rank's
+  shard of a parameter, a model swapped in, a norm), shared by both.
 
 One round of DiLoCo, on every rank (diloco.py ``sync``):
 
     inner steps (local) ──► pseudo-gradient = start - local ──► compressor: average over ranks
           ▲                                                          │
           └── local = start ◄── start = outer step(start, average) ◄─┘
+                                 (the outer optimizer: Nesterov SGD, or ``outer_optimizer=``)
 
 The wing depends on the compressor, the buffered step and communication below it; nothing
 below imports it, and it imports nothing of the Horovod wing (tests/test_architecture.py).

@@ -16,7 +16,7 @@ from .interval import SyncInterval
 
 
 def check_arguments(sync_every, outer_lr, outer_momentum, overlap, reset_momentum=None, plain_below=None,
-                    nesterov=True) -> None:
+                    nesterov=True, outer_optimizer=None) -> None:
     if not (sync_every == "auto" or isinstance(sync_every, SyncInterval)) and (
             isinstance(sync_every, bool) or not isinstance(sync_every, numbers.Integral) or sync_every < 1):
         raise ValueError(f"sync_every must be a positive integer (inner steps per round), \"auto\" or an "
@@ -35,6 +35,12 @@ def check_arguments(sync_every, outer_lr, outer_momentum, overlap, reset_momentu
     if plain_below is not None and (isinstance(plain_below, bool) or not isinstance(plain_below, numbers.Integral)
                                     or plain_below < 1):
         raise ValueError(f"plain_below must be a positive integer (inner steps), got {plain_below!r}")
+    if outer_optimizer is not None and not callable(outer_optimizer):
+        raise TypeError(f"outer_optimizer must be a function of the parameters that returns an optimizer (e.g. "
+                        f"lambda params: torch.optim.SGD(params, lr=0.5)), got {type(outer_optimizer).__name__}")
+    if outer_optimizer is not None and (outer_lr, outer_momentum, nesterov) != (0.7, 0.9, True):
+        raise ValueError("outer_optimizer is given: leave outer_lr, outer_momentum and nesterov at their defaults "
+                         "(they describe the default outer optimizer); set them in the optimizer you build")
     if reset_momentum and not (sync_every == "auto" or isinstance(sync_every, SyncInterval)):
         raise ValueError(f"reset_momentum needs an interval policy (sync_every=\"auto\" or an acc.SyncInterval): "
                          f"at a fixed sync_every={sync_every!r} the interval never falls")

@@ -57,12 +57,10 @@ comm/mesh.py); the control plane spans every rank, so every node synchronises at
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import time
 
 import torch
-from torch.distributed.tensor import DTensor
 
 from ..comm.channel import collective_timeout
 from ..buffered_step import BufferedStep
@@ -70,6 +68,7 @@ from ..comm.control import new_control_plane
 from ..comm.mesh import column_channel, node_channel
 from ..compressor import Compressor
 from .checks import InnerSteps, agree_start, check_arguments, check_sharding
+from .tensors import local_tensor, norm_of, swapped_in
 from .window import WindowStatistic
 from .job import bind_to_job
 from .interval import SyncInterval
@@ -94,6 +93,10 @@ class DiLoCo:
         outer_lr: the outer optimizer's learning rate (positive).
         outer_momentum: its momentum, in [0, 1).
         nesterov: Nesterov momentum (with ``outer_momentum > 0``).
+        outer_optimizer: another outer optimizer: a function of the start-of-round
+            parameters (a list of float32 tensors) that returns it, e.g. ``lambda params:
+            torch.optim.SGD(params, lr=0.5)``; then ``outer_lr``, ``outer_momentum`` and
+            ``nesterov`` stay at their defaults (they describe the default one).
         mesh: for HSDP, the ("replicate", "shard") DeviceMesh whose ``shard`` dimension the
             model was sharded over (module doc); None for a plain model.
         overlap: launch each round of more than one inner step without waiting for it; it
@@ -111,10 +114,11 @@ class DiLoCo:
                  compressor: Compressor | None = None, *, sync_every: int | str | SyncInterval = "auto", outer_lr: float = 0.7,
                  outer_momentum: float = 0.9, nesterov: bool = True, mesh=None, overlap: bool = False,
                  reset_momentum: bool | None = None, plain_below: int | None = None,
-                 timeout: float | None = None) -> None:
+                 timeout: float | None = None, outer_optimizer=None) -> None:
         from torch.nn.parallel import DistributedDataParallel
 
-        check_arguments(sync_every, outer_lr, outer_momentum, overlap, reset_momentum, plain_below, nesterov)
+        check_arguments(sync_every, outer_lr, outer_momentum, overlap, reset_momentum, plain_below, nesterov,
+                        outer_optimizer)
         self.policy = (SyncInterval() if sync_every == "auto" else sync_every
                        if isinstance(sync_every, SyncInterval) else None)
         if isinstance(model, DistributedDataParallel):
@@ -135,26 +139,31 @@ class DiLoCo:
             raise TypeError(f"compressor must be an acc.Compressor (or acc.AccordionCompressor), got {type(self.compressor).__name__}")
         self.outer_lr, self.outer_momentum = float(outer_lr), float(outer_momentum)
         self.nesterov = nesterov and self.outer_momentum > 0
+        self.custom_outer = outer_optimizer is not None
+        self.make_outer = outer_optimizer or (lambda params: torch.optim.SGD(
+            params, lr=self.outer_lr, momentum=self.outer_momentum, nesterov=self.nesterov))
         self.overlap = overlap
         self.reset_momentum = self.policy is not None if reset_momentum is None else reset_momentum
         self.interval = self.policy.interval if self.policy is not None else int(sync_every)  # inner steps per round now
         self.plain_below = int(plain_below) if plain_below is not None else PLAIN_BELOW if self.policy is not None else 1
         self.inner = inner_optimizer
         self.inner_counted = InnerSteps(inner_optimizer)
+        # The start-of-round parameters, in float32: what the outer optimizer updates.
+        self.start = [p.detach().clone().float() for p in self.local]
+        self.outer = self.make_outer(self.start)
         # compared across ranks with the compressor's settings, at the first round
         settings = {
             "diloco_sync_every": repr(self.policy) if self.policy is not None else self.interval,
             "diloco_outer_lr": self.outer_lr, "diloco_outer_momentum": self.outer_momentum,
             "diloco_nesterov": self.nesterov, "diloco_overlap": self.overlap,
-            "diloco_reset_momentum": self.reset_momentum, "diloco_plain_below": self.plain_below}
+            "diloco_reset_momentum": self.reset_momentum, "diloco_plain_below": self.plain_below,
+            "diloco_outer": [type(self.outer).__name__, {k: v for k, v in self.outer.defaults.items()
+                                                         if isinstance(v, (bool, int, float, str))}]}
         self.node_faults = None  # HSDP: this node's ranks, to agree on a skipped round (buffered_step.py)
         self.size = self._bind(model, inner_optimizer, collective_timeout(timeout), settings)  # ranks of the control plane
         self.control = self.compressor.engine.control
         self.round = BufferedStep(self.compressor.engine, "acc.diloco")  # one round: one step of it
         agree_start(self.params, self.local, self.mesh, self.control)
-        # The start-of-round parameters, in float32: what the outer optimizer updates.
-        self.start = [p.detach().clone().float() for p in self.local]
-        self.outer = torch.optim.SGD(self.start, lr=self.outer_lr, momentum=self.outer_momentum, nesterov=self.nesterov)
         self.inner_steps = 0
         self.since_sync = 0  # inner steps since the last round
         self.syncs = 0
@@ -352,6 +361,8 @@ class DiLoCo:
                 start.copy_(saved)
         self.outer.load_state_dict(state["outer"])  # its momentum; PyTorch restores the saved lr and momentum too:
         saved = self.outer.param_groups[0]
+        if self.custom_outer:  # (another outer optimizer: its state as saved)
+            return
         if (saved["lr"], saved["momentum"]) != (self.outer_lr, self.outer_momentum):
             log.warning("DiLoCo: the state was saved with outer_lr=%g, outer_momentum=%g; this job's %g, %g from now "
                         "on", saved["lr"], saved["momentum"], self.outer_lr, self.outer_momentum)
@@ -367,34 +378,8 @@ class DiLoCo:
         self.drop_in_flight()
         for start, local in zip(self.start, self.local):
             start.copy_(local.detach().float())
-        self.outer = torch.optim.SGD(self.start, lr=self.outer_lr, momentum=self.outer_momentum, nesterov=self.nesterov)
+        self.outer = self.make_outer(self.start)
         self.since_sync = self.inner_steps % self.interval  # rounds stay on multiples of the interval (windows end on one)
-
-
-@contextlib.contextmanager
-def swapped_in(params: list[torch.Tensor], values: list[torch.Tensor]):
-    """``values`` in the parameters while the block runs; the parameters' own after it."""
-    own = [p.detach().clone() for p in params]
-    with torch.no_grad():
-        for p, value in zip(params, values):
-            p.copy_(value.view_as(p))
-    try:
-        yield
-    finally:
-        with torch.no_grad():
-            for p, mine in zip(params, own):
-                p.copy_(mine)
-
-
-def norm_of(tensors: list[torch.Tensor]) -> float:
-    """The L2 norm of the tensors together (one host sync)."""
-    return float(torch.linalg.vector_norm(torch.stack(torch._foreach_norm(tensors))))
-
-
-def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
-    """This rank's part of ``tensor``: its local shard if it is a DTensor (FSDP2), else itself.
-    Writes into it land in the parameter."""
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
 __all__ = ["DiLoCo"]

@@ -391,6 +391,25 @@ elif mode == "bad-input":
     logging.getLogger("accordion_hvd.diloco").removeHandler(handler)
     check(any("outer step grew the parameters' norm" in r.getMessage() for r in records),
           f"no warning of the outer step's growth: {[r.getMessage() for r in records]}")
+    # the outer optimizer passed in: the default one built by hand gives the same model, bit for bit
+    def rounds_with(**kwargs):
+        m = make_model()
+        o = torch.optim.SGD(m.parameters(), lr=LR)
+        d = acc.DiLoCo(m, o, sync_every=2, **kwargs)
+        for i in range(6):
+            inner_step(m, o, i)
+            d.step()
+        return flat(m)
+    by_hand = rounds_with(outer_optimizer=lambda params: torch.optim.SGD(params, lr=0.7, momentum=0.9, nesterov=True))
+    check(torch.equal(by_hand, rounds_with()), "outer_optimizer building the default one changed the result")
+    check(not torch.equal(rounds_with(outer_optimizer=lambda params: torch.optim.SGD(params, lr=1.0)), by_hand),
+          "outer_optimizer was not used")
+    try:
+        acc.DiLoCo(make_model(), torch.optim.SGD(make_model().parameters(), lr=LR), outer_lr=0.5,
+                   outer_optimizer=lambda params: torch.optim.SGD(params, lr=0.5))
+        check(False, "outer_optimizer with outer_lr was accepted")
+    except ValueError as exc:
+        check("outer_optimizer is given: leave outer_lr" in str(exc), f"unclear: {exc}")
     say(f"rank {rank}: OK bad-input")
 if launcher != "horovod":
     leave_torch_distributed(dist)
