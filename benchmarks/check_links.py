@@ -1,7 +1,8 @@
 """Every relative link in the repository's Markdown, and every ``benchmarks/results/...`` path
 its Markdown and Python mention, checked to exist (stdlib only, reads text, runs in a second).
 
-    python benchmarks/check_links.py            # prints each missing target; exit status 1 if any
+    python benchmarks/check_links.py            # prints each missing target and each figure a linked
+                                                # report does not hold; exit status 1 if any
 
 What it reads: every ``*.md`` and ``*.py`` under the repository root (not ``.git``, ``build``,
 hidden folders or virtual environments).
@@ -21,10 +22,27 @@ hidden folders or virtual environments).
   also name a file or folder that an archive restores (raw runs are archived, their files listed
   in ``benchmarks/results/archives/index.json``). A Markdown link, which a reader follows, must
   resolve in the tree itself.
+
+And one check of what the prose says, not only where it points (``quoted_figures_missing``):
+
+* In ``README.md`` and ``docs/*.md`` (outside fenced code blocks), every **figure** on a line
+  that links to a results report (a relative link to a ``.md`` file under
+  ``benchmarks/results/``) must be found in one of the reports that line links to, so that a
+  figure cannot drift from the file quoted beside it. A figure is a number with a ratio or time
+  suffix (``0.81x``, ``1676 s``, ``12.0 ms``, ``30 min``) or any number with a decimal point
+  (``27.93``); whole numbers without a unit (seeds, rounds, steps), percentages (mostly
+  settings here: TopK 1%, 95% of the energy), versions (``2.13.0``), numbers in scientific
+  notation and anything inside `inline code` or a link's target are not figures. It is found
+  when the report holds the same number (the unit is the prose's: a report's tables give
+  seconds and ratios in columns), ignoring thousands separators and trailing zeros
+  (``1,344`` = ``1344``, ``0.50`` = ``0.5``), or a number with more decimals that rounds to it
+  (``11.947`` for ``11.9``). A figure computed from a report's figures, or read from its raw
+  runs, belongs on a line that says so and does not link the report as its source.
 """
 
 from __future__ import annotations
 
+import decimal
 import json
 import re
 import sys
@@ -187,12 +205,122 @@ def missing() -> list[str]:
     return out
 
 
+NUMBER = re.compile(r"\d[\d,]*(?:\.\d+)?")
+UNIT = re.compile(r"x(?![\w])|\s?(?:s|ms|min)(?![\w/])")
+INLINE_CODE = re.compile(r"`[^`]*`")
+
+
+def _plain(number: str) -> str:
+    """``1,344`` -> ``1344`` (a comma between digits groups thousands)."""
+    return number.replace(",", "")
+
+
+def figures(line: str) -> list[tuple[str, str]]:
+    """(figure as written, its number) for each figure on a line of prose (see the module's doc)."""
+    text = INLINE_CODE.sub(" ", line)
+    text = LINK.sub(lambda m: m.group(0)[:m.group(0).rindex("](")] + "]", text)  # a link's text only
+    text = re.sub(r"<[^>]+>", " ", text)
+    out = []
+    for match in NUMBER.finditer(text):
+        number = match.group(0).rstrip(",")
+        start, end = match.start(), match.start() + len(number)
+        if re.search(r",\d(?!\d\d)|,\d{4}", number):
+            continue  # "1,2" or "3,4567": a list of numbers, not one
+        before = text[start - 1] if start else " "
+        if before.isalnum() or before in "._/" or \
+                (before == "-" and start > 1 and (text[start - 2].isalpha() or text[start - 2] in "_-")):
+            continue  # v4, sm_80, 1.2.3, evidence-v2, a path
+        rest = text[end:]
+        if re.match(r"\.\d|[eE][+-]?\d", rest):
+            continue  # a version (2.13.0) or 1e-3
+        unit = UNIT.match(rest)
+        if unit is None and re.match(r"[A-Za-z_]", rest):
+            continue  # 100mbit, 2nd, 16k: a name, not a figure
+        if unit or "." in number:
+            out.append((number + (unit.group(0) if unit else ""), number))
+    return out
+
+
+def _decimals(number: str) -> int:
+    return len(number.partition(".")[2])
+
+
+REPORT_NUMBERS: dict[Path, set[str]] = {}
+
+
+def report_numbers(path: Path) -> set[str]:
+    """Every number a report writes, thousands separators dropped."""
+    if path not in REPORT_NUMBERS:
+        text = path.read_text(encoding="utf-8")
+        REPORT_NUMBERS[path] = {_plain(m.group(0).rstrip(",")) for m in NUMBER.finditer(text)}
+    return REPORT_NUMBERS[path]
+
+
+def found(number: str, numbers: set[str]) -> bool:
+    """Whether a figure's number is among a report's: the same, the same value (trailing zeros),
+    or a number with more decimals that rounds to it."""
+    number = _plain(number)
+    if number in numbers:
+        return True
+    want, places = decimal.Decimal(number), _decimals(number)
+    quantum = decimal.Decimal(1).scaleb(-places)
+    for other in numbers:
+        try:
+            value = decimal.Decimal(other)
+        except decimal.InvalidOperation:
+            continue
+        if value == want or (_decimals(other) > places and
+                             value.quantize(quantum, rounding=decimal.ROUND_HALF_UP) == want):
+            return True
+    return False
+
+
+def report_links(path: Path, line: str, results: Path = RESULTS) -> list[Path]:
+    """The results reports (``.md`` under ``results``) a line of ``path`` links to."""
+    out = []
+    for match in LINK.finditer(INLINE_CODE.sub(lambda m: m.group(0) if "](" in m.group(0) else "", line)):
+        target = match.group(1).partition("#")[0]
+        if URL.match(target) or not target.endswith(".md"):
+            continue
+        report = (path.parent / target).resolve()
+        if report.is_file() and report.is_relative_to(results.resolve()) and report not in out:
+            out.append(report)
+    return out
+
+
+def prose_files(root: Path = REPO) -> list[Path]:
+    return [root / "README.md", *sorted((root / "docs").glob("*.md"))]
+
+
+def quoted_figures_missing(paths: list[Path] | None = None, root: Path = REPO) -> list[str]:
+    """``file:line: figure F not in REPORT`` for each figure on a line that links to results
+    reports and that none of them holds (README.md and docs/*.md unless ``paths`` are given)."""
+    results = root / "benchmarks" / "results"
+    out = []
+    for path in paths if paths is not None else prose_files(root):
+        if not path.is_file():
+            continue
+        for number, line in outside_code_fences(path.read_text(encoding="utf-8")):
+            reports = report_links(path, line, results)
+            if not reports:
+                continue
+            numbers = set().union(*(report_numbers(r) for r in reports))
+            for figure, value in figures(line):
+                if not found(value, numbers):
+                    linked = ", ".join(str(Path("benchmarks", "results", r.relative_to(results.resolve())))
+                                       for r in reports)
+                    out.append(f"{path.relative_to(root)}:{number}: figure {figure} not in {linked}")
+    return out
+
+
 def main() -> int:
-    broken = missing()
-    for line in broken:
+    broken, drifted = missing(), quoted_figures_missing()
+    for line in broken + drifted:
         print(line)
     print(f"{len(broken)} broken" if broken else "no broken links or results paths")
-    return 1 if broken else 0
+    print(f"{len(drifted)} figures not in the report linked beside them" if drifted else
+          "every figure beside a link to a results report is in that report")
+    return 1 if broken or drifted else 0
 
 
 if __name__ == "__main__":

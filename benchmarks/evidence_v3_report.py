@@ -6,7 +6,8 @@ method's time to the target against the compute floor and the baseline, measured
 
 Reads only committed files: the runs under ``benchmarks/results/evidence-v3/SETTING/METHOD/seedS``
 and the step-time sittings (``step-time-MODEL.csv``). A cell whose runs are not all there is shown
-with what there is, and a bar that reads it says "not decided"; nothing is judged on part of a cell.
+with what there is, and a bar that reads it says "not decided", unless a seed that ran never
+reached the target: the bars need every seed, so that seed decides them ("no").
 """
 
 from __future__ import annotations
@@ -64,12 +65,13 @@ def cell(setting: str, method: str, times: dict | None) -> tuple[str, dict[int, 
 
 
 def reached(runs: dict[int, dict], target: float) -> tuple[float | None, list[str]]:
-    """The mean time to target over the protocol's seeds: inf when they all ran and one never
-    reached it (with each such seed's best), None while a seed is missing."""
+    """The mean time to target over the protocol's seeds: inf when one that ran never reached
+    it (with each such seed's best: the bars need every seed, so that decides them whatever
+    the missing seeds would do), None while a seed is missing and none has missed."""
     times = {s: cells.time_to(r["evals"], r["walls"], target) for s, r in runs.items()}
     missed = [f"seed {s}: best {min(float(e['perplexity']) for e in runs[s]['evals']):.2f}"
               + (", diverged" if runs[s]["diverged"] else "") for s, t in times.items() if t is None]
-    if len(runs) < len(v3.SEEDS):
+    if len(runs) < len(v3.SEEDS) and not missed:
         return None, missed
     return (math.inf if missed else statistics.mean(times.values())), missed
 
@@ -103,7 +105,7 @@ def setting_table(setting: str) -> tuple[list[str], dict]:
              "| method | cell | seeds | time to target, mean s (x floor, x baseline) | sd s | to "
              f"{worst:.2f}, mean s | validation after 6 epochs | test | floats sent per rank | syncs |",
              "|---|---|---|---|---|---|---|---|---|---|"]
-    means, rows = {}, [(m, *cell(setting, m, times)) for m in ORDER]
+    means, missing, rows = {}, {}, [(m, *cell(setting, m, times)) for m in ORDER]
     if rate == "1gbit":  # the computation's check: the faster baseline's seed 0 measured at this rate
         rows += [(m, "measured (check)", {s: r for s in v3.SEEDS if (r := read_run(v3.run_dir(setting, m, s)))})
                  for m in v3.BASELINES]
@@ -114,13 +116,13 @@ def setting_table(setting: str) -> tuple[list[str], dict]:
             lines.append(check_row(method, runs, rows_of(rows, method)))
             continue
         mean, missed = reached(runs, target)
-        means[method] = mean
+        means[method], missing[method] = mean, missed
         if mean is not None and math.isfinite(mean):
             over = f", {mean / floor:.2f}x" if floor else ""
             shown = f"{mean:.0f} ({over[2:]}{', ' if over else ''}{mean / base_wall:.2f}x)"
         else:
             shown = (f"not reached in {len(missed)} ({'; '.join(missed)})" if missed else "") + \
-                (f" ({len(runs)} of {len(v3.SEEDS)} seeds run)" if mean is None else "")
+                (f" ({len(runs)} of {len(v3.SEEDS)} seeds run)" if len(runs) < len(v3.SEEDS) else "")
         hits = [t for r in runs.values() if (t := cells.time_to(r["evals"], r["walls"], target)) is not None]
         syncs = [r["syncs"] for r in runs.values() if r["syncs"] is not None]
         loose, _ = reached(runs, worst)
@@ -128,7 +130,7 @@ def setting_table(setting: str) -> tuple[list[str], dict]:
                      f"{seconds(loose).removesuffix(' s')} | {mean_sd([r['standard'] for r in runs.values()])} | {mean_sd([r['test'] for r in runs.values()])} | "
                      f"{statistics.mean(r['floats'] for r in runs.values()):.3g} | "
                      f"{mean_sd(syncs, '.0f') if syncs else '-'} |")
-    return lines + [""], {"floor": floor, "baseline_wall": base_wall, "means": means}
+    return lines + [""], {"floor": floor, "baseline_wall": base_wall, "means": means, "missed": missing}
 
 
 def seconds(mean: float | None) -> str:
@@ -154,7 +156,8 @@ def check_row(method: str, measured: dict[int, dict], computed: dict[int, dict])
 
 def bars(judged: dict[str, dict]) -> list[str]:
     """The issue's bars on the settings' means ({setting: setting_table's second value}; a mean
-    is inf where a seed never reached the target, None while a seed is missing: not decided)."""
+    is inf where a seed never reached the target, which decides a bar; None while a seed is
+    missing and none missed: not decided)."""
     out = ["| bar | setting | figure | met |", "|---|---|---|---|"]
 
     def row(bar: str, setting: str, figure: str, met: bool | None) -> None:
@@ -169,12 +172,14 @@ def bars(judged: dict[str, dict]) -> list[str]:
         if task != "heldout" and rate in FLOOR_BARS:
             limit = FLOOR_BARS[rate]
             row(f"diloco-auto within {limit}x the compute floor", setting,
+                f"not reached ({'; '.join(got['missed'][OURS])})" if ours is not None and math.isinf(ours) else
                 f"{ours / floor:.2f}x" if ours is not None and floor else "-",
                 None if ours is None or floor is None else ours <= limit * floor)
         for peer in PEERS:
             theirs = means.get(peer)
             row(f"diloco-auto ahead of {peer}", setting, f"{seconds(ours)} vs {seconds(theirs)}",
-                None if ours is None or theirs is None else (ours < theirs if math.isfinite(ours) else False))
+                False if ours is not None and math.isinf(ours) else  # never reached: ahead of no one
+                None if theirs is None or ours is None else ours < theirs)
         if rate == "1gbit":
             for method in RECOMMENDED:
                 mine = means.get(method)

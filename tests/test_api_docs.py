@@ -19,6 +19,7 @@ API = (REPO / "docs" / "api.md").read_text()
 
 DOCUMENTED = {  # heading in docs/api.md -> the object whose signature its argument table describes
     "acc.AccordionCompressor": acc.AccordionCompressor,
+    "acc.Compressor": acc.Compressor,
     "acc.PowerSGD": acc.PowerSGD,
     "acc.TopK": acc.TopK,
     "acc.Quantize": acc.Quantize,
