@@ -47,8 +47,8 @@ import weakref
 import torch
 
 from .comm.channel import collective_timeout
-from .comm.control import new_control_plane
-from .comm.process_group import ProcessGroupChannel, new_channel
+from .binding import bind_planes
+from .comm.process_group import ProcessGroupChannel
 from .buffered_step import BufferedStep
 from .compressor import Compressor
 
@@ -91,8 +91,8 @@ def register_ddp_hook(ddp_model, compressor: Compressor, *, optimizer=None, proc
                          f"communicates in ranks {ranks}; pass the model's own group or none")
     timeout = collective_timeout(timeout)
     # New groups are collective calls: every rank makes them here, in the same order.
-    channel = new_channel(ranks, timeout, dist.get_backend(group), lanes=("q",))
-    compressor.bind(ddp_model, channel=channel, control=new_control_plane(ranks, timeout), optimizer=optimizer)
+    channel = bind_planes(compressor, ddp_model, ranks, timeout, lanes=("q",), backend=dist.get_backend(group),
+                          optimizer=optimizer)
     hook = DDPHook(compressor, channel, {p: n for n, p in ddp_model.module.named_parameters()})
     ddp_model.register_comm_hook(None, hook)
     hook.attach(ddp_model)

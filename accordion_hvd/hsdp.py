@@ -68,7 +68,8 @@ import torch
 from . import ops
 from .comm.channel import collective_timeout
 from .comm.control import ProcessGroupControlPlane
-from .comm.mesh import check_mesh, column_channel, node_channel
+from .binding import bind_planes
+from .comm.mesh import check_mesh, node_channel
 from .comm.process_group import ProcessGroupChannel, timeout_delta
 from .engine import settings
 from .buffered_step import BufferedStep
@@ -123,10 +124,10 @@ def compress_hsdp(model, compressor: Compressor, mesh, *, optimizer=None,
     control = ProcessGroupControlPlane(control_group, dist.get_rank(), world, timeout)
     _agree(control_group, model, compressor, mesh, timeout)
     # the data, PowerSGD's Q rounds and the uncompressed layers' round: lanes that pair apart
-    channel = column_channel(mesh, timeout, lanes=("q", "dense"))
+    channel = bind_planes(compressor, model, list(range(world)), timeout, lanes=("q", "dense"), mesh=mesh,
+                          control=control, optimizer=optimizer,
+                          speaks=dist.get_rank() == 0)  # each shard group's data plane has a rank 0: one speaks
     node_faults = node_channel(mesh, timeout)  # the step's fault flag, inside the node
-    compressor.bind(model, channel=channel, control=control, optimizer=optimizer,
-                    speaks=dist.get_rank() == 0)  # each shard group's data plane has a rank 0: one speaks
     hook = HSDPHook(compressor, channel, node_faults, mesh, buffers=sum(1 for _, known in groups if known.layout))
     for module, known in groups:
         module.set_reduce_scatter_unused_params(True, recurse=False)  # a fixed buffer layout every step

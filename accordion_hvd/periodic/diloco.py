@@ -64,8 +64,8 @@ import torch
 
 from ..comm.channel import collective_timeout
 from ..buffered_step import BufferedStep
-from ..comm.control import new_control_plane
-from ..comm.mesh import column_channel, node_channel
+from ..binding import bind_planes
+from ..comm.mesh import node_channel
 from ..compressor import Compressor
 from .checks import InnerSteps, agree_start, check_arguments, check_sharding
 from .tensors import local_tensor, norm_of, swapped_in
@@ -188,10 +188,9 @@ class DiLoCo:
         if not (dist.is_available() and dist.is_initialized()):
             raise RuntimeError("DiLoCo with mesh= (HSDP) needs torch.distributed initialized (torchrun)")
         ranks = list(range(dist.get_world_size()))
-        channel = column_channel(self.mesh, timeout, lanes=("q", "dense"))
+        bind_planes(self.compressor, model, ranks, timeout, lanes=("q", "dense"), mesh=self.mesh, optimizer=optimizer,
+                    speaks=dist.get_rank() == 0, front_end="acc.DiLoCo", settings=settings)
         self.node_faults = node_channel(self.mesh, timeout)
-        self.compressor.bind(model, channel=channel, control=new_control_plane(ranks, timeout), optimizer=optimizer,
-                             speaks=dist.get_rank() == 0, front_end="acc.DiLoCo", settings=settings)
         return len(ranks)
 
     def step(self) -> bool:

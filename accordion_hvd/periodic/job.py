@@ -9,8 +9,7 @@ Gloo one for control. Under horovodrun: the compressor's default planes over Hor
 
 from __future__ import annotations
 
-from ..comm.control import new_control_plane
-from ..comm.process_group import new_channel
+from ..binding import bind_planes
 
 
 def bind_to_job(compressor, owner, optimizer, device_type: str, timeout: float, who: str,
@@ -22,9 +21,8 @@ def bind_to_job(compressor, owner, optimizer, device_type: str, timeout: float, 
 
     if dist.is_available() and dist.is_initialized():
         ranks = list(range(dist.get_world_size()))
-        channel = new_channel(ranks, timeout, dist.get_backend(), lanes=lanes)
-        compressor.bind(owner, channel=channel, control=new_control_plane(ranks, timeout), optimizer=optimizer,
-                        speaks=dist.get_rank() == 0, front_end=f"acc.{who}", settings=settings)
+        bind_planes(compressor, owner, ranks, timeout, lanes=lanes, backend=dist.get_backend(), optimizer=optimizer,
+                    speaks=dist.get_rank() == 0, front_end=f"acc.{who}", settings=settings)
         return len(ranks)
     size = horovod_size()
     if size is None:
