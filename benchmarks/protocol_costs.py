@@ -15,14 +15,22 @@ without the step that holds an evaluation, pooled over the rounds:
 
 - ``a``: the median step with nothing on the wire (the floor's step where the method sends
   something every step);
-- ``points``: per kind of sending step (steps whose bytes sent by a rank agree within ``KIND``:
-  a dense step, a compressed one, a round), its median bytes and median seconds. A step that
+- ``points``: per kind of sending step (the steps sorted by the bytes a rank sent, a new kind
+  where they jump by more than ``GAP``: a dense step, a compressed one, a round), its median
+  bytes and median seconds. A step that
   sends ``B`` bytes costs the piecewise-linear line through (0, ``a``) and the points, past the
   largest point the line from (0, ``a``) through it (``step_seconds``). One straight line
   ``a + b x bytes`` priced a 16-bit step of a cell by its compressed steps' seconds per byte,
   and on an emulated link small messages cost less per byte than large ones (they fit in the
   sockets' buffers);
 - ``eval_s``: one evaluation's seconds (the floor cell's step across its evaluation, less a step).
+
+A **simulated** method (``simulated = true``: the published peers of accordion_hvd/cli/published.py,
+whose message is decoded to floats and averaged with a float32 ``all_reduce``, its size counted
+from the encoding the method specifies) sends far more than it counts, so its measured sending
+steps say nothing of its message: each kind of them is priced at the cell's ``a`` plus the
+seconds the rate's real exchanges took for that many bytes (``link_curve``: every other cell at
+the rate, the cheapest seen for at least those bytes).
 
 **A run's time** (its trajectory, machine-free, from benchmarks/protocol.py) = the sum over its
 steps of its step's seconds at the bytes it sent, plus ``eval_s`` per evaluation, up to the first evaluation
@@ -47,7 +55,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import protocol as runs  # noqa: E402
 from machine import cpu_model  # noqa: E402
 
-SIT_STEPS, SKIP, ROUNDS, SIT_FREEZE, SIT_ROUND, KIND = 60, 10, 3, 20, 16, 0.05
+SIT_STEPS, SKIP, ROUNDS, SIT_FREEZE, SIT_ROUND, GAP = 60, 10, 3, 20, 16, 0.5
 
 
 def per_step(where: Path) -> tuple[list[float], list[float]]:
@@ -99,8 +107,9 @@ def clean_steps(where: Path) -> list[tuple[float, float]]:
 
 
 def cell_costs(rounds: list[Path], floor_step: float | None) -> dict:
-    """A cell's costs from its rounds' steps, pooled: ``a`` and the ``points`` (bytes, seconds)
-    of each kind of sending step (steps whose bytes agree within ``KIND``; module doc). A cell
+    """A cell's costs from its rounds' steps, pooled: ``a`` and the ``points`` (bytes, seconds,
+    steps) of each kind of sending step (sorted by bytes, a new kind where the bytes jump by more
+    than ``GAP``; module doc). A cell
     on no link (``floor_step`` None: one process, whose bytes cross nothing) has only ``a``."""
     steps = [step for where in rounds for step in clean_steps(where)]
     if floor_step is None:
@@ -110,7 +119,7 @@ def cell_costs(rounds: list[Path], floor_step: float | None) -> dict:
     busy = sorted((b, s) for s, b in steps if b > 0)
     kinds: list[list[tuple[float, float]]] = []
     for b, s in busy:
-        if kinds and b <= kinds[-1][0][0] * (1 + KIND):
+        if kinds and b <= kinds[-1][-1][0] * (1 + GAP):
             kinds[-1].append((b, s))
         else:
             kinds.append([(b, s)])
@@ -134,6 +143,29 @@ def step_seconds(cost: dict, sent: float) -> float:
     if len(xs) == 1:
         raise ValueError("a step sent bytes where the sitting's cell saw no sending step")
     return cost["a"] + (ys[-1] - cost["a"]) * sent / xs[-1]
+
+
+def link_curve(cells: list[dict]) -> list[tuple[float, float]]:
+    """The seconds a real exchange of this machine added to a step, by the bytes a rank sent, at
+    one rate: every kind of every cell given (bytes, seconds - its cell's ``a``), as the lower
+    envelope (at each size the cheapest seen for that many bytes or more: the kindest price)."""
+    points = sorted((b, max(s - cell["a"], 0.0)) for cell in cells for b, s, _ in cell["points"] or [])
+    curve, cheapest = [], float("inf")
+    for b, extra in reversed(points):
+        cheapest = min(cheapest, extra)
+        curve.append((b, cheapest))
+    return curve[::-1]
+
+
+def on_link(cell: dict, curve: list[tuple[float, float]]) -> dict:
+    """A simulated cell (its exchange a float32 all_reduce standing in for the message it
+    counts) priced on the rate's ``link_curve``: each kind's bytes at ``a`` plus the curve's
+    seconds for them, its own measured seconds for the inner steps only."""
+    if not curve:
+        raise ValueError("no real cell at this rate to price a simulated exchange on")
+    line = {"a": 0.0, "points": [[b, extra, 1] for b, extra in curve]}
+    return {**cell, "points": [[b, cell["a"] + step_seconds(line, b), n] for b, _, n in cell["points"]],
+            "measured_points": cell["points"], "priced_on_link": True}
 
 
 def eval_seconds(where: Path) -> float | None:
@@ -177,6 +209,12 @@ def sit(proto: runs.Protocol, task: str) -> Path:
     for method, rate in cells:
         costs["cells"][f"{method}@{rate}"] = cell_costs([out / f"round{r}" / method / rate for r in range(ROUNDS)],
                                                         None if rate == "any" else costs["floor_step"])
+    simulated = {m for m, spec in proto.methods.items() if spec.get("simulated")}
+    for method, rate in cells:
+        if method in simulated:
+            real = [c for key, c in costs["cells"].items() if key.endswith(f"@{rate}")
+                    and key.split("@")[0] not in simulated]
+            costs["cells"][f"{method}@{rate}"] = on_link(costs["cells"][f"{method}@{rate}"], link_curve(real))
     (out / "costs.json").write_text(json.dumps(costs, indent=1) + "\n")
     return out / "costs.json"
 

@@ -154,3 +154,26 @@ def test_the_report_prices_every_seed_and_gives_ratios_only_where_all_reached(pr
     text = protocol_report.markdown(rep, proto)
     assert dense["seeds"][0]["at_schedule_end"] == 40.0  # the evaluation at step 2, before the schedule's end
     assert "| ours-adamw | 1 of 3 | 2 / . / . |" in text and "| sparseloco | 1 of 3 | cap / . / . |" in text
+
+
+def test_a_simulated_exchange_is_priced_on_the_link_curve_of_the_real_cells():
+    real = [{"a": 0.2, "points": [[1000, 0.7, 5], [8000, 2.2, 5]]}, {"a": 0.25, "points": [[4000, 1.0, 5]]},
+            {"a": 0.2, "points": None}]  # (a cell on no link adds nothing)
+    curve = protocol_costs.link_curve(real)
+    assert curve == [(1000, pytest.approx(0.5)), (4000, pytest.approx(0.75)), (8000, pytest.approx(2.0))]
+    cheaper_later = protocol_costs.link_curve(real + [{"a": 0.2, "points": [[5000, 0.8, 5]]}])
+    assert cheaper_later[1] == (4000, pytest.approx(0.6))  # the cheapest seen for at least that many bytes
+    simulated = {"a": 0.3, "points": [[2000, 9.0, 4]], "steps": 40}
+    priced = protocol_costs.on_link(simulated, curve)
+    assert priced["points"] == [[2000, pytest.approx(0.3 + 0.5 + 0.25 / 3), 4]]
+    assert priced["measured_points"] == [[2000, 9.0, 4]] and priced["priced_on_link"]
+    with pytest.raises(ValueError, match="no real cell"):
+        protocol_costs.on_link(simulated, [])
+
+
+def test_steps_whose_bytes_grow_gradually_are_one_kind(tmp_path):
+    # sparse chunks: each step a few more or fewer bytes than the last, then a 16-bit step
+    cell = tmp_path / "cell"
+    write_run(cell, [], [0] * 10 + [1000, 1400, 1900, 2600, 1200, 9000], wall=[0.3] * 10 + [0.5] * 5 + [2.0])
+    points = protocol_costs.cell_costs([cell], floor_step=0.25)["points"]
+    assert [(round(b), n) for b, _, n in points] == [(1400, 5), (9000, 1)]
