@@ -28,9 +28,10 @@ without the step that holds an evaluation, pooled over the rounds:
 A **simulated** method (``simulated = true``: the published peers of accordion_hvd/cli/published.py,
 whose message is decoded to floats and averaged with a float32 ``all_reduce``, its size counted
 from the encoding the method specifies) sends far more than it counts, so its measured sending
-steps say nothing of its message: each kind of them is priced at the cell's ``a`` plus the
-seconds the rate's real exchanges took for that many bytes (``link_curve``: every other cell at
-the rate, the cheapest seen for at least those bytes).
+steps say nothing of its message: its cell runs once, on the loopback, for its ``a`` and its
+kinds' bytes, and at each rate each kind is priced at that ``a`` plus the seconds the rate's
+real exchanges took for that many bytes (``link_curve``: every other cell at the rate, the
+cheapest seen for at least those bytes).
 
 **A run's time** (its trajectory, machine-free, from benchmarks/protocol.py) = the sum over its
 steps of its step's seconds at the bytes it sent, plus ``eval_s`` per evaluation, up to the first evaluation
@@ -181,8 +182,10 @@ def sit(proto: runs.Protocol, task: str) -> Path:
     """This machine's sitting of ``task`` (module doc); its costs.json."""
     stamp = f"{datetime.date.today().isoformat()}-{re.sub(r'[^a-z0-9.]+', '-', cpu_model().lower()).strip('-')}"
     out = proto.results / "sittings" / stamp / task
-    cells = [("floor", "any"), ("one-node", "any")] + [(m, r) for m in proto.tasks[task]["methods"] if m != "one-node"
-                                                       for r in proto.tasks[task]["rates"]]
+    simulated = {m for m, spec in proto.methods.items() if spec.get("simulated")}
+    cells = [("floor", "any"), ("one-node", "any")] + [
+        (m, r) for m in proto.tasks[task]["methods"] if m != "one-node"
+        for r in (["any"] if m in simulated else proto.tasks[task]["rates"])]  # (simulated: priced on the link)
     for rnd in range(ROUNDS):
         for method, rate in cells:
             where = out / f"round{rnd}" / method / rate
@@ -208,13 +211,14 @@ def sit(proto: runs.Protocol, task: str) -> Path:
                                         if (e := eval_seconds(out / f"round{r}" / "floor" / "any")) is not None)
     for method, rate in cells:
         costs["cells"][f"{method}@{rate}"] = cell_costs([out / f"round{r}" / method / rate for r in range(ROUNDS)],
-                                                        None if rate == "any" else costs["floor_step"])
-    simulated = {m for m, spec in proto.methods.items() if spec.get("simulated")}
-    for method, rate in cells:
-        if method in simulated:
-            real = [c for key, c in costs["cells"].items() if key.endswith(f"@{rate}")
-                    and key.split("@")[0] not in simulated]
-            costs["cells"][f"{method}@{rate}"] = on_link(costs["cells"][f"{method}@{rate}"], link_curve(real))
+                                                        None if rate == "any" and method not in simulated
+                                                        else costs["floor_step"])
+    curves = {rate: link_curve([c for key, c in costs["cells"].items() if key.endswith(f"@{rate}")])
+              for rate in proto.tasks[task]["rates"]}  # (every cell at a rate is a real one: simulated ran on "any")
+    for method in sorted(simulated & set(proto.tasks[task]["methods"])):
+        measured = costs["cells"].pop(f"{method}@any")
+        for rate, curve in curves.items():
+            costs["cells"][f"{method}@{rate}"] = on_link(measured, curve)
     (out / "costs.json").write_text(json.dumps(costs, indent=1) + "\n")
     return out / "costs.json"
 
