@@ -69,7 +69,6 @@ from ..comm.mesh import node_channel
 from ..compressor import Compressor
 from .checks import InnerSteps, agree_start, check_arguments, check_sharding
 from .tensors import local_tensor, norm_of, swapped_in
-from .window import WindowStatistic
 from .job import bind_to_job
 from .interval import SyncInterval
 
@@ -170,7 +169,8 @@ class DiLoCo:
         self.skipped = 0
         self.launched = None  # overlap: each local parameter when the round in flight was launched
         self.plain = False    # the round in flight is a plain average (launched at an interval below plain_below)
-        self.window = None if self.policy is None else WindowStatistic(inner_optimizer)
+        if self.policy is not None:
+            self.policy.watch(inner_optimizer)
         if self.policy is not None and self.interval == 1:  # said, or a short trial looks like no saving
             log.info("DiLoCo: a round every inner step for the first %d inner steps (the start of training is a "
                      "critical regime: two windows of %d), then one rung up %s per calm window", 2 * self.policy.window,
@@ -200,25 +200,25 @@ class DiLoCo:
         self.inner_counted.check([local_tensor(p.grad) for _, p in self.params if p.grad is not None])
         self.inner_steps += 1
         self.since_sync += 1
-        if self.window is not None:  # (HSDP: each rank's shard of the gradients)
-            self.window.observe(started, [local_tensor(p.grad) for _, p in self.params if p.grad is not None])
+        if self.policy is not None:  # (HSDP: each rank's shard of the gradients)
+            self.policy.observe(started, [local_tensor(p.grad) for _, p in self.params if p.grad is not None])
         due = self.since_sync >= self.interval
         if due:
             self.sync()
-            if self.window is not None:
-                self.window.round_took(time.perf_counter() - started)
+            if self.policy is not None:
+                self.policy.round_took(time.perf_counter() - started)
         else:  # stats(): floats_dense is what per-step dense training would have sent by now
             self.compressor.count_local_step(self.named_local)  # (HSDP: this rank's shards, as a round counts)
-        if self.window is not None and self.inner_steps % self.policy.window == 0:  # always after a round
-            before, self.interval = self.interval, self.policy.end_window(self.window.report(self.control, self.size))
+        if self.policy is not None and self.inner_steps % self.policy.window == 0:  # always after a round
+            before, self.interval = self.interval, self.policy.close_window(self.control, self.size)
             if self.interval != before:
                 log.info("DiLoCo: from inner step %d, a round every %d inner step%s (was %d)", self.inner_steps,
                          self.interval, "" if self.interval == 1 else "s", before)
             if self.reset_momentum and self.interval < before:  # a critical window: the memory is stale
                 self.flush()  # (overlap: the window's last round lands first, or it would refill the memory)
                 self.outer.state.clear()
-        if self.window is not None:
-            self.window.step_ended()
+        if self.policy is not None:
+            self.policy.step_ended()
         return due
 
     def synced(self):
@@ -326,8 +326,7 @@ class DiLoCo:
         return {"world": self.size, "inner_steps": self.inner_steps, "syncs": self.syncs, "skipped": self.skipped,
                 "start": [t.clone() for t in self.start], "interval": self.interval, "since_sync": self.since_sync,
                 "outer": self.outer.state_dict(), "compressor": self.compressor.state_dict(),
-                **({} if self.policy is None else {"policy": self.policy.state_dict(),
-                                                   "window": self.window.state_dict()})}
+                **({} if self.policy is None else {"policy": self.policy.state_dict()})}  # (its window's too)
 
     def load_state_dict(self, state: dict) -> None:
         """Restore a ``state_dict()``. From a job with another number of ranks the outer state
@@ -346,8 +345,8 @@ class DiLoCo:
         self.since_sync = state["since_sync"]
         if self.policy is not None:
             self.interval = state["interval"]
-            self.policy.load_state_dict(state["policy"])
-            self.window.load_state_dict(state["window"])
+            # (a state saved before the policy held its window's statistics has them beside it)
+            self.policy.load_state_dict({**state["policy"], **({"window": state["window"]} if "window" in state else {})})
         elif state["interval"] != self.interval:
             log.warning("DiLoCo: the state was saved with sync_every=%d, this job has %d: rounds every %d inner "
                         "steps from now on", state["interval"], self.interval, self.interval)

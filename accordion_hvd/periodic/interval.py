@@ -42,8 +42,10 @@ runs measured; the link term is an option no run has scored.
 The compression level of each round is the compressor's own policy's, on its own windows of
 rounds (docs/api.md says why: a round's pseudo-gradient is a layer like any gradient).
 
-The report (``IntervalReport``) holds numbers reduced across ranks by the front end, the same
-on every rank, hence the same interval everywhere.
+The policy owns its window's statistics (window.py: ``watch`` the inner optimizer, then the
+front end reports each inner step and round); ``close_window`` reduces them across ranks into
+an ``IntervalReport``, the same on every rank, hence the same interval everywhere, and
+``end_window`` is the rule on that report alone (tests/test_sync_interval.py).
 """
 
 from __future__ import annotations
@@ -51,33 +53,13 @@ from __future__ import annotations
 import logging
 import math
 import numbers
-from dataclasses import dataclass
 
 from ..levels import positive_number
+from .window import IntervalReport, WindowStatistic
 
 log = logging.getLogger("accordion_hvd.policies")
 
 LADDER = (1, 4, 16, 64)
-
-
-@dataclass(frozen=True)
-class IntervalReport:
-    """One window of inner steps, the same on every rank.
-
-    norm: the model's gradient norm over the window (the square root of the mean over its
-        steps and over ranks of each rank's squared gradient norm).
-    steps: inner steps in the window.
-    lr_decreased: whether the inner optimizer's learning rate went down in the window.
-    step_s: an inner step's wall time, rounds excluded (median over the window, mean over
-        ranks); None if not measured.
-    round_s: a round's wall time (mean over the window's rounds and over ranks); None if no
-        round was measured.
-    """
-    norm: float
-    steps: int
-    lr_decreased: bool = False
-    step_s: float | None = None
-    round_s: float | None = None
 
 
 class SyncInterval:
@@ -111,6 +93,7 @@ class SyncInterval:
         self.interval = self.floor = self.ladder[0]  # the start is critical; no link measured yet
         self.windows = 0
         self._prev: float | None = None
+        self.statistic: WindowStatistic | None = None  # watch()
 
     def __repr__(self) -> str:
         return f"SyncInterval(ladder={self.ladder}, eta={self.eta}, overhead={self.overhead}, budget={self.budget})"
@@ -142,8 +125,29 @@ class SyncInterval:
             return unmeasured
         return next((r for r in self.ladder if report.round_s / r <= fraction * report.step_s), self.ladder[-1])
 
+    # --- the window's statistics (window.py), measured for it by the front end that asks it ---
+    def watch(self, optimizer) -> None:
+        """Measure each window of ``optimizer``'s inner steps (DiLoCo calls this once)."""
+        self.statistic = WindowStatistic(optimizer)
+
+    def observe(self, now: float, grads: list) -> None:
+        """An inner step began at ``now`` with this rank's ``grads``."""
+        self.statistic.observe(now, grads)
+
+    def round_took(self, seconds: float) -> None:
+        self.statistic.round_took(seconds)
+
+    def step_ended(self) -> None:
+        self.statistic.step_ended()
+
+    def close_window(self, control, size: int) -> int:
+        """The window's statistics reduced across ranks (one control collective), then
+        ``end_window``: the interval of the next window, the same on every rank."""
+        return self.end_window(self.statistic.report(control, size))
+
     def state_dict(self) -> dict:
-        return {"interval": self.interval, "floor": self.floor, "windows": self.windows, "prev": self._prev}
+        return {"interval": self.interval, "floor": self.floor, "windows": self.windows, "prev": self._prev,
+                **({"window": self.statistic.state_dict()} if self.statistic is not None else {})}
 
     def load_state_dict(self, state: dict) -> None:
         if state["interval"] not in self.ladder:
@@ -152,3 +156,5 @@ class SyncInterval:
         self.interval, self.windows = int(state["interval"]), int(state["windows"])
         self.floor = int(state.get("floor", self.ladder[0]))
         self._prev = None if state["prev"] is None else float(state["prev"])
+        if self.statistic is not None and "window" in state:
+            self.statistic.load_state_dict(state["window"])

@@ -1,17 +1,37 @@
-"""The statistics ``acc.SyncInterval`` decides on, measured by ``acc.DiLoCo`` (diloco.py) over
-one window of inner steps and reduced across ranks once per window, so that every rank
-chooses the same interval."""
+"""The statistics ``acc.SyncInterval`` decides on (``IntervalReport``), measured for it
+(``WindowStatistic``, which the policy owns: ``SyncInterval.watch``) over one window of the
+inner steps ``acc.DiLoCo`` reports, and reduced across ranks once per window, so that every
+rank chooses the same interval."""
 
 from __future__ import annotations
 
 import math
 import statistics
 import time
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from .interval import IntervalReport
+
+@dataclass(frozen=True)
+class IntervalReport:
+    """One window of inner steps, the same on every rank.
+
+    norm: the model's gradient norm over the window (the square root of the mean over its
+        steps and over ranks of each rank's squared gradient norm).
+    steps: inner steps in the window.
+    lr_decreased: whether the inner optimizer's learning rate went down in the window.
+    step_s: an inner step's wall time, rounds excluded (median over the window, mean over
+        ranks); None if not measured.
+    round_s: a round's wall time (mean over the window's rounds and over ranks); None if no
+        round was measured.
+    """
+    norm: float
+    steps: int
+    lr_decreased: bool = False
+    step_s: float | None = None
+    round_s: float | None = None
 
 
 class WindowStatistic:

@@ -276,8 +276,8 @@ elif mode == "auto":
                             sync_every=acc.SyncInterval(LADDER, eta=CALM, overhead=None), reset_momentum=reset,
                             plain_below=plain_below)
         checked_synced = False
-        timed, time_round = [], diloco.window.round_took  # (a spy: which steps are timed as rounds)
-        diloco.window.round_took = lambda seconds: (timed.append(diloco.syncs), time_round(seconds))
+        timed, time_round = [], diloco.policy.round_took  # (a spy: which steps are timed as rounds)
+        diloco.policy.round_took = lambda seconds: (timed.append(diloco.syncs), time_round(seconds))
         for i, (interval, params) in enumerate(expected):
             if i == DECAY:
                 opt.param_groups[0]["lr"] = LR / 10
