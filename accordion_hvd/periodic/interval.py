@@ -128,6 +128,9 @@ class SyncInterval:
     # --- the window's statistics (window.py), measured for it by the front end that asks it ---
     def watch(self, optimizer) -> None:
         """Measure each window of ``optimizer``'s inner steps (DiLoCo calls this once)."""
+        if self.statistic is not None:
+            raise ValueError("sync_every: this acc.SyncInterval already chooses another DiLoCo's interval (it holds "
+                             "that job's window statistics); create one per DiLoCo")
         self.statistic = WindowStatistic(optimizer)
 
     def observe(self, now: float, grads: list) -> None:
