@@ -41,6 +41,9 @@ def check_arguments(sync_every, outer_lr, outer_momentum, overlap, reset_momentu
     if outer_optimizer is not None and (outer_lr, outer_momentum, nesterov) != (0.7, 0.9, True):
         raise ValueError("outer_optimizer is given: leave outer_lr, outer_momentum and nesterov at their defaults "
                          "(they describe the default outer optimizer); set them in the optimizer you build")
+    if isinstance(sync_every, SyncInterval) and sync_every.statistic is not None:  # (before any collective)
+        raise ValueError("sync_every: this acc.SyncInterval already chooses another DiLoCo's interval (it holds "
+                         "that job's window statistics); create one per DiLoCo")
     if reset_momentum and not (sync_every == "auto" or isinstance(sync_every, SyncInterval)):
         raise ValueError(f"reset_momentum needs an interval policy (sync_every=\"auto\" or an acc.SyncInterval): "
                          f"at a fixed sync_every={sync_every!r} the interval never falls")

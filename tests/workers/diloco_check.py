@@ -391,6 +391,17 @@ elif mode == "bad-input":
     logging.getLogger("accordion_hvd.diloco").removeHandler(handler)
     check(any("outer step grew the parameters' norm" in r.getMessage() for r in records),
           f"no warning of the outer step's growth: {[r.getMessage() for r in records]}")
+    # one SyncInterval per DiLoCo: it holds that DiLoCo's window statistics
+    shared = acc.SyncInterval()
+    first = make_model()
+    acc.DiLoCo(first, torch.optim.SGD(first.parameters(), lr=LR), sync_every=shared)
+    try:
+        second = make_model()
+        acc.DiLoCo(second, torch.optim.SGD(second.parameters(), lr=LR), sync_every=shared)
+        check(False, "one SyncInterval for two DiLoCos was accepted")
+    except ValueError as exc:
+        check("sync_every: this acc.SyncInterval already chooses another DiLoCo's interval" in str(exc),
+              f"unclear: {exc}")
     # the outer optimizer passed in: the default one built by hand gives the same model, bit for bit
     def rounds_with(**kwargs):
         m = make_model()
