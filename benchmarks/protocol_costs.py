@@ -198,7 +198,7 @@ def sit(proto: runs.Protocol, task: str) -> Path:
             code, output, launched = runs.launch(launcher, ["-m", "accordion_hvd.train", *args, "--logdir", str(where)],
                                                  rate, proto.data["ranks"], cwd)
             (where / "log.txt").write_text(output[-20000:])
-            for junk in where.glob("events.out.tfevents.*"):
+            for junk in [*where.glob("events.out.tfevents.*"), *where.glob("*.png")]:  # (a 60-step run's plots)
                 junk.unlink()
             (where / "run.json").write_text(json.dumps({"cell": [method, rate], "round": rnd, "exit": code,
                                                         "command": f"{launched} -m accordion_hvd.train "

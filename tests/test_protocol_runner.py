@@ -151,6 +151,9 @@ def test_the_report_prices_every_seed_and_gives_ratios_only_where_all_reached(pr
                               "bits_per_param_step": pytest.approx(4.0), "rounds": None, "at_schedule_end": 29.0}]
     assert ours["mean_s"] is None and ours["x_floor"] is None  # 1 of 3 seeds: no ratio
     assert block["methods"]["sparseloco"]["seeds"][0]["seconds"] is None
+    capped = protocol_report.seed_rows(proto, task, "ddp-fp16", "10mbit", {"a": 5.0, "points": [[2000, 9.0, 1]]},
+                                       1.0, 30.0, cap_s=1.0)
+    assert capped[0]["seconds"] == pytest.approx(4 * 9.0 + 2.0)  # a dense baseline is never capped
     text = protocol_report.markdown(rep, proto)
     assert dense["seeds"][0]["at_schedule_end"] == 40.0  # the evaluation at step 2, before the schedule's end
     assert "| ours-adamw | 1 of 3 | 2 / . / . |" in text and "| sparseloco | 1 of 3 | cap / . / . |" in text
