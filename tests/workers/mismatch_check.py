@@ -86,13 +86,13 @@ if front == "ddp":
     net = DistributedDataParallel(model)
     acc.register_ddp_hook(net, compression, optimizer=opt)
     dist.barrier()  # start together: the timeout is for our exchange only
-else:
-    net = model
-    # No broadcast_parameters: with different models it would be a mismatch of its own.
-    opt = hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters(), compression=compression)
-    hvd.allreduce(torch.zeros(1), name="ready")  # start together: the timeout is for our exchange only
 x, y = torch.randn(16, 32), torch.randint(0, 4, (16,))
 try:
+    if front == "horovod":  # (a codec as compression= is refused as the optimizer is built, where it is checked)
+        net = model
+        # No broadcast_parameters: with different models it would be a mismatch of its own.
+        opt = hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters(), compression=compression)
+        hvd.allreduce(torch.zeros(1), name="ready")  # start together: the timeout is for our exchange only
     for step in range(3):
         opt.zero_grad()
         F.cross_entropy(net(x), y).backward()
