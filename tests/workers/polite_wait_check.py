@@ -44,6 +44,7 @@ try:
 except ValueError as e:
     check("wait must be 'sleep' or 'spin'" in str(e), f"unclear error: {e}")
 small = torch.nn.Linear(64, 64)
+hvd.broadcast_parameters(small.state_dict(), root_rank=0)  # the same start on every rank (checked at the first step)
 spinning = hvd.DistributedOptimizer(torch.optim.SGD(small.parameters(), lr=0.1), named_parameters=small.named_parameters(),
                                     compression=acc.AccordionCompressor(acc.PowerSGD(1), wait="spin"))
 small(torch.randn(4, 64)).sum().backward()
