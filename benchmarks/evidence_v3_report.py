@@ -172,7 +172,7 @@ def bars(judged: dict[str, dict]) -> list[str]:
         if task != "heldout" and rate in FLOOR_BARS:
             limit = FLOOR_BARS[rate]
             row(f"diloco-auto within {limit}x the compute floor", setting,
-                f"not reached ({'; '.join(got['missed'][OURS])})" if ours is not None and math.isinf(ours) else
+                f"not reached ({'; '.join(got.get('missed', {}).get(OURS, []))})" if ours is not None and math.isinf(ours) else
                 f"{ours / floor:.2f}x" if ours is not None and floor else "-",
                 None if ours is None or floor is None else ours <= limit * floor)
         for peer in PEERS:
