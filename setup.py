@@ -65,8 +65,8 @@ def _torch_to_build_against():
     try:
         import torch
     except ImportError:
-        sys.exit(f"error: accordion_hvd's extension is compiled against the torch you run, and this build sees no "
-                 f"torch (pip's isolated build): install torch first, then {INSTALL}")
+        sys.exit(f"error: accordion_hvd's extension is compiled against the torch you run, which pip's isolated "
+                 f"build cannot see (or it is not installed: install torch first); install with: {INSTALL}")
     if "pip-build-env" in str(getattr(torch, "__file__", "")):
         sys.exit(f"error: pip's isolated build brought its own torch {torch.__version__}, not the one you run: {INSTALL}")
     return torch
