@@ -76,17 +76,19 @@ def test_a_layer_only_one_rank_has_fails_on_every_rank_naming_it(backend, mode, 
 
 
 @pytest.mark.horovod
-def test_ranks_that_start_from_different_parameters_are_refused_naming_the_broadcast():
+def test_ranks_that_start_from_different_parameters_are_named_naming_the_broadcast():
     # A Horovod user who forgets hvd.broadcast_parameters would train diverging replicas with
-    # no word: the first step's settings agreement compares a digest of the parameters.
+    # no word: the first step's settings agreement compares a digest of the parameters, and
+    # every rank warns (Horovod allows it: its own tests train so; an error would break them).
     result, elapsed = run_mismatch("parameters", "gloo")
-    assert result.returncode != 0, result.stdout
-    messages = messages_by_rank(result.stdout)
-    assert sorted(messages) == [0, 1] and messages[0] == messages[1], result.stdout
-    assert messages[0].startswith("ValueError: AccordionCompressor: the model's parameters differ across ranks at "
-                                  "the first step"), result.stdout
-    assert "(process 0) vs" in messages[0] and "hvd.broadcast_parameters(model.state_dict(), root_rank=0)" \
-        in messages[0], result.stdout
+    assert result.returncode == 0, result.stdout
+    assert messages_by_rank(result.stdout) == {0: "no error", 1: "no error"}, result.stdout
+    for rank in (0, 1):
+        warned = [line for line in result.stdout.splitlines() if line.startswith(f"[{rank}]<stderr>:")
+                  and "the model's parameters differ across ranks at the first step" in line]
+        assert len(warned) == 1, result.stdout
+        assert "(process 0) vs" in warned[0] and "hvd.broadcast_parameters(model.state_dict(), root_rank=0)" \
+            in warned[0], result.stdout
     assert elapsed < 60, f"took {elapsed:.0f} s"
 
 

@@ -10,8 +10,8 @@ comm hook) and AccordionCompressor, but the ranks differ on purpose:
   layers : rank 0 has an extra compressed layer the others lack     -> every rank names the layer
   dense-layers: rank 0 has an extra uncompressed layer (a bias)    -> every rank names the layer
              (Horovod only: DDP refuses models of different shapes itself, at construction)
-  parameters: the same model, rank 1's weights moved, no broadcast  -> every rank names
-             hvd.broadcast_parameters (Horovod only: DDP broadcasts at construction)
+  parameters: the same model, rank 1's weights moved, no broadcast  -> every rank warns, naming
+             hvd.broadcast_parameters, and trains on (Horovod only: DDP broadcasts at construction)
   codec-as-compression: a codec passed straight as compression=     -> TypeError on every rank
 A rank that gets our error prints "rank R: <ExceptionType>: <message>" and exits 1.
 Usage: mismatch_check.py MODE [FRONT]    (FRONT: horovod, the default, or ddp)
