@@ -217,8 +217,8 @@ def parse_args(argv=None, description: str | None = None) -> argparse.Namespace:
                         "interval (acc.DiLoCo(reset_momentum=...); default: on with --sync-every auto)")
     p.add_argument("--plain-below", type=int, default=None,
                    help="--sync diloco (ours): rounds of fewer inner steps than this are plain averages, the outer "
-                        "momentum kept for longer ones (acc.DiLoCo(plain_below=N); default 64 with --sync-every auto, "
-                        "1 otherwise)")
+                        "momentum kept for longer ones (acc.DiLoCo(plain_below=N); default 64; 1: every round the "
+                        "outer step, as published)")
     p.add_argument("--sync-budget", type=float, default=None,
                    help="--sync diloco --sync-every auto: calm windows go no higher than the first rung whose round "
                         "costs at most this fraction of an inner step (acc.SyncInterval(budget=...); default: none)")

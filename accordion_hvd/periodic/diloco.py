@@ -30,7 +30,7 @@ a learning-rate decay, a window whose gradient norm moved by eta), one rung up (
 while training stays calm. The window's statistics (window.py) are reduced once per window on
 the control plane, so every rank chooses the same interval.
 
-``plain_below=64`` (the default under an interval policy): a round of fewer inner steps is a
+``plain_below=64`` (the default, at a fixed interval too): a round of fewer inner steps is a
 plain average of the ranks' models (an outer step of lr 1, no momentum, the outer momentum
 left as it is). In a short round the pseudo-gradient is close to the last round's, so
 Nesterov's momentum of 0.9 at lr 0.7 would move the model about 7 times as far as the inner
@@ -74,7 +74,7 @@ from .interval import SyncInterval
 
 log = logging.getLogger("accordion_hvd.diloco")
 
-PLAIN_BELOW = 64   # under an interval policy: shorter rounds are plain averages (module doc)
+PLAIN_BELOW = 64   # shorter rounds are plain averages (module doc)
 GROWTH = 1.5       # an outer step that grows the model's norm more than this is named (_warn_if_grown)
 ROUND_WINDOW = 16  # the default compressor's windows, in rounds (module doc)
 
@@ -104,8 +104,9 @@ class DiLoCo:
             window lowers the interval (module doc); default: True with an interval policy,
             False at a fixed ``sync_every`` (where True is refused: the interval never falls).
         plain_below: rounds of fewer inner steps than this are plain averages, not outer
-            steps (module doc); default 64 with an interval policy, 1 at a fixed
-            ``sync_every`` (every round the outer optimizer's step, as published).
+            steps (module doc); default 64, at a fixed ``sync_every`` too (1: every round the
+            outer optimizer's step, as published, which diverged on digits at 4-32 inner steps:
+            benchmarks/results/diloco-fixed-interval/).
         timeout: seconds a collective may take; default $ACCORDION_COLLECTIVE_TIMEOUT, else 300.
     """
 
@@ -144,7 +145,7 @@ class DiLoCo:
         self.overlap = overlap
         self.reset_momentum = self.policy is not None if reset_momentum is None else reset_momentum
         self.interval = self.policy.interval if self.policy is not None else int(sync_every)  # inner steps per round now
-        self.plain_below = int(plain_below) if plain_below is not None else PLAIN_BELOW if self.policy is not None else 1
+        self.plain_below = int(plain_below) if plain_below is not None else PLAIN_BELOW
         self.inner = inner_optimizer
         self.inner_counted = InnerSteps(inner_optimizer)
         # The start-of-round parameters, in float32: what the outer optimizer updates.

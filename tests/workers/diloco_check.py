@@ -143,7 +143,7 @@ def reference_auto(steps, decay_at, reset=False, plain_below=2):
 def ours(compressor, rounds=ROUNDS, poison=None, **kwargs):
     model = make_model()
     opt = torch.optim.SGD(model.parameters(), lr=LR)
-    diloco = acc.DiLoCo(model, opt, compressor, sync_every=H, **kwargs)
+    diloco = acc.DiLoCo(model, opt, compressor, sync_every=H, **{"plain_below": 1, **kwargs})  # (the published step)
     after, losses = [], []
     for i in range(H * rounds):
         losses.append(inner_step(model, opt, i))
@@ -210,7 +210,7 @@ elif mode == "nonfinite-momentum":
     model = make_model()
     opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
     diloco = acc.DiLoCo(model, opt, acc.AccordionCompressor(acc.Quantize(8, min_numel=64), policy="static"),
-                        sync_every=H)
+                        sync_every=H, plain_below=1)
     after = []
     for i in range(H * ROUNDS):
         x, y = DATA[i]
@@ -233,7 +233,7 @@ elif mode == "resume":
         model = make_model()
         opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
         diloco = acc.DiLoCo(model, opt, acc.AccordionCompressor(acc.Quantize(8, min_numel=64), policy="static"),
-                            sync_every=sync_every)
+                            sync_every=sync_every, plain_below=1)
         first = 0
         if state is not None:
             model.load_state_dict(state["model"])
@@ -307,7 +307,7 @@ elif mode == "auto":
           f"auto's defaults {auto.reset_momentum, auto.plain_below, auto.compressor.interval}")
     model = make_model()
     fixed = acc.DiLoCo(model, torch.optim.SGD(model.parameters(), lr=LR), sync_every=8)
-    check((fixed.reset_momentum, fixed.plain_below) == (False, 1), f"fixed {fixed.reset_momentum, fixed.plain_below}")
+    check((fixed.reset_momentum, fixed.plain_below) == (False, 64), f"fixed {fixed.reset_momentum, fixed.plain_below}")
     say(f"rank {rank}: OK auto, intervals {intervals}, {diloco.syncs} rounds")
 elif mode == "bad-input":
     model = make_model()
@@ -380,7 +380,7 @@ elif mode == "bad-input":
     # an outer step that overshoots (here an outer learning rate of 500) is named on every rank
     model_d = make_model()
     opt_d = torch.optim.SGD(model_d.parameters(), lr=LR)
-    wild = acc.DiLoCo(model_d, opt_d, sync_every=2, outer_lr=500.0)
+    wild = acc.DiLoCo(model_d, opt_d, sync_every=2, outer_lr=500.0, plain_below=1)
     records = []
     handler = logging.Handler()
     handler.emit = records.append
@@ -406,7 +406,7 @@ elif mode == "bad-input":
     def rounds_with(**kwargs):
         m = make_model()
         o = torch.optim.SGD(m.parameters(), lr=LR)
-        d = acc.DiLoCo(m, o, sync_every=2, **kwargs)
+        d = acc.DiLoCo(m, o, sync_every=2, plain_below=1, **kwargs)  # (every round the outer step)
         for i in range(6):
             inner_step(m, o, i)
             d.step()

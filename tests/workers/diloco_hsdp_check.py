@@ -114,7 +114,7 @@ if mode in ("lossless", "overlap"):
     model = sharded(make_model(), mesh["shard"])
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     compressor = acc.AccordionCompressor(acc.TopK(1.0, min_compression_rate=0.5), policy="static")
-    diloco = acc.DiLoCo(model, opt, compressor, sync_every=H, mesh=mesh, overlap=overlap)
+    diloco = acc.DiLoCo(model, opt, compressor, sync_every=H, mesh=mesh, overlap=overlap, plain_below=1)
     rounds = 0
     for i in range(H * ROUNDS):
         x, y = DATA[i]
@@ -147,7 +147,7 @@ elif mode == "nonfinite":
     model = sharded(make_model(), mesh["shard"])
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     compressor = acc.AccordionCompressor(acc.Quantize(8, min_numel=64), policy="static")
-    diloco = acc.DiLoCo(model, opt, compressor, sync_every=H, mesh=mesh)
+    diloco = acc.DiLoCo(model, opt, compressor, sync_every=H, mesh=mesh, plain_below=1)
     after = []
     for i in range(H * ROUNDS):
         x, y = DATA[i]

@@ -173,7 +173,7 @@ elif mode == "resume":
         model = make_model()
         opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
         diloco = acc.DiLoCo(model, opt, acc.AccordionCompressor(acc.Quantize(8, min_numel=64), policy="static"),
-                            sync_every=H, overlap=True)
+                            sync_every=H, overlap=True, plain_below=1)
         first, saved = 0, None
         if state is not None:
             model.load_state_dict(state["model"])
