@@ -8,7 +8,7 @@ that differ and which processes (numbered by rank in the job) have which value.
 The same allgather carries, at a job's first step, a digest of the model's parameters
 (``parameters_digest``): ranks that start from different parameters (a Horovod user who did
 not broadcast rank 0's) would train diverging replicas with no word, so every rank warns,
-naming the remedy. A warning, not an error: Horovod itself allows it, and four of its own
+naming the remedy. A warning, not an error: Horovod itself allows it, and five of its own
 optimizer tests train from parameters that differ on purpose (``make peer-tests``). Where some
 rank has no digest (a world re-formed by Elastic: the ranks that trained on are past their
 first step, and Elastic gave the joiners their parameters), the digests are not compared.
