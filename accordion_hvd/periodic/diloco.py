@@ -198,11 +198,11 @@ class DiLoCo:
         """Count one inner step; when a round is due, run it. Returns whether one ran. Call it
         on every rank after each step of the inner optimizer (its gradients still there)."""
         started = time.perf_counter()
-        self.inner_counted.check([local_tensor(p.grad) for _, p in self.params if p.grad is not None])
+        self.inner_counted.check(grads := [local_tensor(p.grad) for _, p in self.params if p.grad is not None])
         self.inner_steps += 1
         self.since_sync += 1
         if self.policy is not None:  # (HSDP: each rank's shard of the gradients)
-            self.policy.observe(started, [local_tensor(p.grad) for _, p in self.params if p.grad is not None])
+            self.policy.observe(started, grads)
         due = self.since_sync >= self.interval
         if due:
             self.sync()
